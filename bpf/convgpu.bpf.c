@@ -1,0 +1,658 @@
+// convgpu.bpf.c: account every device-memory allocation of every process, in maps.
+//
+// Entry uprobes save the call's arguments per thread; one return probe (exit_call) settles the
+// call once the driver has answered: CUresult != 0 changes nothing. Accounting lives in maps
+// (exact, read by user space at any time); the ring buffer only carries events for the live
+// view, without wake-ups (FACTS.md: a wake-up per event costs the caller 10-16 us).
+#include <uapi/linux/ptrace.h>
+#include "convgpu.h"
+
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 4096          // 16 MiB: ~200 k events between two polls
+#endif
+#ifndef MAX_OBJS
+#define MAX_OBJS 262144
+#endif
+#ifndef SELF_TGID
+#define SELF_TGID 0                 // convgpu itself: never accounted
+#endif
+
+struct cg_call {                    // a driver call in flight on one thread
+    u64 a0, a1, a2, a3, a4;
+    u16 api;
+    u16 pad;
+    s32 dev;
+};
+struct cg_thread {                  // a thread's current device and context stack
+    s32 dev;
+    u16 rt_api;                     // runtime call in progress (cudaMalloc...)
+    u16 depth;
+    s32 stack[4];
+};
+
+BPF_HASH(calls, u64, struct cg_call, 16384);
+BPF_HASH(threads, u64, struct cg_thread, 16384);
+BPF_HASH(procs, u32, struct cg_proc, 16384);
+BPF_HASH(usage, struct cg_usage_key, struct cg_usage, 65536);
+BPF_HASH(objs, struct cg_obj_key, struct cg_obj, MAX_OBJS);
+BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
+BPF_PERCPU_ARRAY(hits, u64, CG_API_MAX);
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(scratch, u64, 1);
+
+// Passes a value through a map so the verifier forgets how it was computed: after a loop
+// with many exits, the paths then look alike and are pruned instead of explored one by one.
+static __always_inline u64 launder(u64 x)
+{
+    u32 k = 0;
+    u64 *s = scratch.lookup(&k);
+    if (!s)
+        return 0;
+    *s = x;
+    return *s;
+}
+
+static __always_inline void stat_inc(u32 slot)
+{
+    u64 *v = stats.lookup(&slot);
+    if (v)
+        *v += 1;
+}
+
+static __always_inline s32 clamp_dev(s64 dev)
+{
+    return (dev >= 0 && dev < CG_MAX_DEV) ? (s32)dev : 0;
+}
+
+static __always_inline struct cg_proc *find_proc(u32 tgid, int create)
+{
+    struct cg_proc *p = procs.lookup(&tgid);
+    if (p || !create)
+        return p;
+    struct cg_proc z = {};
+    z.gen = bpf_ktime_get_ns();
+    z.cgroup_id = bpf_get_current_cgroup_id();
+    z.last_dev = -1;
+    bpf_get_current_comm(&z.comm, sizeof(z.comm));
+    procs.insert(&tgid, &z);
+    return procs.lookup(&tgid);
+}
+
+static __always_inline struct cg_usage *find_usage(u32 tgid, s32 dev, u64 gen)
+{
+    struct cg_usage_key k = {.tgid = tgid, .dev = dev};
+    struct cg_usage *u = usage.lookup(&k);
+    if (u && u->gen == gen)
+        return u;
+    struct cg_usage z = {};         // new, or left by an earlier process with this pid
+    z.gen = gen;
+    usage.update(&k, &z);
+    return usage.lookup(&k);
+}
+
+static __always_inline s32 current_dev(u64 id, struct cg_proc *p)
+{
+    struct cg_thread *t = threads.lookup(&id);
+    if (t && t->dev >= 0)
+        return t->dev;
+    if (p && p->last_dev >= 0)
+        return p->last_dev;
+    return 0;
+}
+
+static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 addr,
+                                 u64 size, u64 live, u32 result)
+{
+    struct cg_event *e = events.ringbuf_reserve(sizeof(struct cg_event));
+    if (!e) {
+        stat_inc(ST_DROPS);         // visible in `convgpu trace`, never silent
+        return;
+    }
+    e->ts_ns = bpf_ktime_get_ns();
+    e->cgroup_id = bpf_get_current_cgroup_id();
+    e->addr = addr;
+    e->size = size;
+    e->live = live;
+    e->tgid = id >> 32;
+    e->tid = (u32)id;
+    e->dev = dev;
+    e->result = result;
+    e->api = api;
+    struct cg_thread *t = threads.lookup(&id);
+    e->rt_api = t ? t->rt_api : 0;
+    e->op = op;
+    e->flags = flags;
+    e->pad[0] = e->pad[1] = 0;
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    stat_inc(ST_EVENTS);
+}
+
+static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
+{
+    struct cg_thread *t = threads.lookup(&id);
+    if (!t) {
+        struct cg_thread z = {.dev = -1};
+        threads.update(&id, &z);
+        t = threads.lookup(&id);
+        if (!t)
+            return;
+    }
+    if (push) {
+        u16 d = t->depth;
+        if (d < 4)
+            t->stack[d & 3] = t->dev;
+        t->depth = d + 1;
+    } else if (pop) {
+        u16 d = t->depth;
+        if (d > 0) {
+            d -= 1;
+            t->depth = d;
+            dev = d < 4 ? t->stack[d & 3] : -1;
+        } else {
+            dev = -1;
+        }
+    }
+    t->dev = dev;
+}
+
+// Bytes obtained: remember the object, add to the (process, device) totals.
+static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
+                                    u64 size, s32 dev, u8 flags)
+{
+    u32 tgid = id >> 32;
+    struct cg_usage *u = find_usage(tgid, dev, p->gen);
+    if (!u)
+        return;
+    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
+    struct cg_obj *old = objs.lookup(&k);
+    if (old && old->gen == p->gen && old->dev == dev)  // freed by a path we do not see
+        __sync_fetch_and_sub(&u->live, old->size);
+    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
+    objs.update(&k, &o);
+    u64 live = __sync_fetch_and_add(&u->live, size) + size;
+    u64 peak = u->peak;
+    if (live > peak)
+        __sync_val_compare_and_swap(&u->peak, peak, live);
+    __sync_fetch_and_add(&u->n_alloc, 1);
+    __sync_fetch_and_add(&u->bytes_alloc, size);
+    u->last_ns = bpf_ktime_get_ns();
+    emit(id, api, OP_ALLOC, flags, dev, addr, size, live, 0);
+}
+
+// Bytes returned: only what this process generation was seen to obtain, exactly once
+// (delete succeeds for one caller only, so racing frees cannot subtract twice).
+static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struct cg_obj *o,
+                                       u64 addr)
+{
+    u32 tgid = id >> 32;
+    struct cg_usage *u = find_usage(tgid, o->dev, p->gen);
+    if (!u)
+        return;
+    u64 live = __sync_fetch_and_sub(&u->live, o->size) - o->size;
+    __sync_fetch_and_add(&u->n_free, 1);
+    __sync_fetch_and_add(&u->bytes_free, o->size);
+    u->last_ns = bpf_ktime_get_ns();
+    emit(id, api, OP_FREE, 0, o->dev, addr, o->size, live, 0);
+}
+
+static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
+{
+    struct cg_obj_key k = {.tgid = id >> 32, .ns = ns, .addr = addr};
+    struct cg_obj *found = objs.lookup(&k);
+    if (!found || found->gen != p->gen) {
+        stat_inc(ST_UNKNOWN_FREE);
+        emit(id, api, OP_FREE, EF_UNKNOWN, current_dev(id, p), addr, 0, 0, 0);
+        return;
+    }
+    struct cg_obj o = *found;
+    if (objs.delete(&k) == 0)
+        bytes_gone(id, p, api, &o, addr);
+}
+
+static __always_inline void ctx_count(u64 id, struct cg_proc *p, s32 dev, s64 delta, u16 api,
+                                      u64 ctx)
+{
+    struct cg_usage *u = find_usage(id >> 32, dev, p->gen);
+    if (!u)
+        return;
+    s64 left = __sync_fetch_and_add(&u->contexts, delta) + delta;
+    u->last_ns = bpf_ktime_get_ns();
+    emit(id, api, delta > 0 ? OP_CTX_CREATE : OP_CTX_DESTROY, 0, dev, ctx, 0, u->live,
+         (u32)left);
+}
+
+static __always_inline void ctx_made(u64 id, struct cg_proc *p, u16 api, u64 ctx, s32 dev,
+                                     int primary)
+{
+    u32 tgid = id >> 32;
+    struct cg_obj_key ck = {.tgid = tgid, .ns = NS_CTX, .addr = ctx};
+    struct cg_obj c = {.gen = p->gen, .dev = dev, .api = api, .released = primary};
+    p->last_dev = dev;
+    set_thread_dev(id, dev, 0, 0);
+    if (primary) {                  // retain is refcounted: one context per device
+        struct cg_obj_key pk = {.tgid = tgid, .ns = NS_PRIMARY, .addr = dev};
+        struct cg_obj *pr = objs.lookup(&pk);
+        if (pr && pr->gen == p->gen) {
+            __sync_fetch_and_add(&pr->maps, 1);
+            return;
+        }
+        struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1};
+        objs.update(&pk, &n);
+    }
+    objs.update(&ck, &c);
+    ctx_count(id, p, dev, 1, api, ctx);
+}
+
+static __always_inline void ctx_gone(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 key)
+{
+    struct cg_obj_key k = {.tgid = id >> 32, .ns = ns, .addr = key};
+    struct cg_obj *c = objs.lookup(&k);
+    if (!c || c->gen != p->gen)
+        return;
+    s32 dev = c->dev;
+    u64 ctx = key;
+    if (ns == NS_PRIMARY) {
+        if (__sync_fetch_and_add(&c->maps, -1) != 1)
+            return;                 // still retained elsewhere
+        ctx = c->ref;
+        struct cg_obj_key ck = {.tgid = id >> 32, .ns = NS_CTX, .addr = ctx};
+        objs.delete(&ck);
+    }
+    if (objs.delete(&k) == 0)
+        ctx_count(id, p, dev, -1, api, ctx);
+}
+
+static __always_inline u64 elem_size(u32 fmt)
+{
+    switch (fmt) {
+    case 0x01: case 0x08: case 0xc0: return 1;          // 8-bit ints, UNORM_INT8X1
+    case 0x02: case 0x09: case 0x10: case 0xc1: case 0xc3: return 2;
+    case 0x03: case 0x0a: case 0x20: case 0xc2: case 0xc4: return 4;
+    case 0xc5: return 8;
+    default: return 4;              // others are compressed/planar: estimate
+    }
+}
+
+struct desc3d {                     // CUDA_ARRAY3D_DESCRIPTOR (CUDA_ARRAY_DESCRIPTOR = W,H,fmt,nch)
+    u64 w, h, d;
+    u32 fmt, nch, flags, pad;
+};
+
+// max(x, 1) without a branch: the mipmap loop below must not double the verifier's paths
+// at every level.
+static __always_inline u64 max1(u64 x)
+{
+    return x | ((x - 1) >> 63);
+}
+
+// ---- entry: save arguments; the thread-state calls need no return probe ----
+
+static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 slot = api;
+    u64 *h = hits.lookup(&slot);
+    if (h)
+        *h += 1;
+    if ((id >> 32) == SELF_TGID)
+        return 0;
+    struct cg_call c = {.a0 = PT_REGS_PARM1(ctx), .a1 = PT_REGS_PARM2(ctx),
+                        .a2 = PT_REGS_PARM3(ctx), .a3 = PT_REGS_PARM4(ctx),
+                        .a4 = PT_REGS_PARM5(ctx), .api = api};
+    calls.update(&id, &c);
+    return 0;
+}
+
+static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, int pop)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 slot = api;
+    u64 *h = hits.lookup(&slot);
+    if (h)
+        *h += 1;
+    s32 dev = -1;
+    if (!pop) {
+        struct cg_obj_key k = {.tgid = id >> 32, .ns = NS_CTX, .addr = PT_REGS_PARM1(ctx)};
+        struct cg_obj *c = objs.lookup(&k);
+        if (!c)
+            return 0;               // unknown or NULL context: keep what we had
+        dev = c->dev;
+    }
+    set_thread_dev(id, dev, push, pop);
+    return 0;
+}
+
+static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 slot = api;
+    u64 *h = hits.lookup(&slot);
+    if (h)
+        *h += 1;
+    u32 tgid = id >> 32;
+    set_thread_dev(id, current_dev(id, procs.lookup(&tgid)), 0, 0);
+    struct cg_thread *t = threads.lookup(&id);
+    if (t)
+        t->rt_api = api;
+    return 0;
+}
+
+#define ENTER(name) int enter_##name(struct pt_regs *ctx) { return on_enter(ctx, API_##name); }
+ENTER(cuMemAlloc_v2) ENTER(cuMemAllocPitch_v2) ENTER(cuMemAllocManaged) ENTER(cuMemFree_v2)
+ENTER(cuMemCreate) ENTER(cuMemRelease) ENTER(cuMemMap) ENTER(cuMemUnmap)
+ENTER(cuMemAddressReserve) ENTER(cuMemAddressFree)
+ENTER(cuMemAllocAsync) ENTER(cuMemAllocAsync_ptsz) ENTER(cuMemAllocFromPoolAsync)
+ENTER(cuMemAllocFromPoolAsync_ptsz) ENTER(cuMemFreeAsync) ENTER(cuMemFreeAsync_ptsz)
+ENTER(cuArrayCreate_v2) ENTER(cuArray3DCreate_v2) ENTER(cuMipmappedArrayCreate)
+ENTER(cuArrayDestroy) ENTER(cuMipmappedArrayDestroy)
+ENTER(cuDevicePrimaryCtxRetain) ENTER(cuDevicePrimaryCtxRelease_v2)
+ENTER(cuCtxCreate_v2) ENTER(cuCtxCreate_v3) ENTER(cuCtxCreate_v4) ENTER(cuCtxDestroy_v2)
+ENTER(cuMemGetInfo_v2)
+
+// CUresult cuCtxSetCurrent(CUcontext ctx)
+int enter_cuCtxSetCurrent(struct pt_regs *ctx) { return ctx_switch(ctx, API_cuCtxSetCurrent, 0, 0); }
+// CUresult cuCtxPushCurrent(CUcontext ctx)
+int enter_cuCtxPushCurrent_v2(struct pt_regs *ctx) { return ctx_switch(ctx, API_cuCtxPushCurrent_v2, 1, 0); }
+// CUresult cuCtxPopCurrent(CUcontext *pctx)
+int enter_cuCtxPopCurrent_v2(struct pt_regs *ctx) { return ctx_switch(ctx, API_cuCtxPopCurrent_v2, 0, 1); }
+
+// Runtime calls only mark the thread: the driver call they make is what gets accounted, and
+// its event names the runtime call (never counted twice).
+#define RT(name) int enter_##name(struct pt_regs *ctx) { return rt_mark(ctx, API_##name); }
+RT(cudaMalloc) RT(cudaMallocManaged) RT(cudaMallocPitch) RT(cudaMalloc3D) RT(cudaFree)
+RT(cudaMemGetInfo)
+
+int exit_runtime(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct cg_thread *t = threads.lookup(&id);
+    if (!t)
+        return 0;
+    if (t->rt_api == API_cudaMemGetInfo)
+        emit(id, API_cudaMemGetInfo, OP_MEMINFO, 0, t->dev, 0, 0, 0, PT_REGS_RC(ctx));
+    t->rt_api = 0;
+    return 0;
+}
+
+// ---- return: settle the call (one return program per family keeps each one small
+// enough for the verifier to explore quickly) ----
+
+// Takes the saved call; on failure counts it and returns NULL (nothing is accounted).
+static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struct cg_call *c,
+                                              s32 *dev)
+{
+    struct cg_call *cp = calls.lookup(&id);
+    if (!cp)
+        return 0;
+    *c = *cp;
+    calls.delete(&id);
+    u32 rc = PT_REGS_RC(ctx);
+    u32 tgid = id >> 32;
+    if (rc != 0) {
+        struct cg_proc *fp = find_proc(tgid, 0);
+        *dev = current_dev(id, fp);
+        if (fp) {
+            struct cg_usage *u = find_usage(tgid, *dev, fp->gen);
+            if (u)
+                __sync_fetch_and_add(&u->n_failed, 1);
+        }
+        // a1 is the requested size for every allocating call that takes one
+        emit(id, c->api, OP_FAILED, 0, *dev, 0, c->api == API_cuMemCreate ||
+             c->api == API_cuMemAlloc_v2 || c->api == API_cuMemAllocManaged ||
+             c->api == API_cuMemAllocAsync || c->api == API_cuMemAllocAsync_ptsz ||
+             c->api == API_cuMemAllocFromPoolAsync || c->api == API_cuMemAllocFromPoolAsync_ptsz
+             ? c->a1 : 0, 0, rc);
+        return 0;
+    }
+    struct cg_proc *p = find_proc(tgid, 1);
+    if (p)
+        *dev = current_dev(id, p);
+    return p;
+}
+
+#define SETTLE()                                   \
+    u64 id = bpf_get_current_pid_tgid();           \
+    struct cg_call c = {};                         \
+    s32 dev = 0;                                   \
+    u64 v = 0;                                     \
+    struct cg_proc *p = settle(ctx, id, &c, &dev); \
+    if (!p)                                        \
+        return 0;                                  \
+    u32 tgid = id >> 32;                           \
+    (void)tgid; (void)v;
+
+// CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+// CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned flags)
+// CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+// CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool, CUstream)
+int exit_alloc(struct pt_regs *ctx)
+{
+    SETTLE();
+    bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+    obj_add(id, p, c.api, NS_PTR, v, c.a1, dev, 0);
+    return 0;
+}
+
+// CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+//                             size_t Height, unsigned ElementSizeBytes)
+int exit_pitch(struct pt_regs *ctx)
+{
+    SETTLE();
+    u64 pitch = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+    bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
+    obj_add(id, p, c.api, NS_PTR, v, pitch * c.a3, dev, 0);
+    return 0;
+}
+
+// CUresult cuMemFree_v2(CUdeviceptr dptr); cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+int exit_free(struct pt_regs *ctx)
+{
+    SETTLE();
+    obj_free(id, p, c.api, NS_PTR, c.a0);
+    return 0;
+}
+
+// CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+//                      const CUmemAllocationProp *prop, unsigned long long flags)
+// Physical memory is taken here; location {type, id} sits at offset 8 of the prop.
+int exit_vmm_create(struct pt_regs *ctx)
+{
+    SETTLE();
+    s32 loc[2] = {};
+    bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+    bpf_probe_read_user(loc, sizeof(loc), (void *)(c.a2 + 8));
+    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0);
+    return 0;
+}
+
+// CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+// The bytes stay in use while any mapping of the handle lives.
+int exit_vmm_release(struct pt_regs *ctx)
+{
+    SETTLE();
+    struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = c.a0};
+    struct cg_obj *o = objs.lookup(&k);
+    if (o && o->gen == p->gen && o->maps > 0) {
+        o->released = 1;
+        emit(id, c.api, OP_FREE, EF_DEFERRED, o->dev, c.a0, 0, 0, 0);
+    } else {
+        obj_free(id, p, c.api, NS_VMM, c.a0);
+    }
+    return 0;
+}
+
+// CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+//                   CUmemGenericAllocationHandle handle, unsigned long long flags)
+int exit_vmm_map(struct pt_regs *ctx)
+{
+    SETTLE();
+    struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = c.a3};
+    struct cg_obj *o = objs.lookup(&k);
+    if (o)
+        __sync_fetch_and_add(&o->maps, 1);
+    struct cg_obj_key mk = {.tgid = tgid, .ns = NS_MAPPING, .addr = c.a0};
+    struct cg_obj m = {.size = c.a1, .gen = p->gen, .ref = c.a3, .dev = o ? o->dev : dev,
+                       .api = c.api};
+    objs.update(&mk, &m);
+    emit(id, c.api, OP_MAP, 0, m.dev, c.a0, c.a1, 0, 0);
+    return 0;
+}
+
+// CUresult cuMemUnmap(CUdeviceptr ptr, size_t size): the range may span several mappings.
+int exit_vmm_unmap(struct pt_regs *ctx)
+{
+    SETTLE();
+    u64 at = c.a0, end = c.a0 + c.a1;
+    for (int i = 0; i < 32 && at < end; i++) {
+        struct cg_obj_key mk = {.tgid = tgid, .ns = NS_MAPPING, .addr = at};
+        struct cg_obj *m = objs.lookup(&mk);
+        if (!m)
+            break;
+        u64 handle = m->ref, msize = m->size;
+        objs.delete(&mk);
+        emit(id, c.api, OP_UNMAP, 0, dev, at, msize, 0, 0);
+        struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = handle};
+        struct cg_obj *o = objs.lookup(&k);
+        if (o && __sync_fetch_and_add(&o->maps, -1) == 1 && o->released)
+            obj_free(id, p, c.api, NS_VMM, handle);
+        if (!msize)
+            break;
+        at += msize;
+    }
+    return 0;
+}
+
+// CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+//                              CUdeviceptr addr, unsigned long long flags)
+// CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+// Virtual addresses only: shown, never counted.
+int exit_va(struct pt_regs *ctx)
+{
+    SETTLE();
+    if (c.api == API_cuMemAddressReserve) {
+        bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+        emit(id, c.api, OP_RESERVE, 0, dev, v, c.a1, 0, 0);
+    } else {
+        emit(id, c.api, OP_UNRESERVE, 0, dev, c.a0, c.a1, 0, 0);
+    }
+    return 0;
+}
+
+// CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc)
+// CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+// CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
+//                                 const CUDA_ARRAY3D_DESCRIPTOR *desc, unsigned levels)
+// Sizes come from the descriptor: the driver pads rows, so they are flagged estimates.
+int exit_array(struct pt_regs *ctx)
+{
+    SETTLE();
+    struct desc3d d = {};
+    u64 bytes = 0;
+    u32 levels = c.api == API_cuMipmappedArrayCreate ? (u32)c.a2 : 1;
+    bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+    if (c.api == API_cuArrayCreate_v2) {   // {W, H, Format, NumChannels}: no depth
+        bpf_probe_read_user(&d, 16, (void *)c.a1);
+        bpf_probe_read_user(&d.fmt, 8, (void *)(c.a1 + 16));
+    } else {
+        bpf_probe_read_user(&d, sizeof(d), (void *)c.a1);
+    }
+    u64 texel = elem_size(d.fmt) * max1(d.nch);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {      // each mip level halves every dimension
+        if (l < levels)
+            bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
+    }
+    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE);
+    return 0;
+}
+
+// CUresult cuArrayDestroy(CUarray hArray); cuMipmappedArrayDestroy(CUmipmappedArray h)
+int exit_array_destroy(struct pt_regs *ctx)
+{
+    SETTLE();
+    obj_free(id, p, c.api, NS_ARRAY, c.a0);
+    return 0;
+}
+
+// CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+// CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
+// CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p, int n, unsigned flags,
+//                         CUdevice dev)
+// CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned flags, CUdevice dev)
+int exit_ctx_create(struct pt_regs *ctx)
+{
+    SETTLE();
+    u64 d = c.api == API_cuDevicePrimaryCtxRetain ? c.a1 : c.api == API_cuCtxCreate_v2 ? c.a2
+          : c.api == API_cuCtxCreate_v3 ? c.a4 : c.a3;
+    s32 cd = clamp_dev((s32)d);
+    bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
+    ctx_made(id, p, c.api, v, cd, c.api == API_cuDevicePrimaryCtxRetain);
+    if (c.api != API_cuDevicePrimaryCtxRetain)
+        set_thread_dev(id, cd, 1, 0);   // cuCtxCreate pushes the new context current
+    return 0;
+}
+
+// CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev); cuCtxDestroy_v2(CUcontext ctx)
+int exit_ctx_destroy(struct pt_regs *ctx)
+{
+    SETTLE();
+    if (c.api == API_cuDevicePrimaryCtxRelease_v2)
+        ctx_gone(id, p, c.api, NS_PRIMARY, clamp_dev((s32)c.a0));
+    else
+        ctx_gone(id, p, c.api, NS_CTX, c.a0);
+    return 0;
+}
+
+// CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
+int exit_meminfo(struct pt_regs *ctx)
+{
+    SETTLE();
+    emit(id, c.api, OP_MEMINFO, 0, dev, 0, 0, 0, 0);
+    return 0;
+}
+
+// ---- the kernel sees every exit: drop per-thread state; on the last thread, everything ----
+
+static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
+{
+    struct cg_proc *p = procs.lookup(&tgid);
+    if (!p)
+        return;
+    u64 freed = 0;
+    for (int d = 0; d < CG_MAX_DEV; d++) {
+        struct cg_usage_key k = {.tgid = tgid, .dev = d};
+        struct cg_usage *u = usage.lookup(&k);
+        if (u) {
+            freed += u->live;
+            usage.delete(&k);
+        }
+    }
+    // Objects of this generation are swept by user space (it iterates the map); the totals
+    // above are already exact, and a reused pid gets a new generation.
+    u64 id = ((u64)tgid << 32) | tgid;
+    emit(id, api, op, 0, -1, p->gen, freed, 0, 0);
+    procs.delete(&tgid);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    calls.delete(&id);
+    threads.delete(&id);
+#ifdef HAVE_GROUP_DEAD
+    if (args->group_dead)
+#else
+    if ((u32)id == (id >> 32))      // older kernels: the leader's exit
+#endif
+        process_gone(id >> 32, API_sched_process_exit, OP_EXIT);
+    return 0;
+}
+
+// exec replaces the image: the driver's file descriptors close and device memory goes.
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    process_gone(bpf_get_current_pid_tgid() >> 32, API_sched_process_exec, OP_EXEC);
+    return 0;
+}

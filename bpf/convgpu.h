@@ -1,0 +1,149 @@
+/* convgpu.h: everything that crosses the kernel boundary. One definition, used by
+ * convgpu.bpf.c, by probes/events.py (ctypes mirror, checked against the loaded program by
+ * tests/system/test_layout.py) and by the preload shim. Fixed-width fields, explicit padding. */
+#ifndef CONVGPU_H
+#define CONVGPU_H
+
+#define CONVGPU_SCHEMA 1
+#define CG_MAX_DEV 16          /* GPUs per host the per-device maps cover */
+#define CG_COMM_LEN 16
+
+/* Every probed entry point, with a stable id (events carry it). Python reads this list with
+ * a regex (probes/table.py), so keep one X(...) per line. */
+#define CG_APIS(X)                      \
+    X(cuMemAlloc_v2, 1)                 \
+    X(cuMemAllocPitch_v2, 2)            \
+    X(cuMemAllocManaged, 3)             \
+    X(cuMemFree_v2, 4)                  \
+    X(cuMemCreate, 5)                   \
+    X(cuMemRelease, 6)                  \
+    X(cuMemMap, 7)                      \
+    X(cuMemUnmap, 8)                    \
+    X(cuMemAddressReserve, 9)           \
+    X(cuMemAddressFree, 10)             \
+    X(cuMemAllocAsync, 11)              \
+    X(cuMemAllocAsync_ptsz, 12)         \
+    X(cuMemAllocFromPoolAsync, 13)      \
+    X(cuMemAllocFromPoolAsync_ptsz, 14) \
+    X(cuMemFreeAsync, 15)               \
+    X(cuMemFreeAsync_ptsz, 16)          \
+    X(cuArrayCreate_v2, 17)             \
+    X(cuArray3DCreate_v2, 18)           \
+    X(cuMipmappedArrayCreate, 19)       \
+    X(cuArrayDestroy, 20)               \
+    X(cuMipmappedArrayDestroy, 21)      \
+    X(cuDevicePrimaryCtxRetain, 22)     \
+    X(cuDevicePrimaryCtxRelease_v2, 23) \
+    X(cuCtxCreate_v2, 24)               \
+    X(cuCtxCreate_v3, 25)               \
+    X(cuCtxCreate_v4, 26)               \
+    X(cuCtxDestroy_v2, 27)              \
+    X(cuCtxSetCurrent, 28)              \
+    X(cuCtxPushCurrent_v2, 29)          \
+    X(cuCtxPopCurrent_v2, 30)           \
+    X(cuMemGetInfo_v2, 31)              \
+    X(cudaMalloc, 40)                   \
+    X(cudaMallocManaged, 41)            \
+    X(cudaMallocPitch, 42)              \
+    X(cudaMalloc3D, 43)                 \
+    X(cudaFree, 44)                     \
+    X(cudaMemGetInfo, 45)               \
+    X(sched_process_exit, 60)           \
+    X(sched_process_exec, 61)
+
+#define CG_API_ENUM(name, id) API_##name = id,
+enum cg_api { CG_APIS(CG_API_ENUM) CG_API_MAX = 64 };
+
+/* What an event did to the accounting. */
+enum cg_op {
+    OP_ALLOC = 1,       /* device bytes obtained (alloc, VMM create, array) */
+    OP_FREE = 2,        /* device bytes returned */
+    OP_CTX_CREATE = 3,  /* a context (primary retain or create) on a device */
+    OP_CTX_DESTROY = 4,
+    OP_MAP = 5,         /* VMM map/unmap, VA reserve/free: no physical bytes change */
+    OP_UNMAP = 6,
+    OP_RESERVE = 7,
+    OP_UNRESERVE = 8,
+    OP_SET_DEVICE = 9,  /* a thread's current context changed */
+    OP_MEMINFO = 10,    /* cuMemGetInfo / cudaMemGetInfo */
+    OP_EXIT = 11,       /* the whole process exited: all it held is gone */
+    OP_EXEC = 12,       /* exec replaced the image: same as exit for the GPU */
+    OP_FAILED = 13,     /* the call returned CUresult != 0: nothing accounted */
+};
+
+/* Event flags. */
+#define EF_ESTIMATE 0x1   /* size computed from a descriptor (arrays): the driver pads */
+#define EF_UNKNOWN 0x2    /* free of an address convgpu never saw allocated */
+#define EF_DEFERRED 0x4   /* VMM release of a still-mapped handle: bytes go at last unmap */
+
+/* Ring-buffer record, 80 bytes. */
+struct cg_event {
+    __u64 ts_ns;      /* bpf_ktime_get_ns (CLOCK_MONOTONIC) */
+    __u64 cgroup_id;  /* cgroup v2 id of the calling task */
+    __u64 addr;       /* device pointer, VMM handle, array handle or context */
+    __u64 size;       /* bytes allocated or freed (0 when none) */
+    __u64 live;       /* the process's live bytes on this device after the event */
+    __u32 tgid;
+    __u32 tid;
+    __s32 dev;        /* device ordinal, -1 unknown */
+    __u32 result;     /* CUresult / cudaError_t */
+    __u16 api;        /* enum cg_api of the driver call */
+    __u16 rt_api;     /* runtime call (cudaMalloc...) in progress on this thread, or 0 */
+    __u8 op;          /* enum cg_op */
+    __u8 flags;       /* EF_* */
+    __u8 pad[2];
+    char comm[CG_COMM_LEN];
+};
+
+/* Per (process, device) accounting, exact (kept in the map, not derived from events). */
+struct cg_usage_key {
+    __u32 tgid;
+    __s32 dev;
+};
+struct cg_usage {
+    __u64 live;        /* bytes held now */
+    __u64 peak;
+    __u64 n_alloc;
+    __u64 n_free;
+    __u64 bytes_alloc; /* cumulative */
+    __u64 bytes_free;
+    __u64 n_failed;    /* calls that returned an error */
+    __s64 contexts;    /* contexts held on this device */
+    __u64 last_ns;     /* last event */
+    __u64 gen;         /* the process generation this entry belongs to */
+};
+
+/* Per process. gen tells a reused pid from the process that held it before. */
+struct cg_proc {
+    __u64 gen;         /* bpf_ktime_get_ns at first sight: unique per process lifetime */
+    __u64 cgroup_id;   /* cgroup at first sight: accounting stays with it */
+    __s32 last_dev;    /* device of the last context made: default for threads with none */
+    __u32 pad;
+    char comm[CG_COMM_LEN];
+};
+
+/* Live objects, keyed by process and namespace so handles never collide with pointers. */
+/* NS_CTX: context -> device; NS_PRIMARY: device -> retained primary context (refcount in maps). */
+enum cg_ns { NS_PTR = 1, NS_VMM = 2, NS_ARRAY = 3, NS_MAPPING = 4, NS_CTX = 5, NS_PRIMARY = 6 };
+struct cg_obj_key {
+    __u32 tgid;
+    __u32 ns;
+    __u64 addr;
+};
+struct cg_obj {
+    __u64 size;
+    __u64 gen;
+    __u64 ref;         /* NS_MAPPING: the VMM handle mapped there */
+    __s32 dev;
+    __u16 api;
+    __u8 released;     /* NS_VMM: cuMemRelease seen while still mapped; NS_CTX: primary */
+    __u8 pad;
+    __u32 pad2;
+    __u64 maps;        /* NS_VMM: live mappings of the handle; NS_PRIMARY: retain count
+                        * (64-bit: LLVM 14 has no 32-bit atomic fetch-sub for BPF) */
+};
+
+/* Global counters (per-CPU array slots). */
+enum cg_stat { ST_EVENTS = 0, ST_DROPS = 1, ST_UNKNOWN_FREE = 2, ST_MAX = 4 };
+
+#endif

@@ -1,0 +1,98 @@
+"""`convgpu doctor`: can tracing work on this host? Every failed check prints its fix."""
+import os
+import shutil
+from dataclasses import dataclass
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..enforcer.containers import cgroup_layout
+from ..probes import loader
+from ..probes.libs import LibraryFinder
+from ..probes.nvml import Nvml
+from . import common
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    fatal: bool = True     # tracing cannot work without it
+
+
+def _kernel_config(option: str) -> bool | None:
+    for path in (f"/boot/config-{os.uname().release}", "/proc/config.gz"):
+        try:
+            if path.endswith(".gz"):
+                import gzip
+                text = gzip.open(path, "rt").read()
+            else:
+                text = open(path).read()
+            return f"{option}=y" in text
+        except OSError:
+            continue
+    return None
+
+
+def run_checks() -> list[Check]:
+    checks = [Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run as root (sudo convgpu ...)")]
+    checks.append(Check("BTF", os.path.exists("/sys/kernel/btf/vmlinux"), "/sys/kernel/btf/vmlinux",
+                        "a kernel with CONFIG_DEBUG_INFO_BTF helps; not required by bcc", fatal=False))
+    up = os.path.exists("/sys/bus/event_source/devices/uprobe")
+    checks.append(Check("uprobes", up, "perf uprobe PMU" if up else "no /sys/bus/event_source/devices/uprobe",
+                        "a kernel with CONFIG_UPROBES and CONFIG_BPF_EVENTS"))
+    kr = os.uname().release
+    hdr = os.path.exists(f"/lib/modules/{kr}/build/include")
+    checks.append(Check("kernel headers", hdr, f"/lib/modules/{kr}/build",
+                        "run scripts/setup.sh (installs headers or links the generic ones)"))
+    try:
+        loader.import_bcc()
+        checks.append(Check("bcc", True, "imports"))
+        if os.geteuid() == 0 and hdr:
+            try:
+                b = loader.compile_program()
+                b.cleanup()
+                checks.append(Check("BPF compile+load", True, "convgpu.bpf.c loads"))
+            except Exception as e:
+                checks.append(Check("BPF compile+load", False, str(e)[:200], "see the error; run scripts/setup.sh"))
+    except Exception as e:
+        checks.append(Check("bcc", False, str(e)[:200], "apt-get install python3-bpfcc; venv with --system-site-packages"))
+    libs = LibraryFinder().scan() if os.path.isdir("/proc") else []
+    cuda = [lib for lib in libs if lib.kind == "cuda"]
+    checks.append(Check("libcuda", bool(cuda), "; ".join(f"{lib} inode {lib.inode[1]}" for lib in cuda) or "none found",
+                        "install the NVIDIA driver (convgpu trace runs its demo without one)", fatal=False))
+    for lib in libs:
+        if lib.kind == "cudart":
+            checks.append(Check("libcudart", True, f"{lib} inode {lib.inode[1]}", fatal=False))
+    nv = Nvml()
+    checks.append(Check("NVML", nv.ok, f"driver {nv.driver}, {len(nv.gpus())} GPU(s)" if nv.ok else nv.error,
+                        "without NVML the context overhead is estimated (--ctx-overhead)", fatal=False))
+    nv.close()
+    lay = cgroup_layout()
+    checks.append(Check("cgroups", lay.mode in ("v2", "hybrid", "v1"), f"{lay.mode}; v2 at {lay.v2_root}", "mount cgroup2"))
+    checks.append(Check("freezer", bool(lay.freezer_v1_root or lay.v2_root),
+                        f"v1 {lay.freezer_v1_root or '-'}; v2 {'cgroup.freeze' if lay.v2_root else '-'}",
+                        "enforce --stall freezer needs a cgroup freezer", fatal=False))
+    for eng in ("podman", "docker"):
+        w = shutil.which(eng)
+        checks.append(Check(eng, bool(w), w or "not installed", "optional: names and labels of containers", fatal=False))
+    return checks
+
+
+@common.handle_errors
+def doctor():
+    """Check that this host can trace CUDA allocations; print the fix for every problem."""
+    checks = run_checks()
+    t = Table(show_header=True, box=None)
+    for col in ("check", "", "detail", "fix"):
+        t.add_column(col, overflow="fold")
+    for c in checks:
+        mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.fatal else "[yellow]warn[/]")
+        t.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
+    Console(width=100).print(t)
+    bad = [c for c in checks if c.fatal and not c.ok]
+    if bad:
+        raise common.fail(f"tracing cannot work here: {', '.join(c.name for c in bad)}; see the fixes above")

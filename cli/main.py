@@ -1,0 +1,29 @@
+"""`convgpu`: joins the sub-command modules."""
+import typer
+
+from .. import __version__
+from . import common, doctor, trace
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Share one GPU's memory between containers: trace and limit CUDA allocations.")
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Tracebacks and debug logs."),
+          verbose: bool = typer.Option(False, "--verbose", "-v", help="Info logs.")):
+    common.state["debug"] = debug
+    common.setup_logging(verbose, debug)
+
+
+@app.command("version")
+def version():
+    """Print the version."""
+    typer.echo(__version__)
+
+
+app.command("trace")(trace.trace)
+app.command("doctor")(doctor.doctor)
+
+
+def main():
+    app()

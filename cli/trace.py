@@ -1,0 +1,149 @@
+"""`convgpu trace`: a live view (or JSON lines) of GPU memory per container, process and GPU."""
+import json
+import os
+import signal
+import sys
+import time
+from enum import Enum
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from ..demo import GROUPS, Demo
+from ..enforcer.accounting import Accountant, matches
+from ..enforcer.containers import container_of_pid
+from ..enforcer.engines import EngineLookup
+from ..errors import NotFoundError
+from ..probes.nvml import Nvml
+from ..probes.tracer import Tracer
+from ..units import parse_size
+from . import common
+from .view import WIDTH, render
+
+
+class DemoMode(str, Enum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+def check_filters(pids: list[int], container: str | None, engines: EngineLookup) -> None:
+    for pid in pids:
+        if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+            raise NotFoundError(f"no process with pid {pid}", "check it with `ps -p PID`")
+    if container is None:
+        return
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                c = container_of_pid(int(d))
+            except Exception:
+                continue
+            meta = engines.lookup_sync(c) if c.kind in ("docker", "podman", "containerd", "kubernetes", "crio") else None
+            if matches(c, container, meta.name if meta else None):
+                return
+    raise NotFoundError(f"no running container or cgroup matches {container!r}",
+                        "give a name, an id (6+ characters), a short id or a cgroup path; see `podman ps` / `docker ps`")
+
+
+def _stop_on_sigterm():
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+
+
+@common.handle_errors
+def trace(
+    pid: list[int] = typer.Option([], "--pid", "-p", help="Only these processes (repeatable)."),
+    container: str = typer.Option(None, "--container", "-c", help="Only this container: name, id, short id or cgroup path."),
+    interval: float = typer.Option(1.0, "--interval", "-i", min=0.05, help="Seconds between snapshots."),
+    duration: float = typer.Option(0.0, "--duration", "-d", min=0.0, help="Stop after this many seconds (0: until Ctrl-C)."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: every event and every snapshot (docs/trace-json.md)."),
+    lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 / libcudart (repeatable)."),
+    discover: bool = typer.Option(True, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers."),
+    demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
+    events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
+    selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe fires (calls each driver symbol once, before cuInit)."),
+):
+    """Watch live how much GPU memory each container and process holds."""
+    overhead = parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None
+    engines = EngineLookup()
+    check_filters(pid, container, engines)
+    nvml = Nvml()
+    tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest)
+    the_demo = None
+    _stop_on_sigterm()
+    try:
+        tracer.start()
+        mode = "driver"
+        if demo is DemoMode.always or (demo is DemoMode.auto and not tracer.libraries and not nvml.ok and not lib):
+            the_demo = Demo().start()
+            tracer.finder.extra += (str(the_demo.lib),)
+            tracer.rescan(force=True)
+            mode = "demo"
+            # the stand-in has no NVML: show its overhead from --ctx-overhead (default 0 there)
+            overhead = 0 if overhead is None else overhead
+        acct = Accountant(nvml=nvml, ctx_overhead=overhead, engines=engines)
+        _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        tracer.close()
+        if the_demo:
+            the_demo.stop()
+        engines.close()
+        nvml.close()
+
+
+def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, events, the_demo):
+    notes = []
+    if the_demo:
+        notes.append(f"demo: {sum(n for _, n in GROUPS)} workers in {the_demo.kind} on the stand-in driver {the_demo.lib}")
+    for lib_, err in tracer.failed:
+        notes.append(f"not probed: {lib_}: {err}")
+    for lp in tracer.attached:
+        bad = [a.probe.symbol for a in lp.probes if a.ok and a.fired is False]
+        if bad:
+            notes.append(f"probes that never fired in {lp.library}: {', '.join(bad)}")
+    end = time.monotonic() + duration if duration else None
+    out = sys.stdout
+
+    def snap():
+        m = mode if tracer.libraries else "waiting"
+        return acct.snapshot(tracer.usage(), mode=m, libraries=[str(x) for x in tracer.libraries],
+                             drops=tracer.stats()["drops"], pids=pids or None, container=container,
+                             notes=notes)
+
+    def step():
+        evs = tracer.poll()
+        acct.feed(evs)
+        if as_json and events:
+            for e in evs:
+                if (not pids or e.pid in pids) and (container is None or matches(acct.container(e.pid), container)):
+                    out.write(json.dumps(e.to_json()) + "\n")
+
+    tick = min(interval, 0.1)
+    if as_json:
+        next_snap = time.monotonic()
+        while end is None or time.monotonic() < end:
+            step()
+            if time.monotonic() >= next_snap:
+                out.write(json.dumps(snap().to_json()) + "\n")
+                out.flush()
+                next_snap += interval
+            time.sleep(tick)
+        step()
+        out.write(json.dumps(snap().to_json()) + "\n")
+        out.flush()
+        return
+    console = Console(width=min(WIDTH, Console().width))
+    with Live(render(snap()), console=console, refresh_per_second=4, screen=False) as live:
+        next_snap = time.monotonic()
+        while end is None or time.monotonic() < end:
+            step()
+            if time.monotonic() >= next_snap:
+                live.update(render(snap()))
+                next_snap += interval
+            time.sleep(tick)

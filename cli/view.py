@@ -1,0 +1,97 @@
+"""render(snapshot) -> a rich renderable. Pure: no I/O, so it is tested from a snapshot."""
+import time
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ..enforcer.model import Snapshot
+from ..units import format_size
+
+WIDTH = 100
+MODES = {
+    "driver": "tracing the NVIDIA driver",
+    "demo": "DEMO: no NVIDIA driver on this host; a bundled workload runs on the test stand-in driver",
+    "waiting": "waiting for a CUDA driver (libcuda.so.1) to appear",
+}
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f}s ago" if s < 60 else f"{s / 60:.0f}m ago"
+
+
+def _header(s: Snapshot) -> Text:
+    t = Text()
+    t.append("convgpu trace", style="bold")
+    t.append("  " + MODES.get(s.mode, s.mode), style="yellow" if s.mode != "driver" else "green")
+    t.append("   Ctrl-C to end", style="dim")
+    return t
+
+
+def gpu_table(s: Snapshot) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
+    for col, j in (("GPU", "right"), ("name", "left"), ("total", "right"), ("used (NVML)", "right"),
+                   ("tracked", "right")):
+        t.add_column(col, justify=j)
+    if not s.gpus:
+        t.add_row("-", "no GPU activity seen yet", "", "", "")
+    for g in s.gpus:
+        t.add_row(str(g.index), g.name[:36], format_size(g.total), format_size(g.used), format_size(g.tracked))
+    return t
+
+
+def container_table(s: Snapshot) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
+    t.add_column("container / process", max_width=30, no_wrap=True, overflow="ellipsis")
+    t.add_column("GPU", justify="right")
+    t.add_column("live", justify="right")
+    t.add_column("ctx overhead", justify="right")
+    t.add_column("total", justify="right")
+    t.add_column("peak", justify="right")
+    t.add_column("alloc/s", justify="right")
+    t.add_column("last event", justify="right")
+    if not s.containers:
+        t.add_row(Text("no CUDA process seen yet", style="dim"), "", "", "", "", "", "", "")
+    for c in s.containers:
+        gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
+        t.add_row(Text(f"{c.name} ({c.kind}, {len(c.pids)} proc)", style="bold"), gpus,
+                  format_size(c.live), format_size(c.overhead), format_size(c.total),
+                  format_size(c.peak), f"{c.rate:.1f}", _age(c.last_event_age))
+        for p in c.processes:
+            src = {"nvml": "", "estimate": " ~", "none": ""}[p.overhead_source]
+            t.add_row(Text(f"  {p.pid} {p.comm}", style="dim"), str(p.gpu), format_size(p.live),
+                      format_size(p.overhead) + src, format_size(p.total), format_size(p.peak),
+                      f"{p.rate:.1f}", _age(p.last_event_age))
+    return t
+
+
+def events_table(s: Snapshot, rows: int = 8) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, title="recent events",
+              title_justify="left", title_style="bold")
+    for col, j in (("time", "right"), ("pid", "right"), ("comm", "left"), ("event", "left"),
+                   ("call", "left"), ("size", "right"), ("live", "right")):
+        t.add_column(col, justify=j, no_wrap=True)
+    mono_now = time.monotonic_ns()
+    for e in list(s.events)[-rows:]:
+        call = e.api + (f" ({e.rt_api})" if e.rt_api else "")
+        op = e.op + ("~" if e.estimate else "") + ("?" if e.unknown else "")
+        t.add_row(f"-{(mono_now - e.ts_ns) / 1e9:.1f}s", str(e.pid), e.comm[:12], op, call[:34],
+                  format_size(e.size) if e.size else "", format_size(e.live) if e.op in ("alloc", "free") else "")
+    return t
+
+
+def footer(s: Snapshot) -> Text:
+    t = Text(style="dim")
+    t.append(f"events {s.events_total}   dropped {s.drops}   ")
+    t.append(f"libraries {len(s.libraries)}: " + ", ".join(s.libraries)[:60] if s.libraries else "no libcuda probed yet")
+    t.append("   ~ = estimated context overhead (no NVML)")
+    for n in s.notes:
+        t.append("\n" + n, style="yellow")
+    return t
+
+
+def render(s: Snapshot, event_rows: int = 8) -> Group:
+    return Group(_header(s), gpu_table(s), container_table(s), events_table(s, event_rows), footer(s))

@@ -1,0 +1,1 @@
+"""The enforcer: per-container accounting and limits (containers, engines, state)."""

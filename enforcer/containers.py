@@ -1,0 +1,358 @@
+"""Which container a process or cgroup belongs to: pure parsing of cgroup paths plus small
+/proc and cgroupfs readers. No engine is ever asked here (engines.py does that, optionally):
+the cgroup path alone names the container, so accounting works with no engine socket at all."""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..errors import ConvgpuError, NotFoundError
+
+KINDS = ("docker", "containerd", "kubernetes", "crio", "podman", "systemd", "cgroup", "host")
+# Kinds whose id is an engine's container id: membership of such a cgroup never changes for a
+# process, so only these results may be cached per pid (see container_of_pid).
+ENGINE_KINDS = frozenset({"docker", "containerd", "kubernetes", "crio", "podman"})
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+# /system.slice/docker-<64hex>.scope, .../cri-containerd-<64hex>.scope, .../crio-<64hex>.scope,
+# /machine.slice/libpod-<64hex>.scope, /system.slice/nerdctl-<64hex>.scope; the cgroupfs
+# drivers use the same names without ".scope" (/libpod_parent/libpod-<64hex>, .../crio-<64hex>).
+_ENGINE_UNIT = re.compile(r"(docker|cri-containerd|crio|libpod|nerdctl)-([0-9a-f]{64})"
+                          r"(?:\.scope)?")
+# .../crio-conmon-<64hex>.scope, /machine.slice/libpod-conmon-<64hex>.scope: the monitor
+# process next to a container, not the container, so it must not be charged to it.
+_CONMON = re.compile(r"(?:crio|libpod)-conmon-[0-9a-f]+(?:\.scope)?")
+# /kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_with_underscores>.slice
+# (also kubepods-pod<uid>.slice for Guaranteed pods, and kind's kubelet-kubepods-...-pod<uid>).
+_POD_SLICE = re.compile(r"(?:[\w.-]*-)?kubepods(?:-[a-z]+)?-pod([0-9a-f][0-9a-f_]*)\.slice")
+# /kubepods/burstable/pod<uid-with-dashes> (cgroupfs driver; static pods use a 32-hex hash)
+_POD_DIR = re.compile(r"pod([0-9a-f][0-9a-f-]*)")
+# /system.slice/ssh.service, /user.slice/user-0.slice/session-3.scope
+_UNIT = re.compile(r".+\.(?:scope|service)")
+_ENGINE_PREFIX_KIND = {"docker": "docker", "cri-containerd": "kubernetes", "crio": "crio",
+                       "libpod": "podman", "nerdctl": "containerd"}
+
+
+@dataclass(frozen=True)
+class Container:
+    kind: str          # one of KINDS
+    id: str            # 64-hex engine id | pod uid | systemd unit | cgroup path | "host"
+    cgroup: str        # the full cgroup path, v2 style "/..."
+    pod: str | None = None  # kubernetes pod uid (dashes) the cgroup lies in, whatever the kind
+
+    @property
+    def short(self) -> str:
+        """Display name when no engine gives one."""
+        if _HEX64.fullmatch(self.id):
+            return self.id[:12]
+        if self.kind == "kubernetes":  # pod level: the id is the pod uid
+            return "pod-" + self.id[:8]
+        if self.kind == "systemd":
+            return re.sub(r"\.(scope|service)$", "", self.id)
+        if self.kind == "host":
+            return "host"
+        return self.id.rstrip("/").rsplit("/", 1)[-1] or self.id
+
+
+def _norm(path: str) -> str:
+    return "/" + path.strip().strip("/")
+
+
+def container_of_path(path: str) -> Container:
+    """Classify a cgroup path. Components are scanned innermost first, so sub-cgroups a
+    container makes inside itself (/container, init.scope, system.slice/x.service under a
+    systemd-in-container) resolve to the enclosing container; the innermost engine container
+    wins for nested engines (docker-in-docker, docker-in-pod)."""
+    path = _norm(path)
+    if path == "/":
+        return Container("host", "host", "/")
+    parts = path[1:].split("/")
+    pod = next((u for i in reversed(range(len(parts))) if (u := _pod_component(parts, i))), None)
+    unit = None
+    for i in range(len(parts) - 1, -1, -1):
+        comp = parts[i]
+        parent = parts[i - 1] if i > 0 else ""
+        parent_is_pod = _pod_component(parts, i - 1) is not None
+        if _CONMON.fullmatch(comp):
+            return Container("systemd", comp, path, pod)
+        m = _ENGINE_UNIT.fullmatch(comp)
+        if m:
+            kind = _ENGINE_PREFIX_KIND[m.group(1)]
+            # A runtime's container directly inside a pod is that pod's container; deeper
+            # (an engine run inside a pod's container) it is that engine's own container.
+            if parent_is_pod and kind != "podman":
+                kind = "kubernetes"
+            return Container(kind, m.group(2), path, pod)
+        if _HEX64.fullmatch(comp):
+            # cgroupfs drivers name the directory by the bare id; the parent says whose:
+            # /docker/<id>, /kubepods/.../pod<uid>/<id>, containerd's /<namespace>/<id>.
+            if parent_is_pod:
+                kind = "kubernetes"
+            elif parent == "docker":
+                kind = "docker"
+            else:
+                kind = "containerd"
+            return Container(kind, comp, path, pod)
+        uid = _pod_component(parts, i)
+        if uid is not None:  # the pod itself (sandbox level) or a non-container sub-cgroup
+            return Container("kubernetes", uid, path, uid)
+        if unit is None and _UNIT.fullmatch(comp):
+            unit = comp
+    if unit is not None:
+        return Container("systemd", unit, path, pod)
+    return Container("cgroup", path, path, pod)
+
+
+def _pod_component(parts: list[str], i: int) -> str | None:
+    """The pod uid (dashes) if parts[i] is a kubernetes pod cgroup, else None."""
+    if i < 0:
+        return None
+    m = _POD_SLICE.fullmatch(parts[i])
+    if m:
+        return m.group(1).replace("_", "-")
+    m = _POD_DIR.fullmatch(parts[i])
+    # "pod..." alone is too common a name: trust it only below a kubepods directory.
+    if m and any(p.startswith("kubepods") for p in parts[:i]):
+        return m.group(1)
+    return None
+
+
+def parse_proc_cgroup(text: str) -> str:
+    """The cgroup path to identify a process by, from /proc/<pid>/cgroup.
+
+    Pure v2 has one line "0::/path". Hybrid hosts also list v1 hierarchies, and an engine
+    using v1 only (cgroupfs driver, older runc) leaves the process's v2 cgroup at "/" or at
+    the cgroup inherited from the daemon (e.g. /system.slice/containerd.service). So: the v2
+    path when not "/", unless it names no container while a v1 path does; otherwise the v1
+    name=systemd, freezer, memory, then any other non-root v1 path; "/" if nothing."""
+    v2 = None
+    v1: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hid, ctrls, path = fields
+        path = path.strip()
+        if path.endswith(" (deleted)"):  # the kernel's mark on a removed v2 cgroup
+            path = path[: -len(" (deleted)")]
+        if hid == "0" and ctrls == "":
+            v2 = path
+        else:
+            for c in ctrls.split(","):
+                v1.setdefault(c, path)
+    best_v1 = None
+    for key in ("name=systemd", "freezer", "memory", *v1):
+        p = v1.get(key)
+        if p and p != "/":
+            best_v1 = p
+            break
+    if v2 and v2 != "/":
+        if best_v1 is not None and container_of_path(v2).kind not in ENGINE_KINDS \
+                and container_of_path(best_v1).kind in ENGINE_KINDS:
+            return best_v1
+        return v2
+    return best_v1 or "/"
+
+
+def _proc_read(pid: int, proc: str, name: str) -> str:
+    try:
+        with open(f"{proc}/{int(pid)}/{name}", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        raise _gone(pid) from None
+
+
+def _gone(pid: int) -> NotFoundError:
+    return NotFoundError(f"no process {pid}", f"check the pid with `ps -p {pid}`")
+
+
+def cgroup_of_pid(pid: int, proc: str = "/proc") -> str:
+    return parse_proc_cgroup(_proc_read(pid, proc, "cgroup"))
+
+
+def _start_time(pid: int, proc: str) -> int:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot): with the pid, a unique key."""
+    stat = _proc_read(pid, proc, "stat")
+    try:  # comm (field 2) may hold spaces and ")": fields 3.. follow the last ")".
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        raise _gone(pid) from None
+
+
+_CACHE_MAX = 4096
+_cache: OrderedDict[tuple[str, int, int], Container] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def container_of_pid(pid: int, proc: str = "/proc") -> Container:
+    """The container of a live process, LRU-cached by (pid, start time) so that a reused pid
+    is never confused with the old one. Only engine containers are cached: before runc or
+    systemd moves a new process into its cgroup it sits in the daemon's, and caching that
+    would misattribute the process for good."""
+    start = _start_time(pid, proc)
+    key = (proc, int(pid), start)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    c = container_of_path(cgroup_of_pid(pid, proc))
+    if _start_time(pid, proc) != start:  # the pid was reused between the two reads
+        raise _gone(pid)
+    if c.kind in ENGINE_KINDS:
+        with _cache_lock:
+            _cache[key] = c
+            while len(_cache) > _CACHE_MAX:
+                _cache.popitem(last=False)
+    return c
+
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str                    # "v2" | "hybrid" | "v1"
+    v2_root: str | None          # where cgroup2 is mounted (its ids are what BPF sees)
+    freezer_v1_root: str | None  # the v1 freezer hierarchy, when mounted
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mounts escapes space, tab, newline and backslash as \ooo octal.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def cgroup_layout(root: str = "/sys/fs/cgroup", mounts_text: str | None = None) -> Layout:
+    """v2: cgroup2 mounted at root. hybrid: v1 controllers plus cgroup2 elsewhere (usually
+    root/unified). v1: no cgroup2. When the mount table lists no cgroup at all (unreadable,
+    or a container's own view) the files under root decide."""
+    root = os.path.normpath(root)
+    if mounts_text is None:
+        try:
+            with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+                mounts_text = f.read()
+        except OSError:
+            mounts_text = ""
+    v2_mounts: list[str] = []
+    v1_mounts: list[tuple[str, list[str]]] = []
+    for line in mounts_text.splitlines():
+        f = line.split()
+        if len(f) < 4:
+            continue
+        mnt = os.path.normpath(_unescape(f[1]))
+        if f[2] == "cgroup2":
+            v2_mounts.append(mnt)
+        elif f[2] == "cgroup":
+            v1_mounts.append((mnt, f[3].split(",")))
+    freezer = next((m for m, opts in v1_mounts if "freezer" in opts), None)
+    if not v2_mounts and not v1_mounts:
+        return _layout_from_files(root)
+    under = [m for m in v2_mounts if m == root or m.startswith(root + "/")]
+    v2_root = None
+    for cand in (root, os.path.join(root, "unified"), *under, *v2_mounts):
+        if cand in v2_mounts:
+            v2_root = cand
+            break
+    if v2_root is None:
+        mode = "v1"
+    elif v2_root == root or not v1_mounts:
+        mode = "v2"
+    else:
+        mode = "hybrid"
+    return Layout(mode, v2_root, freezer)
+
+
+def _layout_from_files(root: str) -> Layout:
+    fz = os.path.join(root, "freezer")
+    freezer = fz if os.path.exists(os.path.join(fz, "cgroup.procs")) else None
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return Layout("v2", root, freezer)
+    uni = os.path.join(root, "unified")
+    if os.path.exists(os.path.join(uni, "cgroup.controllers")):
+        return Layout("hybrid", uni, freezer)
+    return Layout("v1", None, freezer)
+
+
+def _v2_root(layout: Layout) -> str:
+    if layout.v2_root is None:
+        raise ConvgpuError("no cgroup v2 hierarchy is mounted (cgroup ids come from it)",
+                           "mount it: mount -t cgroup2 none /sys/fs/cgroup/unified")
+    return layout.v2_root
+
+
+def cgroup_id(path: str, layout: Layout) -> int:
+    """The v2 cgroup id of a path: the inode number of its cgroupfs directory, which is the
+    value bpf_get_current_cgroup_id() returns for tasks in it (64-bit kernels)."""
+    path = _norm(path)
+    full = _v2_root(layout) + ("" if path == "/" else path)
+    try:
+        return os.stat(full).st_ino
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFoundError(f"no cgroup {path} under {layout.v2_root}",
+                            "the container may have exited; see /proc/<pid>/cgroup") from None
+
+
+class CgroupIndex:
+    """cgroup id -> path, by walking the v2 tree. Walked lazily on a miss, at most once per
+    min_refresh_s (a stream of unknown ids must not turn into a stream of tree walks). Ids are
+    never reused within a boot, so entries of removed cgroups are kept (late events of an
+    exited container still resolve) until the index grows past max_entries."""
+
+    def __init__(self, layout: Layout, min_refresh_s: float = 1.0, max_entries: int = 65536,
+                 clock=time.monotonic):
+        self._root = layout.v2_root
+        self._min_refresh = min_refresh_s
+        self._max = max_entries
+        self._clock = clock
+        self._by_id: dict[int, str] = {}
+        self._last_walk: float | None = None
+        self._lock = threading.Lock()
+
+    def path_of(self, cgid: int) -> str | None:
+        with self._lock:
+            p = self._by_id.get(cgid)
+            if p is not None or self._root is None:
+                return p
+            now = self._clock()
+            if self._last_walk is not None and now - self._last_walk < self._min_refresh:
+                return None
+            self._walk(now)
+            return self._by_id.get(cgid)
+
+    def refresh(self) -> None:
+        """Walk now (e.g. right after a container starts), whatever the rate limit."""
+        with self._lock:
+            if self._root is not None:
+                self._walk(self._clock())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def _walk(self, now: float) -> None:
+        self._last_walk = now
+        if len(self._by_id) > self._max:
+            self._by_id = {}
+        root = self._root
+        try:
+            self._by_id[os.stat(root).st_ino] = "/"
+        except OSError:
+            return
+        stack = [(root, "")]
+        while stack:  # iterative: deep trees must not hit the recursion limit
+            d, rel = stack.pop()
+            try:
+                it = os.scandir(d)
+            except OSError:  # removed while walking
+                continue
+            with it:
+                for e in it:
+                    try:
+                        if not e.is_dir(follow_symlinks=False):
+                            continue
+                        ino = e.stat(follow_symlinks=False).st_ino  # same as cgroup_id()
+                    except OSError:
+                        continue
+                    r = f"{rel}/{e.name}"
+                    self._by_id[ino] = r
+                    stack.append((e.path, r))

@@ -1,0 +1,1 @@
+"""Find the CUDA libraries, attach the uprobes, decode what they report."""

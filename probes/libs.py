@@ -1,0 +1,169 @@
+"""Find every libcuda.so.1 (and shared libcudart) that processes on this host use or could use.
+
+A uprobe is attached to a file (an inode), not a path, so libraries are identified by
+(st_dev, st_ino): the host driver bind-mounted into containers is one library; an image that
+ships its own driver copy (CUDA forward-compat libs, the test stand-in) is another.
+Sources: ldconfig, the usual driver paths, the maps of running processes, and container root
+filesystems through /proc/<pid>/root."""
+import logging
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+
+from .table import CUDA, CUDART
+
+log = logging.getLogger(__name__)
+
+_NAME = {CUDA: re.compile(r"/libcuda\.so(\.[0-9.]+)?$"),
+         CUDART: re.compile(r"/libcudart\.so(\.[0-9.]+)?$")}
+KNOWN_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/libcuda.so.1",
+    "/lib/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/local/nvidia/lib/libcuda.so.1",
+    "/usr/lib/wsl/lib/libcuda.so.1", "/usr/local/cuda/compat/libcuda.so.1",
+    "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+)
+
+
+@dataclass(frozen=True)
+class Library:
+    kind: str        # table.CUDA or table.CUDART
+    path: str        # a path this process can open (may go through /proc/<pid>/root)
+    inode: tuple     # (st_dev, st_ino): what the probes are really attached to
+    seen_as: str     # the path as the process that uses it sees it
+
+    def __str__(self):
+        return self.path if self.path == self.seen_as else f"{self.seen_as} (via {self.path})"
+
+
+def kind_of(path: str) -> str | None:
+    for kind, rx in _NAME.items():
+        if rx.search(path):
+            return kind
+    return None
+
+
+def resolve_in_root(root: str, path: str, hops: int = 16) -> str | None:
+    """Follow symlinks of `path` as a process whose root is `root` would (an absolute link
+    target stays inside that root). Returns a host-openable path, or None."""
+    full = root.rstrip("/") + path if root != "/" else path
+    for _ in range(hops):
+        try:
+            target = os.readlink(full)
+        except OSError:
+            return full if os.path.exists(full) else None
+        if target.startswith("/"):
+            full = (root.rstrip("/") if root != "/" else "") + target
+        else:
+            full = os.path.join(os.path.dirname(full), target)
+    return None
+
+
+def _ldconfig_paths() -> list[str]:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split("=>")[-1].strip() for line in out.splitlines()
+            if "=>" in line and kind_of(line.split("=>")[-1].strip())]
+
+
+def _maps_paths(pid: str, proc: str) -> list[str]:
+    try:
+        with open(f"{proc}/{pid}/maps", "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    if b"libcud" not in data:
+        return []
+    out = set()
+    for line in data.split(b"\n"):
+        if b"libcud" in line:
+            p = line.split(None, 5)[-1].decode(errors="replace")
+            if p.endswith(" (deleted)"):
+                continue
+            if kind_of(p):
+                out.add(p)
+    return sorted(out)
+
+
+class LibraryFinder:
+    """Keeps the set of known libraries; `scan()` returns the ones not seen before.
+
+    Full scans (ldconfig, known paths, every process) run at start and every `full_every`
+    seconds; in between only processes younger than `young` seconds are re-read, because
+    frameworks dlopen libcuda lazily, at their first CUDA call, soon after they start."""
+
+    def __init__(self, extra: tuple[str, ...] = (), proc: str = "/proc", full_every: float = 30.0,
+                 young: float = 60.0, discover: bool = True):
+        self.extra = tuple(extra)
+        self.proc = proc
+        self.full_every = full_every
+        self.young = young
+        self.discover = discover
+        self.known: dict[tuple, Library] = {}
+        self._last_full = 0.0
+        self._first_seen: dict[str, float] = {}
+        self._roots_done: set[tuple] = set()
+
+    def _add(self, kind, path, seen_as, new):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino)
+        if key not in self.known:
+            lib = Library(kind, path, key, seen_as)
+            self.known[key] = lib
+            new.append(lib)
+
+    def scan(self) -> list[Library]:
+        new: list[Library] = []
+        for p in self.extra:
+            self._add(kind_of(p) or CUDA, os.path.realpath(p), p, new)
+        if not self.discover:
+            return new
+        now = time.monotonic()
+        full = now - self._last_full >= self.full_every
+        if full:
+            self._last_full = now
+            for p in _ldconfig_paths() + list(KNOWN_PATHS):
+                r = resolve_in_root("/", p)
+                if r:
+                    self._add(kind_of(p), r, p, new)
+        try:
+            pids = [d for d in os.listdir(self.proc) if d.isdigit()]
+        except OSError:
+            pids = []
+        alive = set(pids)
+        for pid in pids:
+            first = self._first_seen.setdefault(pid, now)
+            if not full and now - first > self.young:
+                continue
+            root = f"{self.proc}/{pid}/root"
+            for p in _maps_paths(pid, self.proc):
+                r = resolve_in_root(root, p)
+                if r:
+                    self._add(kind_of(p), r, p, new)
+            if full:
+                self._scan_root(root, new)
+        for pid in list(self._first_seen):
+            if pid not in alive:
+                del self._first_seen[pid]
+        return new
+
+    def _scan_root(self, root: str, new: list):
+        """A container's own filesystem may hold a driver that no process has loaded yet."""
+        try:
+            st = os.stat(root)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino)
+        if key in self._roots_done:
+            return
+        self._roots_done.add(key)
+        for p in KNOWN_PATHS:
+            r = resolve_in_root(root, p)
+            if r:
+                self._add(CUDA, r, p, new)

@@ -1,0 +1,186 @@
+"""Compile bpf/convgpu.bpf.c with bcc and attach the probe table to libraries.
+
+Two checks catch probes that attach "successfully" yet never fire (FACTS.md: a uprobe on a
+`lock`-prefixed first instruction is never installed): the first instruction of every symbol is
+read and classified, and a self-test child calls every driver symbol once, before cuInit, where
+the driver answers CUDA_ERROR_NOT_INITIALIZED without touching the GPU, and the per-API hit
+counters must move."""
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from ..bpf import DIR as BPF_DIR, SOURCE
+from ..errors import PrerequisiteError, ProbeError
+from .libs import Library
+from .table import CUDA, PROBES, Probe
+
+log = logging.getLogger(__name__)
+
+
+def import_bcc():
+    try:
+        import bcc  # noqa: F401  (distro package python3-bpfcc)
+        return bcc
+    except ImportError as e:
+        raise PrerequisiteError(f"cannot import bcc ({e})",
+                                "install python3-bpfcc and use a venv made with --system-site-packages "
+                                "(scripts/setup.sh does both); PyPI's 'bcc' is another package") from e
+
+
+def _tracefs_file(rel: str) -> str | None:
+    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        if os.path.exists(f"{base}/{rel}"):
+            return f"{base}/{rel}"
+    return None
+
+
+def cflags(self_tgid: int, ringbuf_pages: int = 4096, extra: tuple = ()) -> list[str]:
+    flags = [f"-I{BPF_DIR}", f"-DSELF_TGID={self_tgid}", f"-DRINGBUF_PAGES={ringbuf_pages}"]
+    fmt = _tracefs_file("events/sched/sched_process_exit/format")
+    if fmt and "group_dead" in open(fmt).read():
+        flags.append("-DHAVE_GROUP_DEAD")   # 6.x: exact "last thread of the process" signal
+    return flags + list(extra)
+
+
+def compile_program(self_tgid: int | None = None, ringbuf_pages: int = 4096, extra=()):
+    if os.geteuid() != 0:
+        raise PrerequisiteError("convgpu needs root to load BPF programs", "run it with sudo")
+    bcc = import_bcc()
+    try:
+        return bcc.BPF(src_file=str(SOURCE).encode(),
+                       cflags=cflags(os.getpid() if self_tgid is None else self_tgid,
+                                     ringbuf_pages, extra))
+    except Exception as e:  # bcc raises bare Exception for compile/load failures
+        msg = str(e)
+        if "kernel headers" in msg.lower() or "modules" in msg:
+            raise PrerequisiteError(f"bcc cannot compile the BPF program: {msg}",
+                                    "install kernel headers (scripts/setup.sh links generic ones); run `convgpu doctor`") from e
+        raise PrerequisiteError(f"cannot load the BPF program: {msg}", "run `convgpu doctor`") from e
+
+
+def first_instruction(path: str, offset: int) -> tuple[str, str]:
+    """Classify the instruction a uprobe at `offset` replaces: (class, hex bytes).
+    'emulated' (push %rbp: cheap), 'stepped' (single-stepped: ~10x slower), 'unprobeable'."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            b = f.read(4)
+    except OSError:
+        return "unknown", ""
+    hx = b.hex()
+    if not b:
+        return "unknown", hx
+    if b[0] == 0xF0:
+        return "unprobeable", hx          # lock prefix: the kernel refuses to install it
+    if b[0] == 0x55 or (b[0] in (0x41,) and len(b) > 1 and 0x50 <= b[1] <= 0x57) or 0x50 <= b[0] <= 0x57:
+        return "emulated", hx             # push reg: emulated by the kernel, no single-step
+    return "stepped", hx
+
+
+@dataclass
+class Attached:
+    probe: Probe
+    library: Library
+    ok: bool
+    reason: str = ""
+    insn: str = ""          # emulated / stepped / unprobeable
+    fired: bool | None = None  # self-test result; None = not tested
+
+
+@dataclass
+class LibraryProbes:
+    library: Library
+    probes: list[Attached] = field(default_factory=list)
+
+    @property
+    def missing_required(self) -> list[Attached]:
+        return [a for a in self.probes if not a.ok and a.probe.required]
+
+
+def attach_library(b, lib: Library) -> LibraryProbes:
+    """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers)."""
+    bcc = import_bcc()
+    out = LibraryProbes(lib)
+    for probe in PROBES:
+        if probe.library != lib.kind:
+            continue
+        a = Attached(probe, lib, ok=False)
+        try:
+            path, off = bcc.BPF._check_path_symbol(lib.path.encode(), probe.symbol.encode(), None, -1)
+            a.insn, _ = first_instruction(path.decode(), off)
+        except Exception:
+            a.reason = "symbol not exported by this library"
+            out.probes.append(a)
+            continue
+        if a.insn == "unprobeable":
+            a.reason = "first instruction cannot be probed (lock prefix)"
+            out.probes.append(a)
+            continue
+        try:
+            b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.enter.encode())
+            if probe.exit:
+                b.attach_uretprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.exit.encode())
+            a.ok = True
+        except Exception as e:
+            a.reason = f"attach failed: {e}"
+        out.probes.append(a)
+    if out.missing_required:
+        names = ", ".join(x.probe.symbol for x in out.missing_required)
+        raise ProbeError(f"cannot attach required probes {names} in {lib}: "
+                         f"{out.missing_required[0].reason}", "run `convgpu doctor`")
+    return out
+
+
+def read_hits(b) -> dict[int, int]:
+    return {k.value: sum(v) for k, v in b["hits"].items()}
+
+
+_SELFTEST = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+scratch = (ctypes.c_ubyte * 4096)()
+p = ctypes.cast(scratch, ctypes.c_void_p)
+bad = []
+for name in sys.argv[2:]:
+    f = getattr(lib, name)
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p] * 5
+    rc = f(p, p, p, p, p)
+    if rc != 3:   # CUDA_ERROR_NOT_INITIALIZED: no cuInit was made, so nothing happened
+        bad.append(f"{name}={rc}")
+print(" ".join(bad))
+"""
+
+
+def self_test(b, lp: LibraryProbes, timeout: float = 20.0) -> int | None:
+    """Call each attached driver symbol once in a child (before cuInit: no GPU work) and mark
+    which probes fired. Only for the driver: a runtime call would initialise the GPU.
+    Returns the child's pid, whose (failed, unaccounted) calls the caller should not show."""
+    if lp.library.kind != CUDA:
+        return None
+    todo = [a for a in lp.probes if a.ok]
+    if not todo:
+        return None
+    before = read_hits(b)
+    child = subprocess.Popen([sys.executable, "-c", _SELFTEST, lp.library.path] + [a.probe.symbol for a in todo],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        log.warning("self-test of %s timed out", lp.library)
+        return child.pid
+    if child.returncode != 0:
+        log.warning("self-test of %s failed: %s", lp.library, (err.strip().splitlines() or [child.returncode])[-1])
+        return child.pid
+    if out.strip():
+        log.info("self-test of %s: unexpected results %s", lp.library, out.strip())
+    after = read_hits(b)
+    for a in todo:
+        a.fired = after.get(a.probe.api, 0) > before.get(a.probe.api, 0)
+        if not a.fired:
+            a.reason = "attached but never fired in the self-test"
+    return child.pid

@@ -1,0 +1,78 @@
+"""The one table of probes: which symbol, which BPF functions, required or not, and why.
+
+API ids come from the X-macro list in bpf/convgpu.h (one definition for C and Python)."""
+import re
+from dataclasses import dataclass
+
+from ..bpf import HEADER
+
+CUDA = "cuda"      # libcuda.so.1: the driver, source of truth
+CUDART = "cudart"  # a shared libcudart: only names the runtime call behind a driver call
+
+
+def _read_apis() -> dict[str, int]:
+    text = HEADER.read_text()
+    return {name: int(num) for name, num in re.findall(r"X\((\w+),\s*(\d+)\)", text)}
+
+
+API_IDS: dict[str, int] = _read_apis()
+API_NAMES: dict[int, str] = {v: k for k, v in API_IDS.items()}
+
+
+@dataclass(frozen=True)
+class Probe:
+    library: str
+    symbol: str
+    enter: str
+    exit: str | None
+    required: bool
+    why: str
+
+    @property
+    def api(self) -> int:
+        return API_IDS[self.symbol]
+
+
+def _p(lib, sym, exit_fn, required, why):
+    return Probe(lib, sym, f"enter_{sym}", exit_fn, required, why)
+
+
+PROBES: tuple[Probe, ...] = (
+    _p(CUDA, "cuMemAlloc_v2", "exit_alloc", True, "cudaMalloc, PyTorch's default allocator"),
+    _p(CUDA, "cuMemFree_v2", "exit_free", True, "frees of cuMemAlloc memory"),
+    _p(CUDA, "cuMemAllocPitch_v2", "exit_pitch", False, "pitched 2D allocations"),
+    _p(CUDA, "cuMemAllocManaged", "exit_alloc", False, "unified memory"),
+    _p(CUDA, "cuMemCreate", "exit_vmm_create", False, "VMM physical memory: expandable segments, NCCL"),
+    _p(CUDA, "cuMemRelease", "exit_vmm_release", False, "VMM handle release (bytes go at last unmap)"),
+    _p(CUDA, "cuMemMap", "exit_vmm_map", False, "VMM mappings keep released memory alive"),
+    _p(CUDA, "cuMemUnmap", "exit_vmm_unmap", False, "VMM unmap frees released handles"),
+    _p(CUDA, "cuMemAddressReserve", "exit_va", False, "virtual ranges (shown, not counted)"),
+    _p(CUDA, "cuMemAddressFree", "exit_va", False, "virtual ranges (shown, not counted)"),
+    _p(CUDA, "cuMemAllocAsync", "exit_alloc", False, "stream-ordered allocator (cudaMallocAsync)"),
+    _p(CUDA, "cuMemAllocAsync_ptsz", "exit_alloc", False, "the same, per-thread default stream"),
+    _p(CUDA, "cuMemAllocFromPoolAsync", "exit_alloc", False, "memory pools"),
+    _p(CUDA, "cuMemAllocFromPoolAsync_ptsz", "exit_alloc", False, "memory pools, per-thread stream"),
+    _p(CUDA, "cuMemFreeAsync", "exit_free", False, "stream-ordered frees"),
+    _p(CUDA, "cuMemFreeAsync_ptsz", "exit_free", False, "stream-ordered frees, per-thread stream"),
+    _p(CUDA, "cuArrayCreate_v2", "exit_array", False, "CUDA arrays (size estimated from descriptor)"),
+    _p(CUDA, "cuArray3DCreate_v2", "exit_array", False, "3D arrays (estimated)"),
+    _p(CUDA, "cuMipmappedArrayCreate", "exit_array", False, "mipmapped arrays (estimated)"),
+    _p(CUDA, "cuArrayDestroy", "exit_array_destroy", False, "array frees"),
+    _p(CUDA, "cuMipmappedArrayDestroy", "exit_array_destroy", False, "mipmapped array frees"),
+    _p(CUDA, "cuDevicePrimaryCtxRetain", "exit_ctx_create", True, "every runtime process's context"),
+    _p(CUDA, "cuDevicePrimaryCtxRelease_v2", "exit_ctx_destroy", False, "primary context release"),
+    _p(CUDA, "cuCtxCreate_v2", "exit_ctx_create", False, "driver-API contexts (CUDA 11)"),
+    _p(CUDA, "cuCtxCreate_v3", "exit_ctx_create", False, "driver-API contexts (CUDA 12.0)"),
+    _p(CUDA, "cuCtxCreate_v4", "exit_ctx_create", False, "driver-API contexts (CUDA >= 12.5)"),
+    _p(CUDA, "cuCtxDestroy_v2", "exit_ctx_destroy", False, "driver-API context destroy"),
+    _p(CUDA, "cuCtxSetCurrent", None, False, "a thread's device (entry only)"),
+    _p(CUDA, "cuCtxPushCurrent_v2", None, False, "a thread's device (entry only)"),
+    _p(CUDA, "cuCtxPopCurrent_v2", None, False, "a thread's device (entry only)"),
+    _p(CUDA, "cuMemGetInfo_v2", "exit_meminfo", False, "memory queries (shown)"),
+    _p(CUDART, "cudaMalloc", "exit_runtime", False, "names the runtime call behind the driver's"),
+    _p(CUDART, "cudaMallocManaged", "exit_runtime", False, "names the runtime call"),
+    _p(CUDART, "cudaMallocPitch", "exit_runtime", False, "names the runtime call"),
+    _p(CUDART, "cudaMalloc3D", "exit_runtime", False, "names the runtime call"),
+    _p(CUDART, "cudaFree", "exit_runtime", False, "names the runtime call"),
+    _p(CUDART, "cudaMemGetInfo", "exit_runtime", False, "memory queries (shown)"),
+)

@@ -1,0 +1,156 @@
+"""The tracer: one BPF program, probes on every CUDA library found (now or later), exact
+per-(process, device) accounting read from maps, and events for the live view."""
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from . import loader
+from .events import Event, decode_ptr
+from .libs import Library, LibraryFinder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcUsage:
+    """One (process, device) row of the BPF `usage` map, joined with its `procs` entry."""
+    pid: int
+    dev: int
+    gen: int
+    cgroup_id: int
+    comm: str
+    live: int
+    peak: int
+    n_alloc: int
+    n_free: int
+    bytes_alloc: int
+    bytes_free: int
+    n_failed: int
+    contexts: int
+    last_ns: int
+
+
+class Tracer:
+    def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
+                 ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
+                 sweep_every: float = 30.0):
+        self.finder = LibraryFinder(extra=tuple(libraries), discover=discover)
+        self.ringbuf_pages = ringbuf_pages
+        self.rescan_every = rescan_every
+        self.selftest = selftest
+        self.sweep_every = sweep_every
+        self.attached: list[loader.LibraryProbes] = []
+        self.failed: list[tuple[Library, str]] = []
+        self.b = None
+        self._pending: list[Event] = []
+        self._ignore: set[int] = set()
+        self._sweeps: set[tuple[int, int]] = set()
+        self._last_scan = self._last_sweep = 0.0
+        self.started_ns = 0
+
+    # --- life cycle ---
+    def start(self) -> "Tracer":
+        self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages)
+        self.b["events"].open_ring_buffer(self._on_event)
+        self.started_ns = time.monotonic_ns()
+        self.rescan(force=True)
+        return self
+
+    def close(self) -> None:
+        if self.b is not None:
+            self.b.cleanup()   # detaches every uprobe and the tracepoints
+            self.b = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- libraries ---
+    def rescan(self, force: bool = False) -> list[loader.LibraryProbes]:
+        now = time.monotonic()
+        if not force and now - self._last_scan < self.rescan_every:
+            return []
+        self._last_scan = now
+        added = []
+        for lib in self.finder.scan():
+            try:
+                lp = loader.attach_library(self.b, lib)
+            except Exception as e:  # one bad library must not stop tracing the others
+                self.failed.append((lib, str(e)))
+                log.warning("%s", e)
+                continue
+            if self.selftest:
+                pid = loader.self_test(self.b, lp)
+                if pid:
+                    self._ignore.add(pid)
+            self.attached.append(lp)
+            added.append(lp)
+            log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
+        return added
+
+    @property
+    def libraries(self) -> list[Library]:
+        return [lp.library for lp in self.attached]
+
+    # --- events ---
+    def _on_event(self, ctx, data, size):
+        ev = decode_ptr(data, size)
+        if ev.op in ("exit", "exec"):
+            self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
+        if ev.pid not in self._ignore:
+            self._pending.append(ev)
+
+    def poll(self) -> list[Event]:
+        """Everything since the last poll; also attaches new libraries and cleans up."""
+        self.b.ring_buffer_consume()
+        self.rescan()
+        now = time.monotonic()
+        if self._sweeps or now - self._last_sweep > self.sweep_every:
+            self._sweep(full=now - self._last_sweep > self.sweep_every)
+            self._last_sweep = now if now - self._last_sweep > self.sweep_every else self._last_sweep
+        out, self._pending = self._pending, []
+        return out
+
+    def _sweep(self, full: bool) -> None:
+        """Drop objects of processes that are gone. Their bytes already left the totals in
+        BPF at exit; this only frees map slots (an exit event lost to a full ring buffer is
+        caught by the periodic full sweep, which keeps objects of live generations only)."""
+        objs = self.b["objs"]
+        live = {k.value: v.gen for k, v in self.b["procs"].items()} if full else None
+        dead = []
+        for k, v in objs.items():
+            if (k.tgid, v.gen) in self._sweeps or (full and live.get(k.tgid) != v.gen):
+                dead.append(k)
+        for k in dead:
+            try:
+                del objs[k]
+            except KeyError:
+                pass
+        self._sweeps.clear()
+
+    # --- accounting ---
+    def usage(self) -> list[ProcUsage]:
+        procs = {k.value: v for k, v in self.b["procs"].items()}
+        rows = []
+        for k, u in self.b["usage"].items():
+            p = procs.get(k.tgid)
+            if p is None or p.gen != u.gen or k.tgid in self._ignore:
+                continue
+            rows.append(ProcUsage(
+                pid=k.tgid, dev=k.dev, gen=u.gen, cgroup_id=p.cgroup_id,
+                comm=p.comm.decode(errors="replace"), live=u.live, peak=u.peak,
+                n_alloc=u.n_alloc, n_free=u.n_free, bytes_alloc=u.bytes_alloc,
+                bytes_free=u.bytes_free, n_failed=u.n_failed, contexts=u.contexts,
+                last_ns=u.last_ns))
+        return sorted(rows, key=lambda r: (r.pid, r.dev))
+
+    def stats(self) -> dict[str, int]:
+        names = ("events", "drops", "unknown_free")
+        return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b["stats"].items(), key=lambda kv: kv[0].value))}
+
+    def object_count(self) -> int:
+        return len(self.b["objs"].items())

@@ -1,0 +1,56 @@
+#!/bin/sh
+# One idempotent set-up for a fresh Debian 12 / Ubuntu 22.04 / 24.04 host, run as root.
+# Used by both README commands, by .ci/run and by the Vagrantfile: there is no second copy.
+#   - apt packages: bcc (python3-bpfcc; PyPI's "bcc" is an unrelated package), a C compiler,
+#     podman + runc for real-container tests and the demo, kernel headers;
+#   - kernel headers for the running kernel, else the distro's generic headers linked in
+#     (uprobe programs use only stable uapi types, so generic headers compile them: FACTS.md);
+#   - tracefs mounted; a venv from the *system* python3 with --system-site-packages (bcc's
+#     Python part lives in the system dist-packages); the package, editable, with its test extras;
+#   - the native parts (test stand-in libcuda, callers) built with make.
+set -eu
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "setup.sh: run as root (bcc and uprobes need it): sudo $0" >&2; exit 1; }
+
+export DEBIAN_FRONTEND=noninteractive
+need=""
+for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static; do
+  dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
+done
+kr="$(uname -r)"
+if [ ! -e "/lib/modules/$kr/build/include" ]; then
+  # Exact headers when the distro has them, else the generic flavour (linked in below).
+  if apt-cache show "linux-headers-$kr" >/dev/null 2>&1; then hdr="linux-headers-$kr"
+  elif grep -qi ubuntu /etc/os-release; then hdr="linux-headers-generic"
+  else hdr="linux-headers-amd64"; fi
+  dpkg -s "$hdr" >/dev/null 2>&1 || need="$need $hdr"
+fi
+if [ -n "$need" ]; then
+  apt-get update -qq
+  # shellcheck disable=SC2086
+  apt-get install -y -qq --no-install-recommends $need >/dev/null
+fi
+
+if [ ! -e "/lib/modules/$kr/build/include" ]; then
+  b="$(ls -d /usr/src/linux-headers-*-amd64 /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -n1)"
+  [ -n "$b" ] || { echo "setup.sh: no kernel headers under /usr/src; install linux-headers-$kr" >&2; exit 1; }
+  c="$(ls -d "${b%-*}-common" "${b%-generic}" 2>/dev/null | head -n1 || true)"
+  mkdir -p "/lib/modules/$kr"
+  ln -sfn "$b" "/lib/modules/$kr/build"
+  ln -sfn "${c:-$b}" "/lib/modules/$kr/source"
+fi
+mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+
+# podman: no default rlimits (setrlimit is not permitted in some sandboxes; callers pass
+# --runtime runc because crun refuses hybrid cgroups). Only written when absent.
+if [ ! -e /etc/containers/containers.conf ]; then
+  mkdir -p /etc/containers
+  printf "[containers]\ndefault_ulimits = []\n" > /etc/containers/containers.conf
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+make -s
