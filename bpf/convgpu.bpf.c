@@ -39,6 +39,8 @@ BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
 BPF_PERCPU_ARRAY(hits, u64, CG_API_MAX);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(scratch, u64, 1);
+BPF_ARRAY(layout_event, struct cg_event, 1);  // never written: its type lets tests compare
+                                              // probes/events.py's ctypes mirror with the C one
 
 // Passes a value through a map so the verifier forgets how it was computed: after a loop
 // with many exits, the paths then look alike and are pruned instead of explored one by one.

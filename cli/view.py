@@ -20,7 +20,7 @@ MODES = {
 def _age(s: float | None) -> str:
     if s is None:
         return "-"
-    return f"{s:.1f}s ago" if s < 60 else f"{s / 60:.0f}m ago"
+    return f"{s:.1f}s" if s < 60 else f"{s / 60:.0f}m"
 
 
 def _header(s: Snapshot) -> Text:
@@ -44,20 +44,20 @@ def gpu_table(s: Snapshot) -> Table:
 
 
 def container_table(s: Snapshot) -> Table:
-    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
-    t.add_column("container / process", max_width=30, no_wrap=True, overflow="ellipsis")
-    t.add_column("GPU", justify="right")
-    t.add_column("live", justify="right")
-    t.add_column("ctx overhead", justify="right")
-    t.add_column("total", justify="right")
-    t.add_column("peak", justify="right")
-    t.add_column("alloc/s", justify="right")
-    t.add_column("last event", justify="right")
+    # 22 + 3 + 4 x 10 + 11 + 7 + 6 columns and 8 one-space gaps: 97 of 100 columns
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, padding=(0, 0, 0, 1))
+    t.add_column("container / process", width=22, no_wrap=True, overflow="ellipsis")
+    t.add_column("GPU", justify="right", min_width=3, no_wrap=True)
+    for col, w in (("live", 10), ("context", 11), ("total", 10), ("peak", 10), ("alloc/s", 7), ("last", 6)):
+        t.add_column(col, justify="right", min_width=w, no_wrap=True)
     if not s.containers:
-        t.add_row(Text("no CUDA process seen yet", style="dim"), "", "", "", "", "", "", "")
+        t.add_row(Text("no CUDA process yet", style="dim"), "", "", "", "", "", "", "")
     for c in s.containers:
         gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
-        t.add_row(Text(f"{c.name} ({c.kind}, {len(c.pids)} proc)", style="bold"), gpus,
+        n = len(c.pids)
+        label = Text(c.name, style="bold")   # kind and id are in --json; processes below
+        label.append(f" [{n}]" if n > 1 else "", style="dim")
+        t.add_row(label, gpus,
                   format_size(c.live), format_size(c.overhead), format_size(c.total),
                   format_size(c.peak), f"{c.rate:.1f}", _age(c.last_event_age))
         for p in c.processes:

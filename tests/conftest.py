@@ -1,0 +1,119 @@
+"""Shared fixtures. System tests need root, bcc and the built stand-in driver; when the README's
+test command runs them (CONVGPU_REQUIRE_SYSTEM=1, also in CI) a missing prerequisite FAILS
+instead of skipping, so a broken set-up cannot pass as 'skipped'."""
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from convgpu.paths import build_dir
+
+REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
+MiB = 1 << 20
+
+
+def need(condition: bool, reason: str):
+    if condition:
+        return
+    if REQUIRE:
+        pytest.fail(f"prerequisite missing (CONVGPU_REQUIRE_SYSTEM=1): {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def build() -> Path:
+    b = build_dir()
+    need((b / "standin" / "libcuda.so.1").exists() and (b / "cgcaller").exists(),
+         f"native parts not built in {b}: run `make`")
+    return b
+
+
+@pytest.fixture(scope="session")
+def root():
+    need(os.geteuid() == 0, "needs root (uprobes, cgroups)")
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        need(False, "bcc not importable: install python3-bpfcc, venv with --system-site-packages")
+
+
+class Caller:
+    """A running tests/standin/cgcaller: waits for its `ready` line, then holds until told."""
+
+    def __init__(self, argv, env, hold=True):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        self.pid = self.p.pid
+        self.lines = []
+        self.allocated = (0, 0)
+        self.freed = (0, 0)
+        self._read_until("ready")
+
+    def _read_until(self, word, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                raise AssertionError(f"caller ended early: {self.lines} {self.p.stderr.read()}")
+            line = line.strip()
+            self.lines.append(line)
+            parts = line.split()
+            if parts[0] == "allocated":
+                self.allocated = (int(parts[1]), int(parts[2]))
+            if parts[0] == "freed":
+                self.freed = (int(parts[1]), int(parts[2]))
+            if parts[0] == word:
+                return line
+        raise AssertionError(f"no {word!r} from caller: {self.lines}")
+
+    def release(self):
+        """Let it free everything and exit; returns the exit code."""
+        self.p.stdin.write("\n")
+        self.p.stdin.flush()
+        self._read_until("exit")
+        return self.p.wait(timeout=30)
+
+    def kill(self):
+        self.p.kill()
+        return self.p.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def caller_env(build):
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(build / "standin")
+    env["CONVGPU_STANDIN_SHM"] = f"/convgpu-test-{os.getpid()}"
+    return env
+
+
+@pytest.fixture
+def run_caller(build, caller_env):
+    started = []
+
+    def run(family, *args, hold=True, env=None):
+        argv = [str(build / "cgcaller"), family, *map(str, args)] + (["--hold"] if hold else [])
+        c = Caller(argv, {**caller_env, **(env or {})})
+        started.append(c)
+        return c
+
+    yield run
+    for c in started:
+        if c.p.poll() is None:
+            c.kill()
+
+
+@pytest.fixture(scope="session")
+def tracer(root, build):
+    from convgpu.probes.tracer import Tracer
+    t = Tracer(libraries=(str(build / "standin" / "libcuda.so.1"), str(build / "standin" / "libcudart.so.13")),
+               discover=False).start()
+    yield t
+    t.close()
+
+
+def usage_of(tracer, pid):
+    """{dev: ProcUsage} for one process, after draining events."""
+    tracer.poll()
+    return {u.dev: u for u in tracer.usage() if u.pid == pid}

@@ -1,0 +1,35 @@
+"""The CLI through typer's CliRunner: bad input gives one line with the value and the fix, and
+exit code 1; never a traceback."""
+from typer.testing import CliRunner
+
+from convgpu import __version__
+from convgpu.cli.main import app
+
+runner = CliRunner()
+
+
+def test_version():
+    r = runner.invoke(app, ["version"])
+    assert r.exit_code == 0 and r.output.strip() == __version__
+
+
+def test_unknown_pid_is_one_line_error():
+    r = runner.invoke(app, ["trace", "--pid", "999999999"])
+    assert r.exit_code == 1
+    assert "no process with pid 999999999" in r.output and "ps -p" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_bad_overhead_size():
+    r = runner.invoke(app, ["trace", "--ctx-overhead", "12 parsecs"])
+    assert r.exit_code == 1 and "'12 parsecs'" in r.output and "512MiB" in r.output
+
+
+def test_unknown_container():
+    r = runner.invoke(app, ["trace", "--container", "no-such-container-xyz"])
+    assert r.exit_code == 1 and "no running container or cgroup matches 'no-such-container-xyz'" in r.output
+
+
+def test_help_lists_commands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0 and "trace" in r.output and "doctor" in r.output

@@ -1,0 +1,38 @@
+"""The probe table agrees with the BPF source: every entry's functions exist there, every
+API the header lists is probed, and the issue's required symbols are present."""
+import re
+
+from convgpu.bpf import SOURCE
+from convgpu.probes.table import API_IDS, API_NAMES, CUDA, CUDART, PROBES
+
+SRC = SOURCE.read_text()
+DEFINED = set(re.findall(r"^int (\w+)\(struct pt_regs", SRC, re.M))
+DEFINED |= {f"enter_{n}" for n in re.findall(r"(?:ENTER|RT)\((\w+)\)", SRC) if n != "name"}
+
+
+def test_every_probe_function_exists_in_bpf_source():
+    for p in PROBES:
+        assert p.enter in DEFINED, p
+        assert p.exit is None or p.exit in DEFINED, p
+
+
+def test_every_api_in_header_is_probed_or_a_tracepoint():
+    probed = {p.symbol for p in PROBES}
+    assert set(API_IDS) - probed == {"sched_process_exit", "sched_process_exec"}
+    assert len(API_NAMES) == len(API_IDS)
+
+
+def test_issue_symbols_covered():
+    want = """cuMemAlloc_v2 cuMemAllocPitch_v2 cuMemAllocManaged cuMemFree_v2 cuMemCreate cuMemRelease
+    cuMemMap cuMemUnmap cuMemAddressReserve cuMemAddressFree cuMemAllocAsync cuMemAllocFromPoolAsync
+    cuMemFreeAsync cuMemAllocAsync_ptsz cuMemAllocFromPoolAsync_ptsz cuMemFreeAsync_ptsz
+    cuArrayCreate_v2 cuArray3DCreate_v2 cuMipmappedArrayCreate cuArrayDestroy cuMipmappedArrayDestroy
+    cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease_v2 cuCtxCreate_v2 cuCtxCreate_v3 cuCtxCreate_v4
+    cuCtxDestroy_v2 cuCtxSetCurrent cuCtxPushCurrent_v2 cuCtxPopCurrent_v2""".split()
+    assert set(want) <= {p.symbol for p in PROBES if p.library == CUDA}
+    rt = {"cudaMalloc", "cudaMallocManaged", "cudaMallocPitch", "cudaMalloc3D", "cudaFree", "cudaMemGetInfo"}
+    assert rt == {p.symbol for p in PROBES if p.library == CUDART}
+
+
+def test_only_the_essentials_are_required():
+    assert {p.symbol for p in PROBES if p.required} == {"cuMemAlloc_v2", "cuMemFree_v2", "cuDevicePrimaryCtxRetain"}

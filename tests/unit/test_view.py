@@ -1,0 +1,73 @@
+"""render(snapshot) from a hand-made snapshot: exact figures appear, nothing exceeds 100
+columns, and the demo/waiting modes say so."""
+import time
+
+from rich.console import Console
+
+from convgpu.cli.view import render
+from convgpu.enforcer.model import ContainerRow, GpuRow, ProcessRow, Snapshot
+from convgpu.probes.events import Event
+
+MiB = 1 << 20
+
+
+def proc(pid, live, overhead, src="nvml", gpu=0):
+    return ProcessRow(pid=pid, comm="python3", gpu=gpu, live=live, peak=live + 128 * MiB, overhead=overhead,
+                      overhead_source=src, contexts=1, allocs=10, frees=4, failed=1, rate=2.5,
+                      last_event_age=1.25)
+
+
+def snapshot(mode="driver"):
+    a = ContainerRow(id="a" * 64, name="trainer-with-a-very-long-container-name-indeed", kind="podman",
+                     cgroup="/libpod_parent/libpod-" + "a" * 64,
+                     processes=(proc(101, 256 * MiB, 519 * MiB), proc(102, 128 * MiB, 519 * MiB)), peak=512 * MiB)
+    b = ContainerRow(id="/convgpu-demo/beta", name="beta", kind="cgroup", cgroup="/convgpu-demo/beta",
+                     processes=(proc(201, 0, 64 * MiB, "estimate"),), peak=0)
+    ev = Event(ts_ns=time.monotonic_ns(), pid=101, tid=101, comm="python3", cgroup_id=1, op="alloc",
+               api="cuMemAlloc_v2", rt_api="cudaMalloc", dev=0, addr=0x1000, size=128 * MiB,
+               live=256 * MiB, result=0, flags=0)
+    return Snapshot(ts=time.time(), mode=mode,
+                    gpus=(GpuRow(0, "NVIDIA H100 80GB HBM3", 80 * 1024 * MiB, 2000 * MiB, 1495 * MiB),),
+                    containers=(a, b), events=(ev,), events_total=7, drops=0, libraries=("/lib/libcuda.so.1",))
+
+
+def text_of(s, width=100):
+    c = Console(width=width, record=True, color_system=None)
+    c.print(render(s))
+    return c.export_text()
+
+
+def test_render_figures_and_width():
+    out = text_of(snapshot())
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "NVIDIA H100 80GB HBM3" in out and "80.0 GiB" in out and "1.5 GiB" in out  # 1495 MiB tracked
+    row = next(line for line in lines if "trainer" in line)
+    # container: live 384 MiB, overhead 2 x 519 MiB = 1038 MiB, total 1422 MiB, peak 512 MiB
+    assert "384.0 MiB" in row and "1.0 GiB" in row and "1.4 GiB" in row and "512.0 MiB" in row
+    assert row.startswith(" trainer-with-a-very") and "5.0" in row  # 2 x 2.5 allocs/s
+    assert "beta" in out and " 101 python3" in out and " 102 python3" in out
+    est = next(line for line in lines if " 201 " in line)
+    assert "64.0 MiB ~" in est
+    ev = next(line for line in lines if "cuMemAlloc_v2 (cudaMalloc)" in line)
+    assert "128.0 MiB" in ev and "256.0 MiB" in ev
+    assert "Ctrl-C to end" in out and "events 7" in out and "dropped 0" in out
+
+
+def test_render_modes():
+    assert "DEMO: no NVIDIA driver" in text_of(snapshot("demo"))
+    empty = Snapshot(ts=time.time(), mode="waiting", gpus=(), containers=())
+    out = text_of(empty)
+    assert "waiting for a CUDA driver" in out and "no CUDA process yet" in out
+
+
+def test_render_narrow_terminal_does_not_crash():
+    assert "trainer" in text_of(snapshot(), width=60)
+
+
+def test_snapshot_json_totals():
+    j = snapshot().to_json()
+    a = j["containers"][0]
+    assert (a["live"], a["overhead"], a["total"], a["peak"]) == (384 * MiB, 1038 * MiB, 1422 * MiB, 512 * MiB)
+    assert [p["total"] for p in a["processes"]] == [775 * MiB, 647 * MiB]
+    assert j["type"] == "snapshot" and j["schema"] == 1 and j["gpus"][0]["tracked"] == 1495 * MiB
