@@ -27,3 +27,7 @@ app.command("doctor")(doctor.doctor)
 
 def main():
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Real uprobes on the stand-in libcuda.so.1: every API family, exact counts and bytes per
+process, failed calls, threads, and exits. Root and the real kernel; no GPU."""
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MiB, usage_of
+
+pytestmark = pytest.mark.system
+
+
+def events_of(tracer, pid, wait_for=None, timeout=5.0):
+    """Events of one process; with wait_for=op, polls until such an event arrived."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while True:
+        got += [e for e in tracer.poll() if e.pid == pid]
+        if wait_for is None or any(e.op == wait_for for e in got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def test_event_layout_matches_the_loaded_program(tracer):
+    from convgpu.probes.events import CgEvent
+    leaf = tracer.b["layout_event"].Leaf
+    assert ctypes.sizeof(leaf) == ctypes.sizeof(CgEvent) == 80
+    theirs = [(name, getattr(leaf, name).offset, getattr(leaf, name).size) for name, *_ in leaf._fields_]
+    ours = [(name, getattr(CgEvent, name).offset, getattr(CgEvent, name).size) for name, *_ in CgEvent._fields_]
+    assert theirs == ours
+
+
+def test_every_probe_attached_fired_and_is_cheap(tracer):
+    driver = next(lp for lp in tracer.attached if lp.library.kind == "cuda")
+    assert all(a.ok for a in driver.probes), [(a.probe.symbol, a.reason) for a in driver.probes if not a.ok]
+    assert [a.probe.symbol for a in driver.probes if a.fired is not True] == []
+    # the stand-in is built like the driver: every entry starts with push %rbp (emulated)
+    assert {a.insn for a in driver.probes} == {"emulated"}
+    rt = next(lp for lp in tracer.attached if lp.library.kind == "cudart")
+    assert all(a.ok for a in rt.probes) and len(rt.probes) == 6
+
+
+def test_alloc_exact_bytes_and_counts(tracer, run_caller):
+    c = run_caller("alloc", "-n", 23, "-s", 3 * MiB)
+    assert c.allocated == (23, 23 * 3 * MiB)
+    u = usage_of(tracer, c.pid)
+    assert list(u) == [0]
+    assert (u[0].live, u[0].n_alloc, u[0].n_free, u[0].contexts, u[0].n_failed) == (23 * 3 * MiB, 23, 0, 1, 0)
+    assert u[0].peak == 23 * 3 * MiB
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    allocs = [e for e in evs if e.op == "alloc"]
+    frees = [e for e in evs if e.op == "free"]
+    assert len(allocs) == 23 and {e.size for e in allocs} == {3 * MiB} and {e.api for e in allocs} == {"cuMemAlloc_v2"}
+    assert len(frees) == 23 and sum(e.size for e in frees) == 23 * 3 * MiB and frees[-1].live == 0
+    exit_ev = [e for e in evs if e.op == "exit"]
+    assert len(exit_ev) == 1 and exit_ev[0].size == 0     # nothing left at exit
+    assert usage_of(tracer, c.pid) == {}
+
+
+@pytest.mark.parametrize("family,n,size,api", [
+    ("pitch", 5, 1000, "cuMemAllocPitch_v2"),
+    ("managed", 4, 5 * MiB, "cuMemAllocManaged"),
+])
+def test_other_allocators_exact(tracer, run_caller, family, n, size, api):
+    c = run_caller(family, "-n", n, "-s", size)
+    count, total = c.allocated
+    assert count == n
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc) == (total, n)
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    assert {e.api for e in evs if e.op == "alloc"} == {api}
+    assert sum(e.size for e in evs if e.op == "free") == total
+
+
+def test_async_and_pools(tracer, run_caller):
+    c = run_caller("async", "-n", 6, "-s", 2 * MiB)
+    assert c.allocated == (12, 12 * 2 * MiB)
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc) == (12 * 2 * MiB, 12)
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    apis = [e.api for e in evs if e.op == "alloc"]
+    assert apis.count("cuMemAllocAsync") == 6 and apis.count("cuMemAllocFromPoolAsync") == 6
+    assert [e.api for e in evs if e.op == "free"] == ["cuMemFreeAsync"] * 12
+
+
+def test_vmm_bytes_live_until_released_and_unmapped(tracer, run_caller):
+    c = run_caller("vmm", "-n", 4, "-s", 2 * MiB)
+    assert c.allocated == (4, 8 * MiB)
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc) == (8 * MiB, 4)
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    assert [e.op for e in evs if e.api == "cuMemMap"] == ["map"] * 4
+    deferred = [e for e in evs if e.deferred]
+    assert len(deferred) == 2 and {e.api for e in deferred} == {"cuMemRelease"}   # odd i: release first
+    frees = [e for e in evs if e.op == "free" and e.size]
+    # even i: freed by cuMemRelease after unmap; odd i: by the last cuMemUnmap
+    assert sorted(e.api for e in frees) == ["cuMemRelease", "cuMemRelease", "cuMemUnmap", "cuMemUnmap"]
+    assert sum(e.size for e in frees) == 8 * MiB and frees[-1].live == 0
+    assert [e.op for e in evs if e.api in ("cuMemAddressReserve", "cuMemAddressFree")] == ["reserve", "unreserve"]
+
+
+def test_arrays_estimated_from_descriptors(tracer, run_caller):
+    c = run_caller("array", "-n", 2)
+    count, total = c.allocated
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc) == (total, count)
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    allocs = [e for e in evs if e.op == "alloc"]
+    assert all(e.estimate for e in allocs) and sum(e.size for e in allocs) == total
+    assert sum(e.size for e in evs if e.op == "free") == total
+
+
+def test_contexts_counted_and_device_followed(tracer, run_caller):
+    c = run_caller("ctx", "-s", 4 * MiB)
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.contexts, u.live) == (2, 4 * MiB)     # primary + created
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    assert [e.op for e in evs if e.op.startswith("ctx")] == ["ctx_create", "ctx_create", "ctx_destroy"]
+
+
+def test_failed_allocation_changes_nothing(tracer, run_caller):
+    c = run_caller("fail", "-s", 2 * MiB, env={"CONVGPU_STANDIN_CAPACITY": str(1 * MiB)})
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc, u.n_failed) == (0, 0, 1)
+    assert c.release() == 0
+    failed = [e for e in events_of(tracer, c.pid, wait_for="exit") if e.op == "failed"]
+    assert len(failed) == 1 and failed[0].result == 2 and failed[0].size == 2 * MiB
+
+
+def test_runtime_calls_name_the_driver_calls_counted_once(tracer, run_caller):
+    c = run_caller("runtime", "-n", 3, "-s", 1 * MiB)
+    count, total = c.allocated
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc) == (total, count)     # driver-level only: not doubled
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    allocs = [e for e in evs if e.op == "alloc"]
+    assert [e.rt_api for e in allocs].count("cudaMalloc") == 3
+    assert {e.rt_api for e in allocs} == {"cudaMalloc", "cudaMallocPitch", "cudaMalloc3D", "cudaMallocManaged"}
+    assert {e.rt_api for e in evs if e.op == "free"} == {"cudaFree"}
+    assert any(e.api == "cudaMemGetInfo" and e.op == "meminfo" for e in evs)
+
+
+def test_64_threads_allocating_concurrently(tracer, run_caller):
+    c = run_caller("alloc", "-n", 10, "-s", 1 * MiB, "-t", 64)
+    assert c.allocated == (640, 640 * MiB)
+    u = usage_of(tracer, c.pid)[0]
+    assert (u.live, u.n_alloc, u.peak) == (640 * MiB, 640, 640 * MiB)
+    assert c.release() == 0
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    assert len([e for e in evs if e.op == "free"]) == 640
+    assert len({e.tid for e in evs if e.op == "alloc"}) == 64
+
+
+def test_sigkill_releases_everything(tracer, run_caller):
+    c = run_caller("alloc", "-n", 7, "-s", 5 * MiB, "--no-free")
+    assert usage_of(tracer, c.pid)[0].live == 35 * MiB
+    before = tracer.object_count()
+    c.kill()
+    evs = events_of(tracer, c.pid, wait_for="exit")
+    ex = [e for e in evs if e.op == "exit"]
+    assert len(ex) == 1 and ex[0].size == 35 * MiB
+    assert usage_of(tracer, c.pid) == {}
+    tracer.poll()   # sweeps the dead process's objects from the map
+    assert tracer.object_count() <= before - 7 - 2   # 7 pointers + context + primary entries
+
+
+def test_exec_drops_the_old_image(tracer, build, caller_env):
+    # a process that allocates, then execs: the driver's memory goes with the old image
+    code = (f"import ctypes,os; cu=ctypes.CDLL('{build}/standin/libcuda.so.1'); cu.cuInit(0);"
+            "d=ctypes.c_int(); c=ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d),0);"
+            "cu.cuDevicePrimaryCtxRetain(ctypes.byref(c),d); cu.cuCtxSetCurrent(c);"
+            "p=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(9<<20));"
+            "print('ready',flush=True); input(); os.execv('/bin/sleep',['sleep','30'])")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=caller_env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert usage_of(tracer, p.pid)[0].live == 9 * MiB
+        p.stdin.write("\n")
+        p.stdin.flush()
+        ex = [e for e in events_of(tracer, p.pid, wait_for="exec") if e.op == "exec"]
+        assert len(ex) == 1 and ex[0].size == 9 * MiB
+        assert usage_of(tracer, p.pid) == {}
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_fork_child_starts_empty_and_parent_keeps_its_bytes(tracer, build, caller_env):
+    code = (f"import ctypes,os,sys; cu=ctypes.CDLL('{build}/standin/libcuda.so.1'); cu.cuInit(0);"
+            "d=ctypes.c_int(); c=ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d),0);"
+            "cu.cuDevicePrimaryCtxRetain(ctypes.byref(c),d); cu.cuCtxSetCurrent(c);"
+            "p=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(6<<20));\n"
+            "r,w=os.pipe(); pid=os.fork()\n"
+            "if pid==0:\n"
+            "    cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(1<<20)); os.write(w,b'x'); os.read(0,1); os._exit(0)\n"
+            "os.read(r,1); print('ready', pid, flush=True); input(); os.waitpid(pid,0)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=caller_env)
+    try:
+        line = p.stdout.readline().split()
+        child = int(line[1])
+        parent_u, child_u = usage_of(tracer, p.pid), usage_of(tracer, child)
+        assert parent_u[0].live == 6 * MiB and parent_u[0].n_alloc == 1
+        assert child_u[0].live == 1 * MiB and child_u[0].n_alloc == 1 and child_u[0].contexts == 0
+    finally:
+        p.kill()
+        p.wait()
+        os.kill(child, signal.SIGKILL) if "child" in locals() else None
