@@ -1,0 +1,599 @@
+/*
+ * libcuda.c - test-only stand-in for the CUDA driver (libcuda.so.1), part 1:
+ * cuInit, devices, contexts, error strings, cuGetProcAddress, plus the
+ * cross-process capacity accounting and the object table used by
+ * libcuda_mem.c.  No GPU: "device memory" is PROT_NONE address space.
+ *
+ * Build rule that matters (see Makefile, check-prologue): -O0
+ * -fno-omit-frame-pointer -fcf-protection=none, so every exported function
+ * starts with `push %rbp` like the real driver.  uprobes on that instruction
+ * are emulated in the kernel; on most others they are single-stepped, which
+ * would make probe-overhead measurements on the stand-in meaningless.
+ *
+ * No stdio anywhere on API paths; everything is thread-safe.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "libcuda_int.h"
+#include "standin_shm.h"
+
+int g_inited;
+int g_ndev = 1;
+static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
+uint64_t g_capacity = SI_DEFAULT_CAPACITY;
+static uint64_t g_ctx_overhead;
+static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* ------------------------------------------------------------ accounting */
+
+static struct si_handle g_shm = {-1, NULL};
+static int g_slot = -1; /* our slot in the shared table, -1 = none yet */
+
+static uint64_t env_u64(const char *name, uint64_t dflt)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return dflt;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 0);
+    return (errno || *end) ? dflt : (uint64_t)x;
+}
+
+/* Forked child: the inherited shm fd shares the parent's open file
+ * description, and with it the parent's slot lock, so the child needs its
+ * own description and its own slot. */
+static void atfork_child(void)
+{
+    if (g_shm.seg) {
+        close(g_shm.fd);
+        if (si_open(&g_shm, 1) != 0)
+            g_shm.seg = NULL;
+    }
+    g_slot = -1;
+}
+
+/* Normal exit: give the slot back now rather than waiting for a reaper. */
+static void at_exit(void)
+{
+    if (g_shm.seg && g_slot >= 0 && si_lock(&g_shm) == 0) {
+        si_unregister(&g_shm, g_slot);
+        g_slot = -1;
+        si_unlock(&g_shm);
+    }
+}
+
+/* Called with the shm lock held. */
+static int ensure_slot(void)
+{
+    if (g_slot < 0)
+        g_slot = si_register(&g_shm);
+    return g_slot;
+}
+
+CUresult acct_charge(int dev, uint64_t bytes)
+{
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (bytes == 0)
+        return CUDA_SUCCESS;
+    if (!g_shm.seg || si_lock(&g_shm) != 0)
+        return CUDA_ERROR_UNKNOWN;
+    struct si_seg *s = g_shm.seg;
+    if (ensure_slot() < 0) {
+        si_unlock(&g_shm);
+        return CUDA_ERROR_OUT_OF_MEMORY; /* more than 1024 processes */
+    }
+    si_reap(&g_shm, g_slot); /* exact: drops shares of dead processes */
+    uint64_t used = s->used[dev];
+    if (bytes > g_capacity || used > g_capacity - bytes) {
+        si_unlock(&g_shm);
+        return CUDA_ERROR_OUT_OF_MEMORY; /* and nothing changed */
+    }
+    s->slots[g_slot].used[dev] += bytes;
+    used += bytes;
+    __atomic_store_n(&s->used[dev], used, __ATOMIC_RELAXED);
+    if (used > s->peak[dev])
+        __atomic_store_n(&s->peak[dev], used, __ATOMIC_RELAXED);
+    si_unlock(&g_shm);
+    return CUDA_SUCCESS;
+}
+
+void acct_uncharge(int dev, uint64_t bytes)
+{
+    if (dev < 0 || dev >= g_ndev || bytes == 0 || !g_shm.seg || si_lock(&g_shm) != 0)
+        return;
+    if (g_slot >= 0) {
+        uint64_t *u = &g_shm.seg->slots[g_slot].used[dev];
+        *u = *u > bytes ? *u - bytes : 0;
+    }
+    si_reap(&g_shm, g_slot);
+    si_unlock(&g_shm);
+}
+
+uint64_t acct_used(int dev)
+{
+    uint64_t v = 0;
+    if (g_shm.seg && si_lock(&g_shm) == 0) {
+        si_reap(&g_shm, g_slot);
+        v = g_shm.seg->used[dev];
+        si_unlock(&g_shm);
+    }
+    return v;
+}
+
+/* ---------------------------------------------------------- object table */
+
+#define TAB_BITS 16
+static struct obj *g_tab[1u << TAB_BITS];
+static pthread_mutex_t g_tab_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t tab_hash(uintptr_t k)
+{
+    return (size_t)(((uint64_t)(k >> 4) * 0x9E3779B97F4A7C15ull) >> (64 - TAB_BITS));
+}
+
+void tab_lock(void) { pthread_mutex_lock(&g_tab_mu); }
+void tab_unlock(void) { pthread_mutex_unlock(&g_tab_mu); }
+
+struct obj *tab_find(uintptr_t key, int kind)
+{
+    for (struct obj *o = g_tab[tab_hash(key)]; o; o = o->next)
+        if (o->key == key && o->kind == kind)
+            return o;
+    return NULL;
+}
+
+void tab_insert(struct obj *o)
+{
+    size_t h = tab_hash(o->key);
+    o->next = g_tab[h];
+    g_tab[h] = o;
+}
+
+struct obj *tab_remove(uintptr_t key, int kind)
+{
+    for (struct obj **pp = &g_tab[tab_hash(key)]; *pp; pp = &(*pp)->next) {
+        struct obj *o = *pp;
+        if (o->key == key && o->kind == kind) {
+            *pp = o->next;
+            o->next = NULL;
+            return o;
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ init */
+
+API CUresult cuInit(unsigned int Flags)
+{
+    if (Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))
+        return CUDA_SUCCESS;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_init_mu);
+    if (!g_inited) {
+        uint64_t n = env_u64("CONVGPU_STANDIN_DEVICES", 1);
+        g_ndev = (int)(n > SI_MAX_DEV ? SI_MAX_DEV : n);
+        g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
+        g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
+        if (g_ndev == 0) {
+            rc = CUDA_ERROR_NO_DEVICE;
+        } else if (si_open(&g_shm, 1) != 0) {
+            /* Missing /dev/shm or a segment of another layout version;
+             * `standin-usage --unlink` removes a stale one. */
+            static const char msg[] = "convgpu stand-in: cannot use shm segment\n";
+            ssize_t w = write(2, msg, sizeof msg - 1);
+            (void)w;
+            rc = CUDA_ERROR_UNKNOWN;
+        } else {
+            if (si_lock(&g_shm) == 0) {
+                g_shm.seg->capacity_hint = g_capacity;
+                ensure_slot();
+                si_unlock(&g_shm);
+            }
+            for (int d = 0; d < SI_MAX_DEV; d++) { /* inactive until retained */
+                g_primary[d].kind = K_CTX;
+                g_primary[d].dev = d;
+                g_primary[d].released = 1;
+            }
+            pthread_atfork(NULL, NULL, atfork_child);
+            atexit(at_exit);
+            __atomic_store_n(&g_inited, 1, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&g_init_mu);
+    return rc;
+}
+
+API CUresult cuDriverGetVersion(int *driverVersion)
+{
+    CHECK_INIT();
+    if (!driverVersion)
+        return CUDA_ERROR_INVALID_VALUE;
+    *driverVersion = 13000;
+    return CUDA_SUCCESS;
+}
+
+/* --------------------------------------------------------------- devices */
+
+static int dev_ok(CUdevice d) { return d >= 0 && d < g_ndev; }
+
+API CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    CHECK_INIT();
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetCount(int *count)
+{
+    CHECK_INIT();
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = g_ndev;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    CHECK_INIT();
+    static const char base[] = "convgpu stand-in GPU ";
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    char buf[sizeof base + 4];
+    memcpy(buf, base, sizeof base - 1);
+    size_t n = sizeof base - 1;
+    if (dev >= 10)
+        buf[n++] = (char)('0' + dev / 10);
+    buf[n++] = (char)('0' + dev % 10);
+    buf[n] = 0;
+    size_t cap = (size_t)len - 1;
+    if (n > cap)
+        n = cap;
+    memcpy(name, buf, n);
+    name[n] = 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    CHECK_INIT();
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = g_capacity;
+    return CUDA_SUCCESS;
+}
+
+/* -------------------------------------------------------------- contexts */
+
+/* A context is a struct obj of kind K_CTX: dev = its device, released = 1
+ * once destroyed (primary: while its refcount is 0).  Destroyed contexts
+ * are never freed, so a stale handle on some thread's stack stays readable
+ * and yields CUDA_ERROR_CONTEXT_IS_DESTROYED instead of a crash. */
+static int g_primary_ref[SI_MAX_DEV];
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+
+#define CTX_STACK 64
+static __thread CUcontext t_stack[CTX_STACK];
+static __thread int t_depth;
+
+static int is_primary(CUcontext c)
+{
+    struct obj *o = (struct obj *)c;
+    return o >= &g_primary[0] && o < &g_primary[SI_MAX_DEV];
+}
+
+static int ctx_valid(CUcontext c)
+{
+    if (is_primary(c))
+        return (int)((struct obj *)c - g_primary) < g_ndev;
+    tab_lock();
+    int ok = tab_find((uintptr_t)c, K_CTX) != NULL;
+    tab_unlock();
+    return ok;
+}
+
+CUresult cur_dev(int *dev)
+{
+    if (t_depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct obj *o = (struct obj *)t_stack[t_depth - 1];
+    if (__atomic_load_n(&o->released, __ATOMIC_ACQUIRE))
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    *dev = o->dev;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    CHECK_INIT();
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_ctx_mu);
+    if (g_primary_ref[dev] == 0) {
+        /* Activating the primary context costs its overhead. */
+        rc = acct_charge(dev, g_ctx_overhead);
+        if (rc == CUDA_SUCCESS) {
+            g_primary[dev].kind = K_CTX;
+            g_primary[dev].dev = dev;
+            g_primary[dev].size = g_ctx_overhead;
+            __atomic_store_n(&g_primary[dev].released, 0, __ATOMIC_RELEASE);
+        }
+    }
+    if (rc == CUDA_SUCCESS) {
+        g_primary_ref[dev]++;
+        *pctx = (CUcontext)&g_primary[dev];
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    CHECK_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_ctx_mu);
+    if (g_primary_ref[dev] == 0) {
+        rc = CUDA_ERROR_INVALID_CONTEXT;
+    } else if (--g_primary_ref[dev] == 0) {
+        __atomic_store_n(&g_primary[dev].released, 1, __ATOMIC_RELEASE);
+        acct_uncharge(dev, g_primary[dev].size);
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+static CUresult ctx_create(CUcontext *pctx, CUdevice dev)
+{
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (t_depth == CTX_STACK)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct obj *o = calloc(1, sizeof *o);
+    if (!o)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = acct_charge(dev, g_ctx_overhead);
+    if (rc != CUDA_SUCCESS) {
+        free(o);
+        return rc;
+    }
+    o->key = (uintptr_t)o;
+    o->kind = K_CTX;
+    o->dev = dev;
+    o->size = g_ctx_overhead;
+    tab_lock();
+    tab_insert(o);
+    tab_unlock();
+    t_stack[t_depth++] = (CUcontext)o; /* new context becomes current */
+    *pctx = (CUcontext)o;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    CHECK_INIT();
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray,
+                            int numParams, unsigned int flags, CUdevice dev)
+{
+    CHECK_INIT();
+    (void)paramsArray;
+    (void)numParams;
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams,
+                            unsigned int flags, CUdevice dev)
+{
+    CHECK_INIT();
+    (void)ctxCreateParams;
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+API CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    CHECK_INIT();
+    if (!ctx || is_primary(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    tab_lock();
+    struct obj *o = tab_remove((uintptr_t)ctx, K_CTX);
+    tab_unlock();
+    if (!o)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    __atomic_store_n(&o->released, 1, __ATOMIC_RELEASE);
+    acct_uncharge(o->dev, o->size);
+    /* The driver pops it from the calling thread's stack. */
+    int j = 0;
+    for (int i = 0; i < t_depth; i++)
+        if (t_stack[i] != ctx)
+            t_stack[j++] = t_stack[i];
+    t_depth = j;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    CHECK_INIT();
+    if (!ctx) { /* documented: NULL pops the top, if any */
+        if (t_depth > 0)
+            t_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth == 0)
+        t_depth = 1;
+    t_stack[t_depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    CHECK_INIT();
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = t_depth ? t_stack[t_depth - 1] : NULL;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    CHECK_INIT();
+    if (!ctx || !ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth == CTX_STACK)
+        return CUDA_ERROR_INVALID_VALUE;
+    t_stack[t_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    CHECK_INIT();
+    if (t_depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    CUcontext c = t_stack[--t_depth];
+    if (pctx)
+        *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetDevice(CUdevice *device)
+{
+    CHECK_INIT();
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    if (rc == CUDA_SUCCESS)
+        *device = dev;
+    return rc;
+}
+
+API CUresult cuCtxSynchronize(void)
+{
+    CHECK_INIT();
+    int dev;
+    return cur_dev(&dev); /* nothing is ever in flight */
+}
+
+/* ---------------------------------------------------------------- errors */
+
+static const struct {
+    CUresult code;
+    const char *text;
+} g_errs[] = {
+    {CUDA_SUCCESS, "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "named symbol not found"},
+    {CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed"},
+    {CUDA_ERROR_NOT_SUPPORTED, "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "unknown error"},
+};
+
+API CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    CHECK_INIT();
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_errs / sizeof g_errs[0]; i++)
+        if (g_errs[i].code == error) {
+            *pStr = g_errs[i].text;
+            return CUDA_SUCCESS;
+        }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* -------------------------------------------------------- cuGetProcAddress */
+
+/* Look symbols up in this very library (it may have been dlopen'ed
+ * RTLD_LOCAL, so RTLD_DEFAULT would not see it). */
+static void *self_sym(const char *name)
+{
+    static void *self;
+    if (!__atomic_load_n(&self, __ATOMIC_ACQUIRE)) {
+        Dl_info info;
+        void *h = NULL;
+        if (dladdr((void *)cuInit, &info) && info.dli_fname)
+            h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h)
+            return NULL;
+        __atomic_store_n(&self, h, __ATOMIC_RELEASE);
+    }
+    return dlsym(self, name);
+}
+
+static int build_name(char *out, size_t cap, const char *base, const char *suffix)
+{
+    size_t a = strlen(base), b = strlen(suffix);
+    if (a + b + 1 > cap)
+        return 0;
+    memcpy(out, base, a);
+    memcpy(out + a, suffix, b + 1);
+    return 1;
+}
+
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                 cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus)
+{
+    CHECK_INIT();
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Callers pass the base name ("cuMemAlloc"); map it to the ABI version
+     * we export.  Only cuCtxCreate has several versions worth choosing. */
+    const char *suffixes[4];
+    int n = 0;
+    if (strcmp(symbol, "cuCtxCreate") == 0)
+        suffixes[n++] = cudaVersion >= 12050 ? "_v4" : cudaVersion >= 11040 ? "_v3" : "_v2";
+    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+        suffixes[n++] = "_ptsz";
+    suffixes[n++] = "_v2";
+    suffixes[n++] = "";
+    void *p = NULL;
+    char name[128];
+    for (int i = 0; i < n && !p; i++)
+        if (build_name(name, sizeof name, symbol, suffixes[i]))
+            p = self_sym(name);
+    *pfn = p;
+    if (symbolStatus)
+        *symbolStatus = p ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return p ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}

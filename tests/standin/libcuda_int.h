@@ -1,0 +1,64 @@
+/*
+ * libcuda_int.h - internals shared by libcuda.c (init, devices, contexts,
+ * accounting, object table) and libcuda_mem.c (allocation APIs).
+ *
+ * The library is built with -fvisibility=hidden; only functions marked API
+ * are exported, so the exported set is exactly the driver names we emulate.
+ */
+#ifndef CONVGPU_LIBCUDA_INT_H
+#define CONVGPU_LIBCUDA_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuda_min.h"
+
+#define API __attribute__((visibility("default")))
+
+/* Like the real driver, nothing works before cuInit(0).  This check comes
+ * first in every API so a pre-init call has no side effects at all. */
+extern int g_inited;
+#define CHECK_INIT()                                                  \
+    do {                                                              \
+        if (!__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))            \
+            return CUDA_ERROR_NOT_INITIALIZED;                        \
+    } while (0)
+
+extern int g_ndev;          /* CONVGPU_STANDIN_DEVICES */
+extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
+
+#define VMM_GRANULARITY (2ull << 20)
+
+/* Capacity accounting in the shared segment (exact across processes). */
+CUresult acct_charge(int dev, uint64_t bytes); /* OOM if over capacity */
+void acct_uncharge(int dev, uint64_t bytes);
+uint64_t acct_used(int dev);
+
+/* Device of the calling thread's current context. */
+CUresult cur_dev(int *dev);
+
+/* Host-side table of live objects, keyed by address (device pointer,
+ * reservation base, mapping start, or the object's own address for
+ * handles/arrays).  All access under tab_lock(). */
+enum obj_kind { K_MEM = 1, K_RESERVE, K_MAP, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX };
+
+struct obj {
+    uintptr_t key;
+    int kind;
+    int dev;
+    uint64_t size;       /* bytes charged (K_RESERVE/K_MAP: range length) */
+    struct obj *next;    /* hash chain */
+    /* K_HANDLE: */
+    long mapcount;
+    int released;
+    /* K_MAP: the physical handle it maps; K_RESERVE: next reservation. */
+    struct obj *link;
+};
+
+void tab_lock(void);
+void tab_unlock(void);
+struct obj *tab_find(uintptr_t key, int kind);
+void tab_insert(struct obj *o);
+struct obj *tab_remove(uintptr_t key, int kind);
+
+#endif

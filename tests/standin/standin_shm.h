@@ -1,0 +1,89 @@
+/*
+ * standin_shm.h - cross-process "device memory" accounting for the stand-in
+ * CUDA driver (libcuda.c) and the standin-usage reader.
+ *
+ * Why shared memory: two "containers" (processes) using the stand-in must
+ * run out of the same simulated GPU together, as they would on real hardware.
+ *
+ * Why per-process slots instead of one counter: a SIGKILLed process cannot
+ * give its share back (no atexit).  Each process owns a slot that holds its
+ * per-device usage, and keeps an OFD write lock (fcntl F_OFD_SETLK) on byte
+ * <slot index> of the shm file.  The kernel drops that lock when the process
+ * dies (before it becomes a zombie, so waitpid() has returned by then), so a
+ * slot whose lock is free belongs to a dead process and is cleared ("reaped").
+ * Every charge, uncharge and read reaps first, so `used` is exact even right
+ * after a SIGKILL, with no pid-reuse race.
+ *
+ * Layout (x86_64, little endian; all integers naturally aligned), also
+ * documented in README.md for readers that are not C:
+ *   off   0 u32 magic (0x49534743 "CGSI")      off   4 u32 version (1)
+ *   off   8 u32 max_devices (16)               off  12 u32 nslots (1024)
+ *   off  16 u32 init_done (1 when usable)      off  20 u32 slot_hiwater
+ *   off  24 u64 capacity_hint (last cuInit's CONVGPU_STANDIN_CAPACITY)
+ *   off  32 u64 used[16]  exact sum as of the last charge/uncharge/reap
+ *   off 160 u64 peak[16]  highest used[] seen right after a charge
+ *   off 288 pthread_mutex_t (robust, process-shared), padded to 64 bytes
+ *   off 352 slot[1024], 144 bytes each:
+ *           i32 pid (0 = free), u32 pad, u64 start_time (clock ticks since
+ *           boot, /proc/pid/stat field 22), u64 used[16]
+ */
+#ifndef CONVGPU_STANDIN_SHM_H
+#define CONVGPU_STANDIN_SHM_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define SI_MAX_DEV 16
+#define SI_NSLOTS 1024
+#define SI_MAGIC 0x49534743u
+#define SI_VERSION 1u
+#define SI_DEFAULT_NAME "/convgpu-standin"
+#define SI_DEFAULT_CAPACITY 85899345920ull /* 80 GiB */
+
+struct si_slot {
+    int32_t pid;
+    uint32_t pad;
+    uint64_t start_time;
+    uint64_t used[SI_MAX_DEV];
+};
+
+struct si_seg {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t max_devices;
+    uint32_t nslots;
+    uint32_t init_done;
+    uint32_t slot_hiwater; /* slots >= this index were never used */
+    uint64_t capacity_hint;
+    uint64_t used[SI_MAX_DEV];
+    uint64_t peak[SI_MAX_DEV];
+    union {
+        pthread_mutex_t m;
+        char pad[64];
+    } lock;
+    struct si_slot slots[SI_NSLOTS];
+};
+
+struct si_handle {
+    int fd;
+    struct si_seg *seg;
+};
+
+/* Segment name from CONVGPU_STANDIN_SHM, else SI_DEFAULT_NAME. */
+const char *si_name(void);
+/* Map (creating if `create`) the segment.  0 on success, -1 if absent,
+ * -2 on any other failure (incompatible version, mmap...). */
+int si_open(struct si_handle *h, int create);
+/* Process-shared lock; recovers from a holder that died. 0 = locked. */
+int si_lock(struct si_handle *h);
+void si_unlock(struct si_handle *h);
+/* Under the lock: clear slots of dead processes (skipping `self`, whose
+ * lock the caller's own fd cannot see), then refresh seg->used[]. */
+void si_reap(struct si_handle *h, int self);
+/* Under the lock: take a free slot for this process.  Returns its index or
+ * -1 if the table is full. */
+int si_register(struct si_handle *h);
+/* Under the lock: give slot `idx` back (normal exit). */
+void si_unregister(struct si_handle *h, int idx);
+
+#endif
