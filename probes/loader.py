@@ -134,7 +134,7 @@ def attach_library(b, lib: Library) -> LibraryProbes:
 
 
 def read_hits(b) -> dict[int, int]:
-    return {k.value: sum(v) for k, v in b["hits"].items()}
+    return {k.value: sum(v) for k, v in b[b"hits"].items()}
 
 
 _SELFTEST = r"""

@@ -53,7 +53,7 @@ class Tracer:
     # --- life cycle ---
     def start(self) -> "Tracer":
         self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages)
-        self.b["events"].open_ring_buffer(self._on_event)
+        self.b[b"events"].open_ring_buffer(self._on_event)
         self.started_ns = time.monotonic_ns()
         self.rescan(force=True)
         return self
@@ -119,8 +119,8 @@ class Tracer:
         """Drop objects of processes that are gone. Their bytes already left the totals in
         BPF at exit; this only frees map slots (an exit event lost to a full ring buffer is
         caught by the periodic full sweep, which keeps objects of live generations only)."""
-        objs = self.b["objs"]
-        live = {k.value: v.gen for k, v in self.b["procs"].items()} if full else None
+        objs = self.b[b"objs"]
+        live = {k.value: v.gen for k, v in self.b[b"procs"].items()} if full else None
         dead = []
         for k, v in objs.items():
             if (k.tgid, v.gen) in self._sweeps or (full and live.get(k.tgid) != v.gen):
@@ -134,9 +134,9 @@ class Tracer:
 
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:
-        procs = {k.value: v for k, v in self.b["procs"].items()}
+        procs = {k.value: v for k, v in self.b[b"procs"].items()}
         rows = []
-        for k, u in self.b["usage"].items():
+        for k, u in self.b[b"usage"].items():
             p = procs.get(k.tgid)
             if p is None or p.gen != u.gen or k.tgid in self._ignore:
                 continue
@@ -150,7 +150,7 @@ class Tracer:
 
     def stats(self) -> dict[str, int]:
         names = ("events", "drops", "unknown_free")
-        return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b["stats"].items(), key=lambda kv: kv[0].value))}
+        return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b[b"stats"].items(), key=lambda kv: kv[0].value))}
 
     def object_count(self) -> int:
-        return len(self.b["objs"].items())
+        return len(self.b[b"objs"].items())

@@ -113,7 +113,27 @@ def tracer(root, build):
     t.close()
 
 
+EVENTS: dict[int, list] = {}
+
+
+def drain(tracer):
+    """Poll the tracer, keeping every event per pid so no test loses another's events."""
+    for e in tracer.poll():
+        EVENTS.setdefault(e.pid, []).append(e)
+
+
 def usage_of(tracer, pid):
     """{dev: ProcUsage} for one process, after draining events."""
-    tracer.poll()
+    drain(tracer)
     return {u.dev: u for u in tracer.usage() if u.pid == pid}
+
+
+def events_of(tracer, pid, wait_for=None, timeout=5.0):
+    """All events of one process so far; with wait_for=op, polls until such an event came."""
+    deadline = time.monotonic() + timeout
+    while True:
+        drain(tracer)
+        got = EVENTS.get(pid, [])
+        if wait_for is None or any(e.op == wait_for for e in got) or time.monotonic() > deadline:
+            return list(got)
+        time.sleep(0.02)

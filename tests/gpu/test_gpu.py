@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MiB, Caller
+from conftest import EVENTS, MiB, Caller, drain as poll
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
@@ -45,15 +45,6 @@ def record(name, **data):
     if LOG:
         with open(LOG, "a") as f:
             f.write(json.dumps({"scenario": name, **data}) + "\n")
-
-
-EVENTS: dict[int, list] = {}
-
-
-def poll(tracer):
-    """Drain events, keeping them per pid for the assertions."""
-    for e in tracer.poll():
-        EVENTS.setdefault(e.pid, []).append(e)
 
 
 def measure(tracer, nvml, pid, settle=1.0):

@@ -177,6 +177,100 @@ struct cudaExtent {
     size_t depth;
 };
 
+/* ------------------------------------------------------------ prototypes */
+/* Exported by the real driver and the stand-in with exactly these C
+ * signatures (versioned names, as cuda.h's #defines resolve them).  The
+ * pragma keeps them exported when the stand-in is built with
+ * -fvisibility=hidden. */
+#pragma GCC visibility push(default)
+CUresult cuInit(unsigned int Flags);
+CUresult cuDriverGetVersion(int *driverVersion);
+CUresult cuDeviceGet(CUdevice *device, int ordinal);
+CUresult cuDeviceGetCount(int *count);
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                             cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus);
+CUresult cuGetErrorString(CUresult error, const char **pStr);
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                            size_t Height, unsigned int ElementSizeBytes);
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
+CUresult cuMemFree_v2(CUdeviceptr dptr);
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                     const CUmemAllocationProp *prop, unsigned long long flags);
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                  CUmemGenericAllocationHandle handle, unsigned long long flags);
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                             CUdeviceptr addr, unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size);
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       CUmemAllocationGranularity_flags option);
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                 CUstream hStream);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                      CUstream hStream);
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev);
+CUresult cuStreamSynchronize(CUstream hStream);
+CUresult cuCtxSynchronize(void);
+
+CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray);
+CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray);
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
+                                const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
+                                unsigned int numMipmapLevels);
+CUresult cuArrayDestroy(CUarray hArray);
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray);
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev);
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                        unsigned int flags, CUdevice dev);
+CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams,
+                        unsigned int flags, CUdevice dev);
+CUresult cuCtxDestroy_v2(CUcontext ctx);
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxGetCurrent(CUcontext *pctx);
+CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
+CUresult cuCtxGetDevice(CUdevice *device);
+
+/* Runtime (libcudart.so.13).  Callers dlopen it, hence the PFN types. */
+cudaError_t cudaMalloc(void **devPtr, size_t size);
+cudaError_t cudaMallocManaged(void **devPtr, size_t size, unsigned int flags);
+cudaError_t cudaMallocPitch(void **devPtr, size_t *pitch, size_t width, size_t height);
+cudaError_t cudaMalloc3D(struct cudaPitchedPtr *pitchedDevPtr, struct cudaExtent extent);
+cudaError_t cudaFree(void *devPtr);
+cudaError_t cudaMemGetInfo(size_t *free, size_t *total);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaGetDeviceCount(int *count);
+cudaError_t cudaDeviceSynchronize(void);
+const char *cudaGetErrorString(cudaError_t error);
+#pragma GCC visibility pop
+
+typedef CUresult (*PFN_cuCtxCreate_v2)(CUcontext *, unsigned int, CUdevice);
+typedef CUresult (*PFN_cuCtxCreate_v4)(CUcontext *, CUctxCreateParams *, unsigned int, CUdevice);
+typedef cudaError_t (*PFN_cudaMalloc)(void **, size_t);
+typedef cudaError_t (*PFN_cudaMallocManaged)(void **, size_t, unsigned int);
+typedef cudaError_t (*PFN_cudaMallocPitch)(void **, size_t *, size_t, size_t);
+typedef cudaError_t (*PFN_cudaMalloc3D)(struct cudaPitchedPtr *, struct cudaExtent);
+typedef cudaError_t (*PFN_cudaFree)(void *);
+typedef cudaError_t (*PFN_cudaMemGetInfo)(size_t *, size_t *);
+typedef cudaError_t (*PFN_cudaSetDevice)(int);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,25 +9,14 @@ import time
 
 import pytest
 
-from conftest import MiB, usage_of
+from conftest import MiB, drain, events_of, usage_of
 
 pytestmark = pytest.mark.system
 
 
-def events_of(tracer, pid, wait_for=None, timeout=5.0):
-    """Events of one process; with wait_for=op, polls until such an event arrived."""
-    got = []
-    deadline = time.monotonic() + timeout
-    while True:
-        got += [e for e in tracer.poll() if e.pid == pid]
-        if wait_for is None or any(e.op == wait_for for e in got) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.02)
-
-
 def test_event_layout_matches_the_loaded_program(tracer):
     from convgpu.probes.events import CgEvent
-    leaf = tracer.b["layout_event"].Leaf
+    leaf = tracer.b[b"layout_event"].Leaf
     assert ctypes.sizeof(leaf) == ctypes.sizeof(CgEvent) == 80
     theirs = [(name, getattr(leaf, name).offset, getattr(leaf, name).size) for name, *_ in leaf._fields_]
     ours = [(name, getattr(CgEvent, name).offset, getattr(CgEvent, name).size) for name, *_ in CgEvent._fields_]
@@ -171,7 +160,7 @@ def test_sigkill_releases_everything(tracer, run_caller):
     ex = [e for e in evs if e.op == "exit"]
     assert len(ex) == 1 and ex[0].size == 35 * MiB
     assert usage_of(tracer, c.pid) == {}
-    tracer.poll()   # sweeps the dead process's objects from the map
+    drain(tracer)   # sweeps the dead process's objects from the map
     assert tracer.object_count() <= before - 7 - 2   # 7 pointers + context + primary entries
 
 

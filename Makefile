@@ -1,0 +1,88 @@
+# convgpu top-level Makefile: builds the test-only stand-in CUDA driver and
+# runtime plus the caller programs used by the tests.  Output under build/.
+# Needs only gcc and binutils (no CUDA toolkit).  See tests/standin/README.md.
+
+CC ?= gcc
+BUILD ?= build
+SI := tests/standin
+OUT := $(BUILD)/standin
+
+WARN := -Wall -Wextra
+# The stand-in libraries are probed with uprobes, so every exported function
+# must begin with `push %rbp` like the real driver's: -O0 keeps the frame
+# setup in every function (-O2 drops it in leaf functions) and
+# -fcf-protection=none keeps endbr64 from being the first instruction.
+# Checked by `make check-prologue`.
+STANDIN_CFLAGS := -std=gnu11 -O0 -g -fno-omit-frame-pointer -fcf-protection=none \
+	-fPIC -fvisibility=hidden -pthread $(WARN)
+STANDIN_LDFLAGS := -shared -pthread -Wl,--no-undefined
+# The callers are not probed.
+CALLER_CFLAGS := -std=gnu11 -O2 -g -pthread $(WARN)
+
+LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/standin_shm.c
+LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
+
+# Symbols the stand-in driver must export (check-prologue verifies).
+LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
+	cuDeviceGetName cuDeviceTotalMem_v2 cuGetProcAddress_v2 cuGetErrorString \
+	cuMemAlloc_v2 cuMemAllocPitch_v2 cuMemAllocManaged cuMemFree_v2 \
+	cuMemGetInfo_v2 cuMemCreate cuMemRelease cuMemMap cuMemUnmap \
+	cuMemAddressReserve cuMemAddressFree cuMemSetAccess \
+	cuMemGetAllocationGranularity cuMemAllocAsync cuMemAllocAsync_ptsz \
+	cuMemAllocFromPoolAsync cuMemAllocFromPoolAsync_ptsz cuMemFreeAsync \
+	cuMemFreeAsync_ptsz cuDeviceGetDefaultMemPool cuStreamSynchronize \
+	cuCtxSynchronize cuArrayCreate_v2 cuArray3DCreate_v2 \
+	cuMipmappedArrayCreate cuArrayDestroy cuMipmappedArrayDestroy \
+	cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease_v2 cuCtxCreate_v2 \
+	cuCtxCreate_v3 cuCtxCreate_v4 cuCtxDestroy_v2 cuCtxSetCurrent \
+	cuCtxGetCurrent cuCtxPushCurrent_v2 cuCtxPopCurrent_v2 cuCtxGetDevice
+LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
+	cudaFree cudaMemGetInfo cudaSetDevice cudaDeviceSynchronize
+
+TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so \
+	$(OUT)/libcudart.so.13 $(OUT)/libcudart.so \
+	$(OUT)/standin-usage $(BUILD)/cgcaller
+# bench/probe_latency.py runs build/alloc_bench (built when its source is there).
+ifneq ($(wildcard bench/alloc_bench.c),)
+TARGETS += $(BUILD)/alloc_bench
+endif
+
+.PHONY: all standin check-prologue clean
+all: standin check-prologue
+
+standin: $(TARGETS)
+
+$(OUT):
+	mkdir -p $@
+
+$(OUT)/libcuda.so.1: $(LIBCUDA_SRCS) $(LIBCUDA_HDRS) | $(OUT)
+	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libcuda.so.1 \
+		-o $@ $(LIBCUDA_SRCS) -ldl -lrt
+
+$(OUT)/libcuda.so: | $(OUT)
+	ln -sf libcuda.so.1 $@
+
+$(OUT)/libcudart.so.13: $(SI)/libcudart.c $(SI)/cuda_min.h | $(OUT)
+	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libcudart.so.13 \
+		-o $@ $(SI)/libcudart.c -ldl
+
+$(OUT)/libcudart.so: | $(OUT)
+	ln -sf libcudart.so.13 $@
+
+$(OUT)/standin-usage: $(SI)/standin-usage.c $(SI)/standin_shm.c $(SI)/standin_shm.h | $(OUT)
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/standin-usage.c $(SI)/standin_shm.c -lrt
+
+# Linked by SONAME only, no rpath: LD_LIBRARY_PATH chooses the stand-in
+# (build/standin) or the real driver at run time.
+$(BUILD)/cgcaller: $(SI)/cgcaller.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/cgcaller.c -L$(OUT) -l:libcuda.so.1 -ldl
+
+$(BUILD)/alloc_bench: bench/alloc_bench.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ bench/alloc_bench.c -L$(OUT) -l:libcuda.so.1
+
+check-prologue: $(OUT)/libcuda.so.1 $(OUT)/libcudart.so.13
+	sh $(SI)/check-prologue.sh $(OUT)/libcuda.so.1 cu $(LIBCUDA_SYMS)
+	sh $(SI)/check-prologue.sh $(OUT)/libcudart.so.13 cuda $(LIBCUDART_SYMS)
+
+clean:
+	rm -rf $(BUILD)
