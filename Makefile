@@ -41,11 +41,7 @@ LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
 
 TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so \
 	$(OUT)/libcudart.so.13 $(OUT)/libcudart.so \
-	$(OUT)/standin-usage $(BUILD)/cgcaller
-# bench/probe_latency.py runs build/alloc_bench (built when its source is there).
-ifneq ($(wildcard bench/alloc_bench.c),)
-TARGETS += $(BUILD)/alloc_bench
-endif
+	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/alloc_bench
 
 .PHONY: all standin check-prologue clean
 all: standin check-prologue

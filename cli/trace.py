@@ -10,11 +10,12 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from ..demo import GROUPS, Demo
+from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer.accounting import Accountant, matches
 from ..enforcer.containers import container_of_pid
 from ..enforcer.engines import EngineLookup
 from ..errors import NotFoundError
+from ..probes.libs import system_drivers
 from ..probes.nvml import Nvml
 from ..probes.tracer import Tracer
 from ..units import parse_size
@@ -78,13 +79,13 @@ def trace(
     try:
         tracer.start()
         mode = "driver"
-        if demo is DemoMode.always or (demo is DemoMode.auto and not tracer.libraries and not nvml.ok and not lib):
+        no_driver = not nvml.ok and not system_drivers() and not lib
+        if demo is DemoMode.always or (demo is DemoMode.auto and no_driver):
             the_demo = Demo().start()
             tracer.finder.extra += (str(the_demo.lib),)
             tracer.rescan(force=True)
             mode = "demo"
-            # the stand-in has no NVML: show its overhead from --ctx-overhead (default 0 there)
-            overhead = 0 if overhead is None else overhead
+            overhead = DEMO_CTX_OVERHEAD if overhead is None else overhead   # no NVML to measure it
         acct = Accountant(nvml=nvml, ctx_overhead=overhead, engines=engines)
         _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo)
     except KeyboardInterrupt:

@@ -12,7 +12,7 @@ from ..units import format_size
 WIDTH = 100
 MODES = {
     "driver": "tracing the NVIDIA driver",
-    "demo": "DEMO: no NVIDIA driver on this host; a bundled workload runs on the test stand-in driver",
+    "demo": "DEMO (no NVIDIA driver here): bundled workload on a stand-in driver",
     "waiting": "waiting for a CUDA driver (libcuda.so.1) to appear",
 }
 
@@ -85,9 +85,9 @@ def events_table(s: Snapshot, rows: int = 8) -> Table:
 
 def footer(s: Snapshot) -> Text:
     t = Text(style="dim")
-    t.append(f"events {s.events_total}   dropped {s.drops}   ")
-    t.append(f"libraries {len(s.libraries)}: " + ", ".join(s.libraries)[:60] if s.libraries else "no libcuda probed yet")
-    t.append("   ~ = estimated context overhead (no NVML)")
+    t.append(f"events {s.events_total}   dropped {s.drops}   ~ = estimated context overhead (no NVML)\n")
+    libs = f"probed ({len(s.libraries)}): " + ", ".join(s.libraries) if s.libraries else "no CUDA library probed yet"
+    t.append(libs if len(libs) < WIDTH else libs[: WIDTH - 2] + "…")
     for n in s.notes:
         t.append("\n" + n, style="yellow")
     return t

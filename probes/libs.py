@@ -88,6 +88,16 @@ def _maps_paths(pid: str, proc: str) -> list[str]:
     return sorted(out)
 
 
+def system_drivers() -> list[str]:
+    """libcuda files installed on the host itself (ldconfig, usual paths): is there a driver?"""
+    found = []
+    for p in _ldconfig_paths() + list(KNOWN_PATHS):
+        r = resolve_in_root("/", p)
+        if r and kind_of(p) == CUDA and os.path.realpath(r) not in found:
+            found.append(os.path.realpath(r))
+    return found
+
+
 class LibraryFinder:
     """Keeps the set of known libraries; `scan()` returns the ones not seen before.
 

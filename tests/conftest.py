@@ -85,7 +85,8 @@ def caller_env(build):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(build / "standin")
     env["CONVGPU_STANDIN_SHM"] = f"/convgpu-test-{os.getpid()}"
-    return env
+    yield env
+    subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
 
 
 @pytest.fixture

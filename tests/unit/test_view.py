@@ -55,7 +55,7 @@ def test_render_figures_and_width():
 
 
 def test_render_modes():
-    assert "DEMO: no NVIDIA driver" in text_of(snapshot("demo"))
+    assert "DEMO (no NVIDIA driver here)" in text_of(snapshot("demo"))
     empty = Snapshot(ts=time.time(), mode="waiting", gpus=(), containers=())
     out = text_of(empty)
     assert "waiting for a CUDA driver" in out and "no CUDA process yet" in out
