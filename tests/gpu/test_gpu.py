@@ -166,3 +166,16 @@ def test_pytorch_allocators(gpu_tracer, nvml, conf, api):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_probes_on_real_driver(gpu_tracer):
+    """Every probe attached to the real libcuda fired in the self-test (none silently dead),
+    and the entry points start with an instruction the kernel emulates (push)."""
+    driver = [lp for lp in gpu_tracer.attached if lp.library.kind == "cuda"]
+    assert driver
+    for lp in driver:
+        rows = [(a.probe.symbol, a.ok, a.insn, a.fired, a.reason) for a in lp.probes]
+        record("probes", library=str(lp.library), probes=rows)
+        assert not lp.missing_required
+        assert [r for r in rows if r[1] and r[3] is not True] == []
+        assert {r[2] for r in rows if r[1]} == {"emulated"}
