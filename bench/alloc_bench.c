@@ -1,4 +1,4 @@
-// alloc_bench SIZE ITERS: time ITERS x (cuMemAlloc_v2 + cuMemFree_v2) of SIZE bytes through
+// alloc_bench SIZE ITERS: time ITERS x cuMemAlloc_v2, then ITERS x cuMemFree_v2, of SIZE bytes through
 // whatever libcuda.so.1 the loader finds (LD_LIBRARY_PATH picks stand-in or driver).
 // Prints "alloc_ns <median> free_ns <median> p99_alloc_ns <p99> p99_free_ns <p99>".
 #include <stdio.h>
@@ -41,17 +41,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "CUDA set-up failed\n");
         return 2;
     }
+    // All allocations first, then all frees, each call timed alone: the pattern of a caching
+    // allocator growing and shrinking (alternating alloc/free pairs hit the driver's page
+    // mapping every time and bury the probe cost in ~40 us of noise).
     long long *ta = malloc(sizeof(long long) * iters), *tf = malloc(sizeof(long long) * iters);
+    CUdeviceptr *ps = malloc(sizeof(CUdeviceptr) * iters);
     for (int i = 0; i < iters; i++) {
-        CUdeviceptr p;
         long long t0 = now_ns();
-        if (cuMemAlloc_v2(&p, size))
+        if (cuMemAlloc_v2(&ps[i], size))
             return 3;
-        long long t1 = now_ns();
-        cuMemFree_v2(p);
-        long long t2 = now_ns();
-        ta[i] = t1 - t0;
-        tf[i] = t2 - t1;
+        ta[i] = now_ns() - t0;
+    }
+    for (int i = 0; i < iters; i++) {
+        long long t0 = now_ns();
+        cuMemFree_v2(ps[i]);
+        tf[i] = now_ns() - t0;
     }
     qsort(ta, iters, sizeof(long long), cmp);
     qsort(tf, iters, sizeof(long long), cmp);

@@ -13,6 +13,12 @@
 #ifndef MAX_OBJS
 #define MAX_OBJS 262144
 #endif
+#ifndef DEV_PAGE
+#define DEV_PAGE (2ULL << 20)       // device page size of linear allocations
+#endif
+#ifndef SUBALLOC_MAX
+#define SUBALLOC_MAX (1ULL << 20)   // at most this is sub-allocated inside shared pages
+#endif
 #ifndef SELF_TGID
 #define SELF_TGID 0                 // convgpu itself: never accounted
 #endif
@@ -288,6 +294,14 @@ static __always_inline u64 max1(u64 x)
     return x | ((x - 1) >> 63);
 }
 
+// What a linear allocation really takes from the GPU: measured on an H100 with driver 580,
+// NVML shows 23 x 3 MiB as 92 MiB and 123 MiB as 124 MiB, so requests above 1 MiB take whole
+// 2 MiB pages; smaller ones share pages (their slack shows up in the context overhead).
+static __always_inline u64 footprint(u64 size)
+{
+    return size > SUBALLOC_MAX ? (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) : size;
+}
+
 // ---- entry: save arguments; the thread-state calls need no return probe ----
 
 static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
@@ -432,7 +446,7 @@ int exit_alloc(struct pt_regs *ctx)
 {
     SETTLE();
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
-    obj_add(id, p, c.api, NS_PTR, v, c.a1, dev, 0);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0);
     return 0;
 }
 
@@ -444,7 +458,7 @@ int exit_pitch(struct pt_regs *ctx)
     u64 pitch = 0;
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
-    obj_add(id, p, c.api, NS_PTR, v, pitch * c.a3, dev, 0);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0);
     return 0;
 }
 

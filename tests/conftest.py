@@ -14,6 +14,11 @@ REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
 MiB = 1 << 20
 
 
+def footprint(size: int) -> int:
+    """Bytes a linear allocation takes: above 1 MiB, whole 2 MiB pages (bpf/convgpu.bpf.c)."""
+    return -(-size // (2 * MiB)) * 2 * MiB if size > MiB else size
+
+
 def need(condition: bool, reason: str):
     if condition:
         return

@@ -17,10 +17,19 @@
 
 /* ------------------------------------------------------ linear allocations */
 
+/* Like the real driver (H100, driver 580: NVML shows 3 MiB as 4 MiB, 123 MiB as 124 MiB),
+ * linear allocations above 1 MiB take whole 2 MiB pages; smaller ones are sub-allocated. */
+static uint64_t footprint(uint64_t bytes)
+{
+    const uint64_t page = 2u << 20;
+    return bytes > (1u << 20) ? (bytes + page - 1) / page * page : bytes;
+}
+
 static CUresult do_alloc(CUdeviceptr *dptr, uint64_t bytes, int dev)
 {
     if (!dptr || bytes == 0)
         return CUDA_ERROR_INVALID_VALUE;
+    bytes = footprint(bytes);
     CUresult rc = acct_charge(dev, bytes); /* first: OOM changes nothing */
     if (rc != CUDA_SUCCESS)
         return rc;
