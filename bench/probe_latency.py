@@ -18,6 +18,7 @@ from convgpu.units import format_size, parse_size
 
 
 def run_bench(size: int, iters: int, env: dict) -> dict:
+    iters = max(50, min(iters, (8 << 30) // size))   # all are held at once: stay under 8 GiB
     out = subprocess.run([str(build_dir() / "alloc_bench"), str(size), str(iters)], env=env,
                          capture_output=True, text=True, check=True).stdout.split()
     return {out[i]: int(out[i + 1]) for i in range(0, len(out), 2)}
