@@ -25,18 +25,18 @@
 
 struct cg_call {                    // a driver call in flight on one thread
     u64 a0, a1, a2, a3, a4;
-    u16 api;
-    u16 pad;
-    s32 dev;
+    u16 api;                        // 0: no call in flight
+    u16 pad[3];
 };
-struct cg_thread {                  // a thread's current device and context stack
-    s32 dev;
+struct cg_thread {                  // one entry per thread that ever called CUDA
+    s32 dev;                        // current device, -1 unknown
     u16 rt_api;                     // runtime call in progress (cudaMalloc...)
-    u16 depth;
+    u16 depth;                      // context stack (cuCtxPush/Pop)
     s32 stack[4];
+    struct cg_call call;            // kept here, not in a map of its own: one hash lookup
+                                    // at entry and one at return (probe cost, FACTS.md)
 };
 
-BPF_HASH(calls, u64, struct cg_call, 16384);
 BPF_HASH(threads, u64, struct cg_thread, 16384);
 BPF_HASH(procs, u32, struct cg_proc, 16384);
 BPF_HASH(usage, struct cg_usage_key, struct cg_usage, 65536);
@@ -133,19 +133,23 @@ static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 
     e->pad[0] = e->pad[1] = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    stat_inc(ST_EVENTS);
+}
+
+static __always_inline struct cg_thread *get_thread(u64 id)
+{
+    struct cg_thread *t = threads.lookup(&id);
+    if (t)
+        return t;
+    struct cg_thread z = {.dev = -1};
+    threads.update(&id, &z);
+    return threads.lookup(&id);
 }
 
 static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 {
-    struct cg_thread *t = threads.lookup(&id);
-    if (!t) {
-        struct cg_thread z = {.dev = -1};
-        threads.update(&id, &z);
-        t = threads.lookup(&id);
-        if (!t)
-            return;
-    }
+    struct cg_thread *t = get_thread(id);
+    if (!t)
+        return;
     if (push) {
         u16 d = t->depth;
         if (d < 4)
@@ -173,11 +177,13 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (!u)
         return;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
-    struct cg_obj *old = objs.lookup(&k);
-    if (old && old->gen == p->gen && old->dev == dev)  // freed by a path we do not see
-        __sync_fetch_and_sub(&u->live, old->size);
     struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
-    objs.update(&k, &o);
+    if (objs.insert(&k, &o) != 0) {     // the address is taken: freed by a path we do not see
+        struct cg_obj *old = objs.lookup(&k);
+        if (old && old->gen == p->gen && old->dev == dev)
+            __sync_fetch_and_sub(&u->live, old->size);
+        objs.update(&k, &o);
+    }
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -313,10 +319,15 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
         *h += 1;
     if ((id >> 32) == SELF_TGID)
         return 0;
-    struct cg_call c = {.a0 = PT_REGS_PARM1(ctx), .a1 = PT_REGS_PARM2(ctx),
-                        .a2 = PT_REGS_PARM3(ctx), .a3 = PT_REGS_PARM4(ctx),
-                        .a4 = PT_REGS_PARM5(ctx), .api = api};
-    calls.update(&id, &c);
+    struct cg_thread *t = get_thread(id);
+    if (!t)
+        return 0;
+    t->call.a0 = PT_REGS_PARM1(ctx);
+    t->call.a1 = PT_REGS_PARM2(ctx);
+    t->call.a2 = PT_REGS_PARM3(ctx);
+    t->call.a3 = PT_REGS_PARM4(ctx);
+    t->call.a4 = PT_REGS_PARM5(ctx);
+    t->call.api = api;
     return 0;
 }
 
@@ -419,16 +430,17 @@ int exit_runtime(struct pt_regs *ctx)
 static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struct cg_call *c,
                                               s32 *dev)
 {
-    struct cg_call *cp = calls.lookup(&id);
-    if (!cp)
+    struct cg_thread *t = threads.lookup(&id);
+    if (!t || !t->call.api)
         return 0;
-    *c = *cp;
-    calls.delete(&id);
+    *c = t->call;
+    t->call.api = 0;
+    s32 tdev = t->dev;
     u32 rc = PT_REGS_RC(ctx);
     u32 tgid = id >> 32;
     if (rc != 0) {
         struct cg_proc *fp = find_proc(tgid, 0);
-        *dev = current_dev(id, fp);
+        *dev = tdev >= 0 ? tdev : fp && fp->last_dev >= 0 ? fp->last_dev : 0;
         if (fp) {
             struct cg_usage *u = find_usage(tgid, *dev, fp->gen);
             if (u)
@@ -444,7 +456,7 @@ static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struc
     }
     struct cg_proc *p = find_proc(tgid, 1);
     if (p)
-        *dev = current_dev(id, p);
+        *dev = tdev >= 0 ? tdev : p->last_dev >= 0 ? p->last_dev : 0;
     return p;
 }
 
@@ -668,7 +680,6 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
-    calls.delete(&id);
     threads.delete(&id);
 #ifdef HAVE_GROUP_DEAD
     if (args->group_dead)

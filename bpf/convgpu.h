@@ -144,6 +144,6 @@ struct cg_obj {
 };
 
 /* Global counters (per-CPU array slots). */
-enum cg_stat { ST_EVENTS = 0, ST_DROPS = 1, ST_UNKNOWN_FREE = 2, ST_MAX = 4 };
+enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_MAX = 2 };
 
 #endif

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from . import loader
-from .events import Event, decode_ptr
+from .events import FORMAT, Event, decode_many
 from .libs import Library, LibraryFinder
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Tracer:
         self.failed: list[tuple[Library, str]] = []
         self.b = None
         self._pending: list[Event] = []
+        self._raw: list[bytes] = []
         self._ignore: set[int] = set()
         self._sweeps: set[tuple[int, int]] = set()
         self._last_scan = self._last_sweep = 0.0
@@ -98,15 +99,18 @@ class Tracer:
 
     # --- events ---
     def _on_event(self, ctx, data, size):
-        ev = decode_ptr(data, size)
-        if ev.op in ("exit", "exec"):
-            self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
-        if ev.pid not in self._ignore:
-            self._pending.append(ev)
+        # Only copy here (called once per event from C); decoding is batched in poll().
+        self._raw.append(ctypes.string_at(data, FORMAT.size))
 
     def poll(self) -> list[Event]:
         """Everything since the last poll; also attaches new libraries and cleans up."""
         self.b.ring_buffer_consume()
+        raw, self._raw = self._raw, []
+        for ev in decode_many(b"".join(raw)):
+            if ev.op in ("exit", "exec"):
+                self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
+            if ev.pid not in self._ignore:
+                self._pending.append(ev)
         self.rescan()
         now = time.monotonic()
         if self._sweeps or now - self._last_sweep > self.sweep_every:
@@ -149,7 +153,7 @@ class Tracer:
         return sorted(rows, key=lambda r: (r.pid, r.dev))
 
     def stats(self) -> dict[str, int]:
-        names = ("events", "drops", "unknown_free")
+        names = ("drops", "unknown_free")   # enum cg_stat
         return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b[b"stats"].items(), key=lambda kv: kv[0].value))}
 
     def object_count(self) -> int:

@@ -1,9 +1,8 @@
 """Decoding recorded ring-buffer bytes. The bytes are packed here by hand from the C layout
 in bpf/convgpu.h, independently of the ctypes mirror they test."""
-import ctypes
 import struct
 
-from convgpu.probes.events import CgEvent, decode
+from convgpu.probes.events import FORMAT, decode, decode_many
 from convgpu.probes.table import API_IDS
 
 FMT = "<QQQQQIIiIHHBB2x16s"   # struct cg_event, 80 bytes
@@ -19,7 +18,7 @@ def record(**kw):
 
 
 def test_size_matches_c_layout():
-    assert struct.calcsize(FMT) == 80 == ctypes.sizeof(CgEvent)
+    assert struct.calcsize(FMT) == 80 == FORMAT.size
 
 
 def test_decode_alloc():
@@ -39,3 +38,9 @@ def test_decode_exit_and_json():
     e = decode(record(op=11, api=API_IDS["sched_process_exit"], addr=99, size=3 << 20))
     j = e.to_json()
     assert (j["type"], j["schema"], j["op"], j["api"], j["size"], j["addr"]) == ("event", 1, "exit", "sched_process_exit", 3 << 20, 99)
+
+
+def test_decode_many_in_order():
+    evs = decode_many(record(tgid=1) + record(tgid=2, op=2) + record(tgid=3, comm=b"a" * 16))
+    assert [(e.pid, e.op) for e in evs] == [(1, "alloc"), (2, "free"), (3, "alloc")]
+    assert evs[2].comm == "a" * 16
