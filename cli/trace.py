@@ -17,6 +17,7 @@ from ..enforcer.engines import EngineLookup
 from ..errors import NotFoundError
 from ..probes.libs import system_drivers
 from ..probes.nvml import Nvml
+from ..probes.table import CUDA
 from ..probes.tracer import Tracer
 from ..units import parse_size
 from . import common
@@ -112,7 +113,7 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
     out = sys.stdout
 
     def snap():
-        m = mode if tracer.libraries else "waiting"
+        m = mode if any(x.kind == CUDA for x in tracer.libraries) else "waiting"
         return acct.snapshot(tracer.usage(), mode=m, libraries=[str(x) for x in tracer.libraries],
                              drops=tracer.stats()["drops"], pids=pids or None, container=container,
                              notes=notes)

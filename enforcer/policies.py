@@ -1,0 +1,162 @@
+"""Which paused container gets GPU memory back, and how much (ConVGPU sections III-D, III-E).
+
+Model: container c has a limit L_c, an assignment A_c <= L_c (assignments sum to at most the
+capacity) and a usage U_c. An allocation of `size` with U_c + size <= A_c proceeds; with
+A_c < U_c + size <= L_c the container is paused and becomes a *waiter* (`Waiter`). When memory
+comes back (a free, an exit, a limit change) `schedule` repeatedly picks a waiter by policy and
+raises its assignment towards its full limit, as the paper does ("guarantees all GPU memory which
+the container firstly requested"): grant = min(L_c - A_c, free). The waiter resumes if the grant
+covers its pending need; otherwise it keeps the partial grant and stays paused. The rest of the
+free memory goes to the next pick, until none is left or no waiter can use it.
+
+Policies (ties always broken by `created`, then `id`, so results never depend on input order):
+  fifo  the waiter whose *container* was created first (not the first suspended), as the paper.
+  bf    Best-Fit: the waiter whose missing memory (L_c - A_c) is the largest that is <= the
+        remaining free memory; if none fits, the one missing the least.
+  ru    Recent-Use: the most recently suspended waiter.
+  rand  uniformly at random, drawn from the caller's seedable `random.Random`.
+  bfa   Best-Fit with aging (ours). Any waiter suspended for longer than `max_wait` seconds
+        (strictly: now - suspended_at > max_wait; default 30 s) is served first, the
+        longest-suspended first among those; with nobody over `max_wait` it is exactly bf.
+        Why: Best-Fit gives the shortest makespan, but keeps skipping a waiter whose need fits
+        badly -- the paper measured BF's mean suspended time up to 58 % above FIFO's at 38
+        containers. Aging bounds that starvation to roughly `max_wait` plus the time until memory
+        next comes back, while leaving Best-Fit's choices untouched in the common case.
+        max_wait=0 makes every waiter overdue (serve longest-suspended first); math.inf is bf.
+
+Pure functions: nothing here reads the clock, the system or BPF; inputs are never mutated.
+A waiter already at its limit (missing == 0) is never picked: more memory cannot help it, it is
+over its limit and the enforcer handles that case."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Waiter:
+    id: str              # container id
+    created: float       # when the container was first seen (fifo order)
+    suspended_at: float  # when its pending allocation paused it (ru, bfa)
+    limit: int           # L_c
+    assigned: int        # A_c
+    used: int            # U_c
+    request: int         # size of the pending allocation that paused it
+
+    @property
+    def missing(self) -> int:
+        """Bytes still between the assignment and the limit: the most a grant can give."""
+        return self.limit - self.assigned
+
+    @property
+    def need(self) -> int:
+        """Bytes of assignment still lacking for the pending request (> 0 while waiting)."""
+        return self.used + self.request - self.assigned
+
+
+@dataclass(frozen=True)
+class Grant:
+    id: str
+    amount: int   # bytes added to the assignment
+    resume: bool  # the request now fits: resume the container
+
+
+def _tie(w: Waiter) -> tuple:
+    return (w.created, w.id)
+
+
+# Every policy: (candidates, free, now, rng, max_wait) -> one of the candidates. Candidates are
+# non-empty and all have missing > 0; free > 0. Unused arguments keep the signature uniform.
+Policy = Callable[[Sequence[Waiter], int, float, random.Random, float], Waiter]
+
+
+def fifo(ws: Sequence[Waiter], free: int, now: float, rng: random.Random,
+         max_wait: float) -> Waiter:
+    return min(ws, key=_tie)
+
+
+def best_fit(ws: Sequence[Waiter], free: int, now: float, rng: random.Random,
+             max_wait: float) -> Waiter:
+    fits = [w for w in ws if w.missing <= free]
+    if fits:  # largest missing that fits = least left over; earliest created on ties
+        return min(fits, key=lambda w: (-w.missing, *_tie(w)))
+    # Nothing fits: the one closest to being completed by a later free.
+    return min(ws, key=lambda w: (w.missing, *_tie(w)))
+
+
+def recent_use(ws: Sequence[Waiter], free: int, now: float, rng: random.Random,
+               max_wait: float) -> Waiter:
+    return min(ws, key=lambda w: (-w.suspended_at, *_tie(w)))
+
+
+def rand(ws: Sequence[Waiter], free: int, now: float, rng: random.Random,
+         max_wait: float) -> Waiter:
+    # Sort first so that one seed gives one choice whatever order the caller listed them in.
+    return rng.choice(sorted(ws, key=_tie))
+
+
+def best_fit_aging(ws: Sequence[Waiter], free: int, now: float, rng: random.Random,
+                   max_wait: float) -> Waiter:
+    overdue = [w for w in ws if now - w.suspended_at > max_wait]
+    if overdue:
+        return min(overdue, key=lambda w: (w.suspended_at, *_tie(w)))
+    return best_fit(ws, free, now, rng, max_wait)
+
+
+POLICIES: dict[str, Policy] = {
+    "fifo": fifo,
+    "bf": best_fit,
+    "ru": recent_use,
+    "rand": rand,
+    "bfa": best_fit_aging,
+}
+
+
+def _policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown policy {name!r}: expected one of "
+                         f"{', '.join(sorted(POLICIES))}") from None
+
+
+def _check(policy: str, max_wait: float) -> Policy:
+    # Checked before any early return, so a typo fails even when nobody waits.
+    fn = _policy(policy)
+    if not max_wait >= 0:
+        raise ValueError(f"max_wait must be >= 0 seconds, got {max_wait!r}")
+    return fn
+
+
+def pick(policy: str, waiters: Sequence[Waiter], free: int, now: float,
+         rng: random.Random, max_wait: float = 30.0) -> Waiter | None:
+    """The waiter `policy` serves first with `free` bytes; None when no waiter can use memory
+    (free <= 0, or every waiter is already at its limit)."""
+    fn = _check(policy, max_wait)
+    candidates = [w for w in waiters if w.missing > 0]
+    if free <= 0 or not candidates:
+        return None
+    return fn(candidates, free, now, rng, max_wait)
+
+
+def schedule(policy: str, waiters: Sequence[Waiter], free: int, now: float,
+             rng: random.Random, max_wait: float = 30.0) -> list[Grant]:
+    """Hand `free` bytes to waiters, one pick at a time, each up to its full limit."""
+    fn = _check(policy, max_wait)
+    candidates = [w for w in waiters if w.missing > 0]
+    grants: list[Grant] = []
+    while free > 0 and candidates:
+        w = fn(candidates, free, now, rng, max_wait)
+        amount = min(w.missing, free)
+        grants.append(Grant(w.id, amount, resume=w.need <= amount))
+        free -= amount
+        # By identity: two equal waiters (same fields) are still two candidates.
+        candidates = [c for c in candidates if c is not w]
+    return grants
+
+
+def assign_new(limit: int, unassigned: int) -> int:
+    """Assignment for a container seen for the first time: its limit if the capacity not yet
+    assigned allows, else whatever is left (it pauses on reaching that, and waits for more)."""
+    return max(0, min(limit, unassigned))
