@@ -42,8 +42,7 @@ class Target:
 
 
 class Stopper(Protocol):
-    name: str
-
+    name: str   # "signal" | "freezer-v1" | "freezer-v2"
     def stall(self, target: Target) -> None: ...    # idempotent
     def resume(self, target: Target) -> None: ...   # idempotent; a vanished target is no error
     def state(self, target: Target) -> str: ...     # "running" | "stopped" | "gone"
@@ -109,27 +108,31 @@ class SignalStopper:
                 return False
         return True
 
-    def _send(self, pids, sig) -> None:
+    @staticmethod
+    def _send(pids, sig) -> list[int]:
+        denied = []
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+            except PermissionError:
+                denied.append(pid)
+        return denied
 
     def stall(self, target: Target) -> None:
         live = {p: st[1] for p in target.pids if not _dead(st := _stat(p, self.proc))}
         if not live:
             raise StallError(f"no process of {list(target.pids)} is alive to stall",
                              "the container has exited; nothing to stall")
-        try:
-            self._send(live, signal.SIGSTOP)
-        except PermissionError as e:
+        denied = self._send(live, signal.SIGSTOP)
+        if denied:
             self._send(live, signal.SIGCONT)
-            raise StallError(f"cannot signal {e.filename or list(live)}: {e.strerror}",
-                             "run as root") from None
+            raise StallError(f"not allowed to signal pids {denied}", "run as root")
         # SIGSTOP is delivered asynchronously; a task in the kernel (D state, e.g. inside a
         # driver ioctl) stops only on its way back to user space. Wait so that "stall returned"
-        # means "not running", as with the freezer.
+        # means "not running", as with the freezer. /proc/<pid>/stat shows the main thread;
+        # the other threads join the group stop on their own way out of the kernel.
         if not _wait(lambda: self._stopped(live), self.timeout):
             self._send(live, signal.SIGCONT)   # SIGCONT also discards a still-pending SIGSTOP
             raise StallError(f"pids {list(live)} did not stop within {self.timeout:g} s",
@@ -164,8 +167,9 @@ class SignalStopper:
 # ---------------------------------------------------------------- cgroup freezers
 
 class _Freezer:
-    name = ""
-    FILE = ""
+    """Shared by both freezers: they freeze the whole cgroup, processes forked later included,
+    and SIGCONT cannot undo them. Subclasses give _set(dir, frozen) -> reached within timeout."""
+    name = FILE = ""
 
     def __init__(self, root: str, timeout: float = DEFAULT_TIMEOUT):
         self.root = root.rstrip("/")
@@ -180,9 +184,46 @@ class _Freezer:
                              "give the container's own cgroup")
         return self.root + cg
 
-    def _gone(self, target: Target) -> StallError:
-        return StallError(f"cgroup {target.cgroup} is gone (no {self.FILE} under {self.root})",
-                          "the container has exited; nothing to stall")
+    def _change(self, target: Target, frozen: bool) -> bool:
+        d = self._dir(target)
+        try:
+            return self._set(d, frozen)
+        except OSError as e:
+            if e.errno in _GONE_ERRNOS:
+                raise StallError(f"cgroup {target.cgroup} is gone (no {d}/{self.FILE})",
+                                 "the container has exited; nothing to stall") from None
+            raise StallError(f"cannot write {d}/{self.FILE}: {e.strerror}", "run as root") from None
+
+    def stall(self, target: Target) -> None:
+        if self._change(target, True):
+            return
+        try:
+            self._change(target, False)   # thaw: never leave a half-frozen cgroup behind
+        except StallError:
+            pass
+        raise StallError(f"cgroup {target.cgroup} did not freeze within {self.timeout:g} s",
+                         "a task is stuck in the kernel; retry, or use --stall signal")
+
+    def resume(self, target: Target) -> None:
+        try:
+            ok = self._change(target, False)
+        except StallError:
+            if self.state(target) == "gone":
+                return
+            raise
+        if not ok:   # e.g. a parent cgroup is frozen by someone else
+            raise StallError(f"cgroup {target.cgroup} did not thaw within {self.timeout:g} s",
+                             f"check {self.FILE} of its parent cgroups")
+
+    def state(self, target: Target) -> str:
+        try:
+            with open(f"{self._dir(target)}/{self.STATE_FILE}", encoding="ascii") as f:
+                text = f.read()
+        except OSError as e:
+            if e.errno in _GONE_ERRNOS:
+                return "gone"
+            raise
+        return "stopped" if self._is_frozen(text) else "running"
 
     @staticmethod
     def _write(path: str, value: str) -> None:
@@ -192,120 +233,48 @@ class _Freezer:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _read(path: str) -> str | None:
-        try:
-            with open(path, encoding="ascii", errors="replace") as f:
-                return f.read()
-        except OSError as e:
-            if e.errno in _GONE_ERRNOS:
-                return None
-            raise
-
 
 class FreezerV2(_Freezer):
-    """cgroup2 cgroup.freeze: freezes the whole subtree, including processes forked later;
-    immune to SIGCONT; a frozen task can still be SIGKILLed at once."""
-    name = "freezer-v2"
-    FILE = "cgroup.freeze"
+    """cgroup2 cgroup.freeze; a v2-frozen task can still be SIGKILLed at once."""
+    name, FILE, STATE_FILE = "freezer-v2", "cgroup.freeze", "cgroup.events"
 
-    def _set(self, target: Target, frozen: bool) -> bool:
-        """Write cgroup.freeze and wait for cgroup.events to agree; False on timeout. The
-        kernel sets `frozen 1` only once every task of the subtree is frozen."""
-        d = self._dir(target)
-        want = f"frozen {int(frozen)}"
-        try:
-            fd = os.open(f"{d}/cgroup.events", os.O_RDONLY)
-        except OSError as e:
-            if e.errno in _GONE_ERRNOS:
-                raise self._gone(target) from None
-            raise
+    @staticmethod
+    def _is_frozen(events: str) -> bool:
+        return "frozen 1" in events.splitlines()   # set once every task of the subtree froze
+
+    def _set(self, d: str, frozen: bool) -> bool:
+        fd = os.open(f"{d}/cgroup.events", os.O_RDONLY)
 
         def check() -> bool:
             os.lseek(fd, 0, os.SEEK_SET)   # re-reading also re-arms POLLPRI on kernfs
-            text = os.read(fd, 4096).decode("ascii", "replace")
-            return want in text.splitlines()
+            return self._is_frozen(os.read(fd, 4096).decode("ascii", "replace")) == frozen
 
         try:
             check()   # read before the write so that the change wakes poll()
-            self._write(f"{d}/{self.FILE}", str(int(frozen)))
+            self._write(f"{d}/cgroup.freeze", str(int(frozen)))
             return _wait(check, self.timeout, fd)
-        except OSError as e:
-            if e.errno in _GONE_ERRNOS:
-                raise self._gone(target) from None
-            raise StallError(f"cannot write {d}/{self.FILE}: {e.strerror}", "run as root") from None
         finally:
             os.close(fd)
 
-    def stall(self, target: Target) -> None:
-        if not self._set(target, True):
-            try:
-                self._set(target, False)   # thaw: never leave a half-frozen cgroup behind
-            except StallError:
-                pass
-            raise StallError(f"cgroup {target.cgroup} did not freeze within {self.timeout:g} s",
-                             "a task is stuck in the kernel; retry, or use --stall signal")
-
-    def resume(self, target: Target) -> None:
-        try:
-            ok = self._set(target, False)
-        except StallError:
-            if self.state(target) == "gone":
-                return
-            raise
-        if not ok:   # e.g. an ancestor cgroup is frozen by someone else
-            raise StallError(f"cgroup {target.cgroup} did not thaw within {self.timeout:g} s",
-                             "check cgroup.freeze of its parent cgroups")
-
-    def state(self, target: Target) -> str:
-        text = self._read(f"{self._dir(target)}/cgroup.events")
-        if text is None:
-            return "gone"
-        return "stopped" if "frozen 1" in text.splitlines() else "running"
-
 
 class FreezerV1(_Freezer):
-    """v1 freezer.state: THAWED -> FREEZING -> FROZEN. No change notification, so sleep-poll.
-    A v1-frozen task cannot even die until thawed (see the module notes)."""
-    name = "freezer-v1"
-    FILE = "freezer.state"
+    """v1 freezer.state: THAWED -> FREEZING -> FROZEN, with no change notification, so we
+    sleep-poll. A v1-frozen task cannot even die until thawed."""
+    name, FILE, STATE_FILE = "freezer-v1", "freezer.state", "freezer.state"
 
-    def _set(self, target: Target, value: str) -> bool:
-        path = f"{self._dir(target)}/{self.FILE}"
-        try:
-            self._write(path, value)
-            # Reading freezer.state is what advances FREEZING to FROZEN once all tasks froze.
-            return _wait(lambda: (self._read(path) or "").strip() == value, self.timeout)
-        except OSError as e:
-            if e.errno in _GONE_ERRNOS:
-                raise self._gone(target) from None
-            raise StallError(f"cannot write {path}: {e.strerror}", "run as root") from None
+    @staticmethod
+    def _is_frozen(text: str) -> bool:
+        return text.strip() == "FROZEN"   # FREEZING: some task is not frozen yet
 
-    def stall(self, target: Target) -> None:
-        if not self._set(target, "FROZEN"):
-            try:
-                self._set(target, "THAWED")
-            except StallError:
-                pass
-            raise StallError(f"cgroup {target.cgroup} did not freeze within {self.timeout:g} s",
-                             "a task is stuck in the kernel; retry, or use --stall signal")
+    def _set(self, d: str, frozen: bool) -> bool:
+        path = f"{d}/freezer.state"
+        self._write(path, "FROZEN" if frozen else "THAWED")
 
-    def resume(self, target: Target) -> None:
-        try:
-            ok = self._set(target, "THAWED")
-        except StallError:
-            if self.state(target) == "gone":
-                return
-            raise
-        if not ok:
-            raise StallError(f"cgroup {target.cgroup} did not thaw within {self.timeout:g} s",
-                             "check freezer.state of its parent cgroups")
+        def check() -> bool:   # reading is what advances FREEZING to FROZEN in the kernel
+            with open(path, encoding="ascii") as f:
+                return self._is_frozen(f.read()) == frozen
 
-    def state(self, target: Target) -> str:
-        text = self._read(f"{self._dir(target)}/{self.FILE}")
-        if text is None:
-            return "gone"
-        return "stopped" if text.strip() == "FROZEN" else "running"   # FREEZING: not yet
+        return _wait(check, self.timeout)
 
 
 # ---------------------------------------------------------------- choice
@@ -341,7 +310,7 @@ KINDS = ("signal", "freezer")
 
 def make_stopper(kind: str, layout: Layout | None = None, *,
                  timeout: float = DEFAULT_TIMEOUT) -> Stopper:
-    """"signal", or "freezer": v2 where it has cgroup.freeze, else the v1 freezer. On hybrid
+    """kind "signal", or "freezer": v2 where it has cgroup.freeze, else the v1 freezer. On hybrid
     hosts the target's cgroup path is used as given in whichever hierarchy is chosen (podman
     with cgroupfs uses the same path in all of them); pass the path valid for that one."""
     if kind == "signal":
