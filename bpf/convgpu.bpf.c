@@ -25,8 +25,11 @@
 
 struct cg_call {                    // a driver call in flight on one thread
     u64 a0, a1, a2, a3, a4;
+    u64 reserved;                   // enforce: bytes reserved for it in its container
+    u64 container;                  // enforce: that container's key
+    s32 rdev;                       //   and device
     u16 api;                        // 0: no call in flight
-    u16 pad[3];
+    u16 pad;
 };
 struct cg_thread {                  // one entry per thread that ever called CUDA
     s32 dev;                        // current device, -1 unknown
@@ -108,8 +111,8 @@ static __always_inline s32 current_dev(u64 id, struct cg_proc *p)
     return 0;
 }
 
-static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 addr,
-                                 u64 size, u64 live, u32 result)
+static __always_inline void emit_flags(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 addr,
+                                       u64 size, u64 live, u32 result, u64 rb_flags)
 {
     struct cg_event *e = events.ringbuf_reserve(sizeof(struct cg_event));
     if (!e) {
@@ -132,7 +135,15 @@ static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 
     e->flags = flags;
     e->pad[0] = e->pad[1] = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_flags);
+}
+
+// Events for the view are drained by polling: no wake-up per event (it costs the caller
+// 10-16 us, FACTS.md). Only the enforcer's stall events wake it at once.
+static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 addr,
+                                 u64 size, u64 live, u32 result)
+{
+    emit_flags(id, api, op, flags, dev, addr, size, live, result, BPF_RB_NO_WAKEUP);
 }
 
 static __always_inline struct cg_thread *get_thread(u64 id)
@@ -168,6 +179,104 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
     t->dev = dev;
 }
 
+// ---- enforce: admission before the call runs ----
+// (Kept in this file: bcc rewrites map calls like members.lookup() only in the main source.)
+//
+// A call that takes device memory reserves its size in its container's state first (atomics,
+// so racing threads cannot together overshoot), then compares with the assignment. Over it,
+// the process is stopped from here with bpf_send_signal(SIGSTOP): the stop lands when the trap
+// returns, before the function body (FACTS.md), and the reservation stays held until the
+// call returns, so the enforcer sees what the waiter needs. Nothing here runs unless an
+// enforcer is alive: its heartbeat older than HEARTBEAT_NS means fail open.
+
+#ifndef HEARTBEAT_NS
+#define HEARTBEAT_NS 2000000000ULL
+#endif
+#define SIGKILL 9
+#define SIGSTOP 19
+
+BPF_HASH(members, u32, u64, 16384);
+BPF_HASH(assign, struct cg_limit_key, struct cg_assign, 4096);
+BPF_HASH(cgstate, struct cg_limit_key, struct cg_cgstate, 4096);
+BPF_ARRAY(control, struct cg_control, 1);
+
+static __always_inline struct cg_control *enforcing(void)
+{
+    u32 k = 0;
+    struct cg_control *c = control.lookup(&k);
+    if (!c || !c->enforcing || bpf_ktime_get_ns() - c->heartbeat_ns > HEARTBEAT_NS)
+        return 0;
+    return c;
+}
+
+static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
+{
+    u64 *m = members.lookup(&tgid);
+    if (!m)
+        return 0;
+    *key = *m;
+    struct cg_limit_key lk = {.container = *m, .dev = dev};
+    return cgstate.lookup(&lk);
+}
+
+// Bytes and contexts that landed (or left): kept per container as well as per process.
+static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
+{
+    u64 key;
+    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    if (!s)
+        return;
+    if (bytes)
+        __sync_fetch_and_add(&s->used, bytes);
+    if (contexts)
+        __sync_fetch_and_add(&s->contexts, contexts);
+}
+
+// Give back what a call reserved: at its return, after its bytes were charged (so the
+// container is never briefly under-counted), or when its thread dies while stalled.
+static __always_inline void release(struct cg_call *c)
+{
+    if (!c->reserved)
+        return;
+    struct cg_limit_key lk = {.container = c->container, .dev = c->rdev};
+    struct cg_cgstate *s = cgstate.lookup(&lk);
+    if (s)
+        __sync_fetch_and_add(&s->reserved, -(s64)c->reserved);
+    c->reserved = 0;
+}
+
+// At the entry of a call that takes `size` bytes (a context: the per-context overhead).
+static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 size,
+                                  int is_ctx)
+{
+    struct cg_control *ctl = enforcing();
+    if (!ctl)
+        return;
+    u32 tgid = id >> 32;
+    if (is_ctx)
+        size = ctl->ctx_overhead;
+    u64 key = 0;
+    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    struct cg_limit_key lk = {.container = key, .dev = dev};
+    struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+    if (!a) {                       // not placed yet: wait for the enforcer to place it
+        emit_flags(id, api, OP_UNKNOWN, 0, dev, key, size, 0, 0, BPF_RB_FORCE_WAKEUP);
+        bpf_send_signal(SIGSTOP);
+        return;
+    }
+    u64 r = __sync_fetch_and_add(&s->reserved, size) + size;
+    t->call.reserved = size;
+    t->call.container = key;
+    t->call.rdev = dev;
+    u64 total = s->used + s->contexts * ctl->ctx_overhead + a->extra_overhead + r;
+    if (total <= a->assigned)
+        return;
+    __sync_fetch_and_add(&s->stalls, 1);
+    u8 op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
+    emit_flags(id, api, op, 0, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
+    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+}
+
 // Bytes obtained: remember the object, add to the (process, device) totals.
 static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
                                     u64 size, s32 dev, u8 flags)
@@ -180,10 +289,13 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
     if (objs.insert(&k, &o) != 0) {     // the address is taken: freed by a path we do not see
         struct cg_obj *old = objs.lookup(&k);
-        if (old && old->gen == p->gen && old->dev == dev)
+        if (old && old->gen == p->gen && old->dev == dev) {
             __sync_fetch_and_sub(&u->live, old->size);
+            cg_charge(tgid, dev, -(s64)old->size, 0);
+        }
         objs.update(&k, &o);
     }
+    cg_charge(tgid, dev, size, 0);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -204,6 +316,7 @@ static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struc
     if (!u)
         return;
     u64 live = __sync_fetch_and_sub(&u->live, o->size) - o->size;
+    cg_charge(tgid, o->dev, -(s64)o->size, 0);
     __sync_fetch_and_add(&u->n_free, 1);
     __sync_fetch_and_add(&u->bytes_free, o->size);
     u->last_ns = bpf_ktime_get_ns();
@@ -231,6 +344,7 @@ static __always_inline void ctx_count(u64 id, struct cg_proc *p, s32 dev, s64 de
     if (!u)
         return;
     s64 left = __sync_fetch_and_add(&u->contexts, delta) + delta;
+    cg_charge(id >> 32, dev, 0, delta);
     u->last_ns = bpf_ktime_get_ns();
     emit(id, api, delta > 0 ? OP_CTX_CREATE : OP_CTX_DESTROY, 0, dev, ctx, 0, u->live,
          (u32)left);
@@ -310,6 +424,45 @@ static __always_inline u64 footprint(u64 size)
 
 // ---- entry: save arguments; the thread-state calls need no return probe ----
 
+// Which calls take device memory, how much, and on which device, read at entry. Arrays are
+// left out: their size is only an estimate (their bytes still count once they exist).
+static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_thread *t, u16 api)
+{
+    u32 tgid = id >> 32;
+    s32 dev = current_dev(id, procs.lookup(&tgid));
+    s32 loc[2] = {};
+    switch (api) {
+    case API_cuMemAlloc_v2: case API_cuMemAllocManaged: case API_cuMemAllocAsync:
+    case API_cuMemAllocAsync_ptsz: case API_cuMemAllocFromPoolAsync:
+    case API_cuMemAllocFromPoolAsync_ptsz:
+        admit(id, t, api, dev, footprint(PT_REGS_PARM2(ctx)), 0);
+        break;
+    case API_cuMemAllocPitch_v2:    // the pitch is known only at return: width x height
+        admit(id, t, api, dev, footprint(PT_REGS_PARM3(ctx) * PT_REGS_PARM4(ctx)), 0);
+        break;
+    case API_cuMemCreate:
+        bpf_probe_read_user(loc, sizeof(loc), (void *)(PT_REGS_PARM3(ctx) + 8));
+        admit(id, t, api, loc[0] == 1 ? clamp_dev(loc[1]) : dev, PT_REGS_PARM2(ctx), 0);
+        break;
+    case API_cuDevicePrimaryCtxRetain: {
+        dev = clamp_dev((s32)PT_REGS_PARM2(ctx));
+        struct cg_obj_key pk = {.tgid = tgid, .ns = NS_PRIMARY, .addr = dev};
+        if (!objs.lookup(&pk))      // a second retain costs nothing
+            admit(id, t, api, dev, 0, 1);
+        break;
+    }
+    case API_cuCtxCreate_v2:
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM3(ctx)), 0, 1);
+        break;
+    case API_cuCtxCreate_v3:
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM5(ctx)), 0, 1);
+        break;
+    case API_cuCtxCreate_v4:
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM4(ctx)), 0, 1);
+        break;
+    }
+}
+
 static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -328,6 +481,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     t->call.a3 = PT_REGS_PARM4(ctx);
     t->call.a4 = PT_REGS_PARM5(ctx);
     t->call.api = api;
+    t->call.reserved = 0;
+    if (enforcing())
+        admit_call(ctx, id, t, api);
     return 0;
 }
 
@@ -435,10 +591,12 @@ static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struc
         return 0;
     *c = t->call;
     t->call.api = 0;
+    t->call.reserved = 0;           // handed to the exit program (DONE) or released below
     s32 tdev = t->dev;
     u32 rc = PT_REGS_RC(ctx);
     u32 tgid = id >> 32;
     if (rc != 0) {
+        release(c);
         struct cg_proc *fp = find_proc(tgid, 0);
         *dev = tdev >= 0 ? tdev : fp && fp->last_dev >= 0 ? fp->last_dev : 0;
         if (fp) {
@@ -466,8 +624,10 @@ static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struc
     s32 dev = 0;                                   \
     u64 v = 0;                                     \
     struct cg_proc *p = settle(ctx, id, &c, &dev); \
-    if (!p)                                        \
+    if (!p) {                                      \
+        release(&c);                               \
         return 0;                                  \
+    }                                              \
     u32 tgid = id >> 32;                           \
     (void)tgid; (void)v;
 
@@ -480,6 +640,7 @@ int exit_alloc(struct pt_regs *ctx)
     SETTLE();
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0);
+    release(&c);
     return 0;
 }
 
@@ -492,6 +653,7 @@ int exit_pitch(struct pt_regs *ctx)
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
     obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0);
+    release(&c);
     return 0;
 }
 
@@ -505,6 +667,7 @@ int exit_vmm_create(struct pt_regs *ctx)
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(loc, sizeof(loc), (void *)(c.a2 + 8));
     obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0);
+    release(&c);
     return 0;
 }
 
@@ -521,6 +684,7 @@ int exit_vmm_release(struct pt_regs *ctx)
     } else {
         obj_free(id, p, c.api, NS_VMM, c.a0);
     }
+    release(&c);
     return 0;
 }
 
@@ -538,6 +702,7 @@ int exit_vmm_map(struct pt_regs *ctx)
                        .api = c.api};
     objs.update(&mk, &m);
     emit(id, c.api, OP_MAP, 0, m.dev, c.a0, c.a1, 0, 0);
+    release(&c);
     return 0;
 }
 
@@ -562,6 +727,7 @@ int exit_vmm_unmap(struct pt_regs *ctx)
             break;
         at += msize;
     }
+    release(&c);
     return 0;
 }
 
@@ -578,6 +744,7 @@ int exit_va(struct pt_regs *ctx)
     } else {
         emit(id, c.api, OP_UNRESERVE, 0, dev, c.a0, c.a1, 0, 0);
     }
+    release(&c);
     return 0;
 }
 
@@ -606,6 +773,7 @@ int exit_array(struct pt_regs *ctx)
             bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
     }
     obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE);
+    release(&c);
     return 0;
 }
 
@@ -614,6 +782,7 @@ int exit_array_destroy(struct pt_regs *ctx)
 {
     SETTLE();
     obj_free(id, p, c.api, NS_ARRAY, c.a0);
+    release(&c);
     return 0;
 }
 
@@ -632,6 +801,7 @@ int exit_ctx_create(struct pt_regs *ctx)
     ctx_made(id, p, c.api, v, cd, c.api == API_cuDevicePrimaryCtxRetain);
     if (c.api != API_cuDevicePrimaryCtxRetain)
         set_thread_dev(id, cd, 1, 0);   // cuCtxCreate pushes the new context current
+    release(&c);
     return 0;
 }
 
@@ -643,6 +813,7 @@ int exit_ctx_destroy(struct pt_regs *ctx)
         ctx_gone(id, p, c.api, NS_PRIMARY, clamp_dev((s32)c.a0));
     else
         ctx_gone(id, p, c.api, NS_CTX, c.a0);
+    release(&c);
     return 0;
 }
 
@@ -651,6 +822,7 @@ int exit_meminfo(struct pt_regs *ctx)
 {
     SETTLE();
     emit(id, c.api, OP_MEMINFO, 0, dev, 0, 0, 0, 0);
+    release(&c);
     return 0;
 }
 
@@ -667,9 +839,11 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
         struct cg_usage *u = usage.lookup(&k);
         if (u) {
             freed += u->live;
+            cg_charge(tgid, d, -(s64)u->live, -u->contexts);
             usage.delete(&k);
         }
     }
+    members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation.
     u64 id = ((u64)tgid << 32) | tgid;
@@ -680,6 +854,9 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
+    struct cg_thread *t = threads.lookup(&id);
+    if (t)
+        release(&t->call);          // killed while stalled: its reservation goes too
     threads.delete(&id);
 #ifdef HAVE_GROUP_DEAD
     if (args->group_dead)

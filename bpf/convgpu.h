@@ -69,6 +69,9 @@ enum cg_op {
     OP_EXIT = 11,       /* the whole process exited: all it held is gone */
     OP_EXEC = 12,       /* exec replaced the image: same as exit for the GPU */
     OP_FAILED = 13,     /* the call returned CUresult != 0: nothing accounted */
+    OP_STALL = 14,      /* enforce: over its assignment, stopped before the call ran */
+    OP_OVER_LIMIT = 15, /* enforce: over its limit: stopped (or killed) before the call ran */
+    OP_UNKNOWN = 16,    /* enforce: a process (or device) the enforcer has not placed yet */
 };
 
 /* Event flags. */
@@ -141,6 +144,33 @@ struct cg_obj {
     __u32 pad2;
     __u64 maps;        /* NS_VMM: live mappings of the handle; NS_PRIMARY: retain count
                         * (64-bit: LLVM 14 has no 32-bit atomic fetch-sub for BPF) */
+};
+
+/* Enforcement. The enforcer places each process in a container (members: tgid -> key) and
+ * writes cg_assign; BPF alone writes cg_cgstate (atomics), so neither side overwrites the
+ * other's counters. Admission: used + contexts * ctx_overhead + extra_overhead + reserved must
+ * stay <= assigned, checked at the entry of every call that takes device memory. */
+struct cg_limit_key {
+    __u64 container;   /* the enforcer's key for the container */
+    __s32 dev;
+    __u32 pad;
+};
+struct cg_assign {     /* written by the enforcer */
+    __u64 limit;       /* L_c */
+    __u64 assigned;    /* A_c */
+    __u64 extra_overhead;  /* measured context overhead beyond contexts * ctx_overhead */
+};
+struct cg_cgstate {    /* written by BPF */
+    __u64 used;        /* live bytes of the container's processes */
+    __u64 reserved;    /* admitted or stalled calls not yet returned */
+    __s64 contexts;
+    __u64 stalls;
+};
+struct cg_control {
+    __u64 heartbeat_ns;    /* the enforcer's last sign of life (bpf_ktime_get_ns clock) */
+    __u64 ctx_overhead;    /* bytes charged per context before NVML measures it */
+    __u32 enforcing;
+    __u32 over_limit_kill; /* 1: SIGKILL a request above the limit instead of stopping it */
 };
 
 /* Global counters (per-CPU array slots). */

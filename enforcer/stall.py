@@ -49,14 +49,13 @@ class Stopper(Protocol):
 
 
 def _wait(check, timeout: float, fd: int | None = None) -> bool:
-    """Call check() until it returns True or timeout passes. With fd (a cgroup.events file) the
-    kernel wakes us by POLLPRI when the file changes; the 1 ms poll timeout covers regular
-    files (never POLLPRI) and the v1 freezer (no notification at all). Early rounds spin
-    briefly since a freeze usually completes in ~0.1 ms."""
+    """Call check() until it returns True or timeout passes. A freeze usually completes in
+    ~0.1 ms, so the first sleeps are short, growing to 1 ms. With fd (a cgroup.events file)
+    the kernel wakes us by POLLPRI when it changes; the 1 ms poll timeout still covers plain
+    files (never POLLPRI). The v1 freezer has no notification at all: sleep-poll."""
     deadline = time.monotonic() + timeout
-    p = None
-    if fd is not None:
-        p = select.poll()
+    p = select.poll() if fd is not None else None
+    if p is not None:
         p.register(fd, select.POLLPRI)
     delay = 0.00005
     while True:
@@ -69,7 +68,7 @@ def _wait(check, timeout: float, fd: int | None = None) -> bool:
             p.poll(min(left, 0.001) * 1000)
         else:
             time.sleep(min(left, delay))
-            delay *= 2
+            delay = min(delay * 2, 0.001)
 
 
 # ---------------------------------------------------------------- signals
@@ -135,6 +134,8 @@ class SignalStopper:
         # the other threads join the group stop on their own way out of the kernel.
         if not _wait(lambda: self._stopped(live), self.timeout):
             self._send(live, signal.SIGCONT)   # SIGCONT also discards a still-pending SIGSTOP
+            with self._lock:
+                self._ours.pop(target, None)
             raise StallError(f"pids {list(live)} did not stop within {self.timeout:g} s",
                              "a task is stuck in the kernel (D state); retry later")
         with self._lock:
@@ -150,9 +151,8 @@ class SignalStopper:
 
     def state(self, target: Target) -> str:
         with self._lock:
-            ours = self._ours.get(target)
-        stats = [(_stat(p, self.proc), ours.get(p) if ours else None) for p in target.pids]
-        live = [st for st, start in stats if not _dead(st, start)]
+            ours = self._ours.get(target) or {}
+        live = [st for p in target.pids if not _dead(st := _stat(p, self.proc), ours.get(p))]
         if not live:
             return "gone"
         return "stopped" if all(st[0] in "Tt" for st in live) else "running"
@@ -218,20 +218,16 @@ class _Freezer:
     def state(self, target: Target) -> str:
         try:
             with open(f"{self._dir(target)}/{self.STATE_FILE}", encoding="ascii") as f:
-                text = f.read()
+                return "stopped" if self._is_frozen(f.read()) else "running"
         except OSError as e:
             if e.errno in _GONE_ERRNOS:
                 return "gone"
             raise
-        return "stopped" if self._is_frozen(text) else "running"
 
     @staticmethod
     def _write(path: str, value: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
+        with open(path, "w", encoding="ascii") as f:   # one write(2) at close; errors raise there
+            f.write(value)
 
 
 class FreezerV2(_Freezer):
@@ -294,15 +290,11 @@ def v2_has_freeze(root: str) -> bool:
     With no child cgroup to look at, the kernel version decides."""
     try:
         kids = [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-    except OSError:
+        if kids:
+            return any(os.path.exists(f"{k}/cgroup.freeze") for k in kids)
+        return tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (5, 2)
+    except (OSError, ValueError):
         return False
-    if kids:
-        return any(os.path.exists(f"{k}/cgroup.freeze") for k in kids)
-    try:
-        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (5, 2)
 
 
 KINDS = ("signal", "freezer")
