@@ -27,6 +27,13 @@ def setup_logging(verbose: bool = False, debug: bool = False) -> None:
     root.setLevel(level)
 
 
+def decisions_visible() -> None:
+    """Daemons log one line per decision: at least INFO, whatever --verbose says."""
+    log = logging.getLogger("convgpu")
+    if log.level > logging.INFO or log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
 def fail(message: str) -> "typer.Exit":
     err_console.print(f"[bold red]convgpu:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(1)

@@ -2,7 +2,7 @@
 import typer
 
 from .. import __version__
-from . import common, doctor, trace
+from . import common, doctor, enforce, trace
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Share one GPU's memory between containers: trace and limit CUDA allocations.")
@@ -23,6 +23,7 @@ def version():
 
 app.command("trace")(trace.trace)
 app.command("doctor")(doctor.doctor)
+app.command("enforce")(enforce.enforce)
 
 
 def main():

@@ -1,5 +1,6 @@
 """The tracer: one BPF program, probes on every CUDA library found (now or later), exact
 per-(process, device) accounting read from maps, and events for the live view."""
+import contextlib
 import ctypes
 import logging
 import os
@@ -50,6 +51,7 @@ class Tracer:
         self._sweeps: set[tuple[int, int]] = set()
         self._last_scan = self._last_sweep = 0.0
         self.started_ns = 0
+        self.selftest_guard = contextlib.nullcontext
 
     # --- life cycle ---
     def start(self) -> "Tracer":
@@ -85,7 +87,8 @@ class Tracer:
                 log.warning("%s", e)
                 continue
             if self.selftest:
-                pid = loader.self_test(self.b, lp)
+                with self.selftest_guard():   # the enforcer pauses admission meanwhile
+                    pid = loader.self_test(self.b, lp)
                 if pid:
                     self._ignore.add(pid)
             self.attached.append(lp)

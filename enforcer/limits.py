@@ -1,0 +1,47 @@
+"""Which limit a container gets: --limit NAME_OR_ID=SIZE, else its label
+com.nvidia.memory.limit (as in the ConVGPU paper), else --default-limit. A bad label never
+stops the daemon: the container gets the default and a warning."""
+import logging
+from dataclasses import dataclass, field
+
+from ..errors import SizeError
+from ..units import format_size, parse_size
+from .containers import Container
+
+log = logging.getLogger(__name__)
+LABEL = "com.nvidia.memory.limit"
+DEFAULT_LIMIT = 1 << 30   # the paper's default
+
+
+def parse_limit_args(items: list[str]) -> dict[str, int]:
+    """["trainer=4GiB", ...] -> {"trainer": 4294967296}; errors name the value and the fix."""
+    out = {}
+    for item in items:
+        name, sep, size = item.partition("=")
+        if not sep or not name.strip():
+            raise SizeError(f"invalid --limit {item!r}", "write NAME_OR_ID=SIZE, e.g. --limit trainer=4GiB")
+        out[name.strip()] = parse_size(size, f"--limit {name.strip()}")
+    return out
+
+
+@dataclass
+class LimitRules:
+    explicit: dict[str, int] = field(default_factory=dict)
+    default: int = DEFAULT_LIMIT
+
+    def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
+        """(bytes, where it came from) for a container."""
+        for key in (name, c.id, c.short, c.cgroup):
+            if key and key in self.explicit:
+                return self.explicit[key], f"--limit {key}"
+        for key, size in self.explicit.items():
+            if len(key) >= 6 and c.id.startswith(key):
+                return size, f"--limit {key}"
+        raw = (labels or {}).get(LABEL)
+        if raw is not None:
+            try:
+                return parse_size(raw, f"label {LABEL}"), f"label {LABEL}"
+            except SizeError as e:
+                log.warning("container %s: %s; using the default limit %s", name or c.short, e,
+                            format_size(self.default))
+        return self.default, "default"

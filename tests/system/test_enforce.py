@@ -1,0 +1,153 @@
+"""`convgpu enforce` on the stand-in driver with a finite shared capacity: the paper's
+deadlock, resolved by stalling. Real uprobes, real cgroups, the CLI as a subprocess."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MiB, Caller, need
+from convgpu.enforcer.containers import cgroup_layout
+
+pytestmark = pytest.mark.system
+GiB = 1 << 30
+
+
+@pytest.fixture
+def groups(root):
+    lay = cgroup_layout()
+    need(lay.v2_root is not None, "no cgroup2 hierarchy")
+    base = Path(lay.v2_root) / f"convgpu-enf-{os.getpid()}"
+    made = []
+
+    def make(name):
+        d = base / name
+        d.mkdir(parents=True, exist_ok=True)
+        made.append(d)
+        return d
+    yield make
+    for d in made + [base]:
+        for _ in range(100):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@pytest.fixture
+def env5(caller_env):
+    """Callers share one stand-in GPU of 5 GiB, like the paper's K20m experiments."""
+    e = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(5 * GiB),
+             CONVGPU_STANDIN_SHM=f"/convgpu-enf-{os.getpid()}-{time.monotonic_ns()}")
+    yield e
+    subprocess.run([e["LD_LIBRARY_PATH"] + "/standin-usage", "--unlink"], env=e, capture_output=True)
+
+
+def start_in(cg, build, env, *args):
+    """cgcaller started inside cgroup `cg` (joins before exec: its first CUDA call is there)."""
+    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', str(build / "cgcaller"), *map(str, args)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def read_until(p, word, timeout=20):
+    deadline, lines = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line.strip())
+        if line.split()[0] == word:
+            return lines
+    raise AssertionError(f"no {word!r}: {lines}")
+
+
+def proc_state(pid):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+class Enforcing:
+    def __init__(self, build, *args):
+        self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover",
+                                   "--lib", str(build / "standin" / "libcuda.so.1"), *args],
+                                  stderr=subprocess.PIPE, text=True)
+        self.log = []
+        self.wait_for("enforcing:")
+
+    def wait_for(self, text, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.p.stderr.readline()
+            if not line:
+                break
+            self.log.append(line.rstrip())
+            if text in line:
+                return line
+        raise AssertionError(f"enforcer never logged {text!r}: {self.log}")
+
+    def stop(self):
+        self.p.terminate()
+        rc = self.p.wait(timeout=30)
+        self.log += self.p.stderr.read().splitlines()
+        return rc
+
+
+def test_deadlock_without_enforcer_fails_one(groups, build, env5):
+    a = start_in(groups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+    try:
+        read_until(a, "ready")
+        b = start_in(groups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        out, err = b.communicate(timeout=20)
+        assert b.returncode == 2 and "error cuMemAlloc_v2 2" in err    # CUDA_ERROR_OUT_OF_MEMORY
+    finally:
+        a.kill()
+        a.wait()
+
+
+def test_deadlock_resolved_by_stalling(groups, build, env5):
+    enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "left=4GiB", "--limit", "right=4GiB",
+                    "--policy", "fifo")
+    a = b = None
+    try:
+        a = start_in(groups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        read_until(a, "ready")                       # first container: assigned its 4 GiB
+        enf.wait_for("container left GPU0: assigned 4.0 GiB")
+        b = start_in(groups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        enf.wait_for("container right GPU0: assigned 1.0 GiB")   # what was left of 5 GiB
+        deadline = time.monotonic() + 10
+        while proc_state(b.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc_state(b.pid) == "T"              # stopped before its 2 GiB allocation ran
+        a.stdin.write("\n")
+        a.stdin.flush()
+        read_until(a, "exit")
+        assert a.wait(timeout=20) == 0
+        enf.wait_for("container left exited: 4.0 GiB back to the pool")
+        enf.wait_for("resume right")
+        lines = read_until(b, "ready")
+        assert f"allocated 2 {4 * GiB} pid={b.pid}" in lines
+        b.stdin.write("\n")
+        b.stdin.flush()
+        read_until(b, "exit")
+        assert b.wait(timeout=20) == 0
+        assert any("grant 3.0 GiB to right on GPU0 (assigned 4.0 GiB)" in line for line in enf.log)
+    finally:
+        for p in (a, b):
+            if p and p.poll() is None:
+                p.kill()
+        assert enf.stop() == 0
+
+
+def test_enforcer_refuses_bad_sizes(build):
+    for args, text in ((["--gpu-memory", "abc"], "invalid --gpu-memory 'abc'"),
+                       (["--gpu-memory", "5GiB", "--limit", "x=1e40"], "--limit x '1e40' is larger"),
+                       (["--gpu-memory", "5GiB", "--limit", "nosize"], "invalid --limit 'nosize'"),
+                       (["--gpu-memory", "5GiB", "--default-limit", "-1"], "invalid --default-limit '-1'")):
+        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "enforce", *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
