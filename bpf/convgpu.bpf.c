@@ -204,7 +204,8 @@ static __always_inline struct cg_control *enforcing(void)
 {
     u32 k = 0;
     struct cg_control *c = control.lookup(&k);
-    if (!c || !c->enforcing || bpf_ktime_get_ns() - c->heartbeat_ns > HEARTBEAT_NS)
+    // signed: a heartbeat stamped a hair "after" this read (another CPU) is fresh, not stale
+    if (!c || !c->enforcing || (s64)(bpf_ktime_get_ns() - c->heartbeat_ns) > (s64)HEARTBEAT_NS)
         return 0;
     return c;
 }

@@ -4,10 +4,14 @@ BPF admits or stops each call before it runs (bpf/convgpu.bpf.c, "enforce"); thi
 places new processes in containers, assigns memory, and resumes waiters as the policy grants
 memory. Every decision is one log line. The BPF side fails open when the heartbeat stops."""
 import ctypes as ct
+import fcntl
 import logging
 import os
 import random
+import resource
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +20,7 @@ from . import policies
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
+from .watchdog import write_state
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
@@ -50,7 +55,7 @@ class Enforcer:
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
                  max_wait: float = 30.0, seed: int | None = None, engines=None,
-                 container_of=container_of_pid):
+                 container_of=container_of_pid, state_dir: str = "/run/convgpu"):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         self.stopper = stopper or SignalStopper()
@@ -64,6 +69,9 @@ class Enforcer:
         self._next_key = 1
         self._beat = 0.0
         self._paused = False
+        self.state_dir = state_dir
+        self.state_file = os.path.join(state_dir, f"held-{os.getpid()}.json")
+        self.watchdog = None
 
     # --- BPF maps ---
     def _t(self, name):
@@ -91,6 +99,22 @@ class Enforcer:
     def start(self) -> "Enforcer":
         self.tracer.selftest_guard = self._pause
         self.tracer.start()
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        write_state(self.state_file, [], [])
+        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the kernel closes descriptors in ascending order and runs the releases in
+        # reverse, so the highest descriptor is released first, ahead of the perf events
+        # whose uprobe detach costs ~100 ms each.
+        r, w = os.pipe()
+        ctl = self._t("control").map_fd
+        top = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
+        self._lifeline = fcntl.fcntl(w, fcntl.F_DUPFD_CLOEXEC, max(top - 16, w))
+        os.close(w)
+        # its own session: a kill of our process group must not take the fail-safe with it;
+        # it gets the control map to turn admission off the moment we die
+        self.watchdog = subprocess.Popen([sys.executable, "-m", "convgpu.enforcer.watchdog",
+                                          str(os.getpid()), self.state_file, str(r), str(ctl)],
+                                         start_new_session=True, pass_fds=(r, ctl))
+        os.close(r)
         self._control(True)
         log.info("enforcing: policy %s, capacity %s", self.policy,
                  ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items())))
@@ -118,6 +142,24 @@ class Enforcer:
             for dev in list(box.waiting):
                 self._resume(box, dev, "enforcer stopping")
         self.tracer.close()
+        if self.watchdog is not None:   # nothing is held now: it has nothing left to do
+            self.watchdog.kill()
+            self.watchdog.wait()
+            try:
+                os.unlink(self.state_file)
+            except OSError:
+                pass
+
+    def _save_held(self):
+        """What the watchdog must undo if we die: every waiting pid, every frozen cgroup."""
+        pids, cgroups = set(), set()
+        for box in self.boxes.values():
+            for w in box.waiting.values():
+                pids |= w.pids
+                if not isinstance(self.stopper, SignalStopper):
+                    pids |= box.pids
+                    cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
+        write_state(self.state_file, pids, cgroups)
 
     # --- the loop ---
     def step(self):
@@ -134,6 +176,9 @@ class Enforcer:
             elif e.op in ("stall", "over_limit"):
                 box = self.by_key.get(e.addr)
                 if box is not None:
+                    log.info("stall %s pid %d on GPU%d: %s %s would bring it to %s (assigned %s)",
+                             box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
+                             format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
             elif e.op in ("free", "exit", "exec", "ctx_destroy"):
@@ -142,6 +187,7 @@ class Enforcer:
                 dirty = True
         if dirty:
             self.schedule()
+            self._save_held()
         return events
 
     def run(self, duration: float = 0.0, tick: float = 0.02, on_step=None):
