@@ -39,10 +39,12 @@ def test_two_pytorch_processes_one_waits(root):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = enf.stderr.readline()
+            if not line:
+                break
             log.append(line.rstrip())
             if text in line:
                 return
-        raise AssertionError(f"no {text!r} in {log}")
+        raise AssertionError(f"no {text!r} in {log[-30:]}")
 
     procs = []
     try:
