@@ -20,6 +20,7 @@ from . import policies
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
+from . import watchdog
 from .watchdog import write_state
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class Enforcer:
         os.close(w)
         # its own session: a kill of our process group must not take the fail-safe with it;
         # it gets the control map to turn admission off the moment we die
-        self.watchdog = subprocess.Popen([sys.executable, "-m", "convgpu.enforcer.watchdog",
+        self.watchdog = subprocess.Popen([sys.executable, watchdog.__file__,   # stdlib only
                                           str(os.getpid()), self.state_file, str(r), str(ctl)],
                                          start_new_session=True, pass_fds=(r, ctl))
         os.close(r)

@@ -32,7 +32,7 @@ def test_two_pytorch_processes_one_waits(root):
     # context ~0.6 GiB per PyTorch process (measured) + 2 GiB each; capacity fits one and a half
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "4GiB",
                             "--default-limit", "3GiB", "--ctx-overhead", "700MiB", "--policy", "fifo"],
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, cwd="/")   # no source tree on sys.path
     log = []
 
     def until(text, timeout=60):
