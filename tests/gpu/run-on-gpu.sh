@@ -15,7 +15,7 @@ source .bcc/bcc-env.sh
   python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'; } | tee "$OUT/machine.txt"
 python3 -m venv /tmp/pipenv >/dev/null && P=/tmp/pipenv/bin/python || P=python3
 $P -m pip install -q --no-index --find-links .wheels --target /tmp/pkgs setuptools
-PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-build-isolation --target /tmp/pkgs '.[test]'
+PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-build-isolation --upgrade --target /tmp/pkgs '.[test]'
 export PYTHONPATH=/tmp/pkgs:$PYTHONPATH CONVGPU_BUILD=$PWD/build CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA "$@" > "$OUT/pytest-gpu.txt" 2>&1
 tail -25 "$OUT/pytest-gpu.txt"
