@@ -3,7 +3,6 @@ import os
 import shutil
 from dataclasses import dataclass
 
-import typer
 from rich.console import Console
 from rich.table import Table
 

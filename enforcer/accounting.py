@@ -8,7 +8,6 @@ where NVML is present (NVML's per-process used memory minus the tracked live byt
 estimated per device otherwise: the median of recent measurements on that device, else the
 --ctx-overhead value (default 519 MiB, the H100 / driver 580 measurement)."""
 import logging
-import os
 import statistics
 import time
 from collections import defaultdict, deque

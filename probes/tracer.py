@@ -3,7 +3,6 @@ per-(process, device) accounting read from maps, and events for the live view.""
 import contextlib
 import ctypes
 import logging
-import os
 import time
 from dataclasses import dataclass
 

@@ -143,3 +143,30 @@ def events_of(tracer, pid, wait_for=None, timeout=5.0):
         if wait_for is None or any(e.op == wait_for for e in got) or time.monotonic() > deadline:
             return list(got)
         time.sleep(0.02)
+
+
+@pytest.fixture
+def cgroups(root):
+    """make(name) -> a fresh cgroup2 directory, removed (once empty) after the test."""
+    from convgpu.enforcer.containers import cgroup_layout
+    lay = cgroup_layout()
+    need(lay.v2_root is not None, "no cgroup2 hierarchy")
+    base = Path(lay.v2_root) / f"convgpu-test-{os.getpid()}-{time.monotonic_ns()}"
+    made = []
+
+    def make(name):
+        d = base / name
+        d.mkdir(parents=True, exist_ok=True)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made + [base]:
+        for _ in range(100):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)

@@ -12,35 +12,9 @@ import pytest
 
 from conftest import MiB, Caller, need
 from convgpu.enforcer.accounting import Accountant
-from convgpu.enforcer.containers import cgroup_layout
 from convgpu.enforcer.engines import EngineLookup
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture
-def cgroups(root):
-    lay = cgroup_layout()
-    need(lay.v2_root is not None, "no cgroup2 hierarchy")
-    base = Path(lay.v2_root) / f"convgpu-test-{os.getpid()}"
-    made = []
-
-    def make(name):
-        d = base / name
-        d.mkdir(parents=True, exist_ok=True)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made + [base]:
-        for _ in range(100):
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
 
 
 def test_bytes_per_cgroup_exact(tracer, build, caller_env, cgroups):

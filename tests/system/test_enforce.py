@@ -4,39 +4,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import MiB, Caller, need
-from convgpu.enforcer.containers import cgroup_layout
 
 pytestmark = pytest.mark.system
 GiB = 1 << 30
-
-
-@pytest.fixture
-def groups(root):
-    lay = cgroup_layout()
-    need(lay.v2_root is not None, "no cgroup2 hierarchy")
-    base = Path(lay.v2_root) / f"convgpu-enf-{os.getpid()}"
-    made = []
-
-    def make(name):
-        d = base / name
-        d.mkdir(parents=True, exist_ok=True)
-        made.append(d)
-        return d
-    yield make
-    for d in made + [base]:
-        for _ in range(100):
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
 
 
 @pytest.fixture
@@ -109,11 +82,11 @@ class Enforcing:
         return rc
 
 
-def test_deadlock_without_enforcer_fails_one(groups, build, env5):
-    a = start_in(groups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+def test_deadlock_without_enforcer_fails_one(cgroups, build, env5):
+    a = start_in(cgroups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
     try:
         read_until(a, "ready")
-        b = start_in(groups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        b = start_in(cgroups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
         out, err = b.communicate(timeout=20)
         assert b.returncode == 2 and "error cuMemAlloc_v2 2" in err    # CUDA_ERROR_OUT_OF_MEMORY
     finally:
@@ -121,15 +94,15 @@ def test_deadlock_without_enforcer_fails_one(groups, build, env5):
         a.wait()
 
 
-def test_deadlock_resolved_by_stalling(groups, build, env5):
+def test_deadlock_resolved_by_stalling(cgroups, build, env5):
     enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "left=4GiB", "--limit", "right=4GiB",
                     "--policy", "fifo")
     a = b = None
     try:
-        a = start_in(groups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        a = start_in(cgroups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
         read_until(a, "ready")                       # first container: assigned its 4 GiB
         enf.wait_for("container left GPU0: assigned 4.0 GiB")
-        b = start_in(groups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        b = start_in(cgroups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
         enf.wait_for("container right GPU0: assigned 1.0 GiB")   # what was left of 5 GiB
         wait_state(b.pid, "T")              # stopped before its 2 GiB allocation ran
         a.stdin.write("\n")
@@ -162,9 +135,9 @@ def test_enforcer_refuses_bad_sizes(build):
         assert r.returncode == 1 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_kill_9_of_the_enforcer_resumes_10_stalled_within_2s(groups, build, caller_env):
+def test_kill_9_of_the_enforcer_resumes_10_stalled_within_2s(cgroups, build, caller_env):
     enf = Enforcing(build, "--gpu-memory", "80GiB", "--default-limit", "1GiB")
-    cg = groups("many")
+    cg = cgroups("many")
     procs = []
     try:
         for _ in range(10):   # each asks 2 GiB, above its container's 1 GiB limit: stalled
@@ -191,9 +164,9 @@ def test_kill_9_of_the_enforcer_resumes_10_stalled_within_2s(groups, build, call
         enf.p.wait()
 
 
-def test_over_limit_stalls_and_clean_exit_resumes(groups, build, caller_env):
+def test_over_limit_stalls_and_clean_exit_resumes(cgroups, build, caller_env):
     enf = Enforcing(build, "--gpu-memory", "8GiB", "--limit", "greedy=1GiB")
-    p = start_in(groups("greedy"), build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+    p = start_in(cgroups("greedy"), build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
     try:
         enf.wait_for("container greedy GPU0: needs 2.0 GiB, above its limit 1.0 GiB: stalled until the limit is raised")
         wait_state(p.pid, "T")
