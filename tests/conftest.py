@@ -122,6 +122,13 @@ def tracer(root, build):
 EVENTS: dict[int, list] = {}
 
 
+def cuda_prelude(lib) -> str:
+    """Python lines that bring up a context on `lib` (a libcuda.so.1): cu, ctypes ready."""
+    return (f"import ctypes,os,sys; cu=ctypes.CDLL('{lib}'); cu.cuInit(0);"
+            "d=ctypes.c_int(); c=ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d),0);"
+            "cu.cuDevicePrimaryCtxRetain(ctypes.byref(c),d); cu.cuCtxSetCurrent(c)\n")
+
+
 def drain(tracer):
     """Poll the tracer, keeping every event per pid so no test loses another's events."""
     for e in tracer.poll():
@@ -162,11 +169,16 @@ def cgroups(root):
 
     yield make
     for d in made + [base]:
-        for _ in range(100):
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
+        remove_cgroup(d)
+
+
+def remove_cgroup(d: Path, tries: int = 200) -> None:
+    """rmdir succeeds once the kernel has moved the last (killed) task out."""
+    for _ in range(tries):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from conftest import need, remove_cgroup
 from convgpu.enforcer.containers import cgroup_layout
 from convgpu.enforcer.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
                                     make_stopper, v2_has_freeze)
@@ -110,14 +110,7 @@ def busy(hierarchy):
         if p is not None:
             p.kill()
             p.wait(timeout=10)
-        for _ in range(200):
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.01)
+        remove_cgroup(d)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import MiB, drain, events_of, footprint, usage_of
+from conftest import MiB, cuda_prelude, drain, events_of, footprint, usage_of
 
 pytestmark = pytest.mark.system
 
@@ -166,9 +166,7 @@ def test_sigkill_releases_everything(tracer, run_caller):
 
 def test_exec_drops_the_old_image(tracer, build, caller_env):
     # a process that allocates, then execs: the driver's memory goes with the old image
-    code = (f"import ctypes,os; cu=ctypes.CDLL('{build}/standin/libcuda.so.1'); cu.cuInit(0);"
-            "d=ctypes.c_int(); c=ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d),0);"
-            "cu.cuDevicePrimaryCtxRetain(ctypes.byref(c),d); cu.cuCtxSetCurrent(c);"
+    code = (cuda_prelude(build / "standin" / "libcuda.so.1") +
             "p=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(9<<20));"
             "print('ready',flush=True); input(); os.execv('/bin/sleep',['sleep','30'])")
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=caller_env)
@@ -186,9 +184,7 @@ def test_exec_drops_the_old_image(tracer, build, caller_env):
 
 
 def test_fork_child_starts_empty_and_parent_keeps_its_bytes(tracer, build, caller_env):
-    code = (f"import ctypes,os,sys; cu=ctypes.CDLL('{build}/standin/libcuda.so.1'); cu.cuInit(0);"
-            "d=ctypes.c_int(); c=ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d),0);"
-            "cu.cuDevicePrimaryCtxRetain(ctypes.byref(c),d); cu.cuCtxSetCurrent(c);"
+    code = (cuda_prelude(build / "standin" / "libcuda.so.1") +
             "p=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(6<<20));\n"
             "r,w=os.pipe(); pid=os.fork()\n"
             "if pid==0:\n"
