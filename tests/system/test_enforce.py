@@ -1,12 +1,16 @@
 """`convgpu enforce` on the stand-in driver with a finite shared capacity: the paper's
 deadlock, resolved by stalling. Real uprobes, real cgroups, the CLI as a subprocess."""
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from conftest import MiB
 
 pytestmark = pytest.mark.system
 GiB = 1 << 30
@@ -176,3 +180,62 @@ def test_over_limit_stalls_and_clean_exit_resumes(cgroups, build, caller_env):
     finally:
         p.kill()
         p.wait()
+        if enf.p.poll() is None:
+            enf.stop()
+
+
+def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, caller_env):
+    """8 threads per container race 31 x 1 MiB each (248 MiB per container, 992 allocations in
+    all) against 512 MiB shared: two containers get 256 MiB, two wait. The stand-in (1 GiB) keeps
+    its own peak: it must never pass 512 MiB, whatever the interleaving."""
+    env = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(GiB),
+               CONVGPU_STANDIN_SHM=f"/convgpu-race-{os.getpid()}-{time.monotonic_ns()}")
+    enf = Enforcing(build, "--gpu-memory", "512MiB", "--default-limit", "256MiB", "--policy", "bf")
+    procs = []
+    try:
+        for n in range(4):
+            procs.append(start_in(cgroups(f"race{n}"), build, env, "alloc", "-t", 8, "-n", 31, "-s", MiB))
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            assert f"allocated 248 {248 * MiB}" in out
+        usage = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
+                                          capture_output=True, text=True, check=True).stdout)
+        assert 248 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB
+        assert enf.stop() == 0
+        waited = {line.split("stall ")[1].split()[0] for line in enf.log if "daemon: stall race" in line}
+        assert len(waited) >= 2, enf.log     # two containers started with nothing assigned
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if enf.p.poll() is None:
+            enf.stop()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
+    """--stall freezer: the stalled container is frozen as a whole, so a SIGCONT from anyone
+    (a sibling could send one) does not let its allocation run; thawed on a clean exit."""
+    enf = Enforcing(build, "--gpu-memory", "8GiB", "--limit", "frz=1GiB", "--stall", "freezer")
+    cg = cgroups("frz")
+    p = start_in(cg, build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+    try:
+        enf.wait_for("container frz GPU0: needs 2.0 GiB")
+        deadline = time.monotonic() + 10
+        while "frozen 1" not in (cg / "cgroup.events").read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "frozen 1" in (cg / "cgroup.events").read_text()
+        os.kill(p.pid, signal.SIGCONT)          # what an escaping sibling would do
+        time.sleep(0.5)
+        assert "frozen 1" in (cg / "cgroup.events").read_text()
+        ready, _, _ = select.select([p.stdout], [], [], 0)
+        assert ready == [], os.read(p.stdout.fileno(), 200)   # no "allocated": the allocation did not run
+        assert enf.stop() == 0                  # clean exit: thawed and resumed
+        assert "frozen 0" in (cg / "cgroup.events").read_text()
+        read_until(p, "ready")
+    finally:
+        p.kill()
+        p.wait()
+        if enf.p.poll() is None:
+            enf.stop()
