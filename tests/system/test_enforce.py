@@ -239,3 +239,40 @@ def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
         p.wait()
         if enf.p.poll() is None:
             enf.stop()
+
+
+def test_figure_3_walk_through_fifo(cgroups, build, caller_env):
+    """ConVGPU Fig. 3 on a 5 GiB GPU, 2 GiB limits: A and B run with their full limit, C gets the
+    1 GiB left and stalls at it, D gets nothing and stalls; B exits -> FIFO serves C first (its
+    full limit, resumes), D gets the remaining 1 GiB and stays stalled until A exits."""
+    enf = Enforcing(build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", "fifo")
+    procs = {}
+    try:
+        for name, assigned in (("a", "2.0 GiB"), ("b", "2.0 GiB"), ("c", "1.0 GiB"), ("d", "0 B")):
+            procs[name] = start_in(cgroups(name), build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+            enf.wait_for(f"container {name} GPU0: assigned {assigned} (limit 2.0 GiB)")
+            if name in "ab":
+                read_until(procs[name], "ready")
+            else:
+                enf.wait_for(f"stall {name} pid {procs[name].pid}")
+                wait_state(procs[name].pid, "T")
+        procs["b"].stdin.write("\n")
+        procs["b"].stdin.flush()
+        assert procs["b"].wait(timeout=30) == 0
+        enf.wait_for("container b exited: 2.0 GiB back to the pool")
+        enf.wait_for("grant 1.0 GiB to c on GPU0 (assigned 2.0 GiB)")
+        enf.wait_for("resume c on GPU0")
+        enf.wait_for("grant 1.0 GiB to d on GPU0 (assigned 1.0 GiB)")
+        read_until(procs["c"], "ready")
+        time.sleep(0.3)
+        assert proc_state(procs["d"].pid) == "T"          # partly assigned: still waiting
+        procs["a"].stdin.write("\n")
+        procs["a"].stdin.flush()
+        enf.wait_for("grant 1.0 GiB to d on GPU0 (assigned 2.0 GiB)")
+        read_until(procs["d"], "ready")
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        if enf.p.poll() is None:
+            enf.stop()
