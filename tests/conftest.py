@@ -44,6 +44,21 @@ def root():
         need(False, "bcc not importable: install python3-bpfcc, venv with --system-site-packages")
 
 
+def lines_until(stream, match, sink: list, timeout: float = 30, what: str = "output"):
+    """Read lines of `stream` into `sink` until `match(line)`; returns that line. EOF or the
+    time limit raise with everything read so far (the process's own words)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            raise AssertionError(f"{what} ended before the expected line: {sink[-30:]}")
+        line = line.rstrip()
+        sink.append(line)
+        if match(line):
+            return line
+    raise AssertionError(f"{what}: expected line not seen in {timeout} s: {sink[-30:]}")
+
+
 class Caller:
     """A running tests/standin/cgcaller: waits for its `ready` line, then holds until told."""
 
@@ -57,21 +72,15 @@ class Caller:
         self._read_until("ready")
 
     def _read_until(self, word, timeout=30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line:
-                raise AssertionError(f"caller ended early: {self.lines} {self.p.stderr.read()}")
-            line = line.strip()
-            self.lines.append(line)
+        def match(line):
             parts = line.split()
-            if parts[0] == "allocated":
-                self.allocated = (int(parts[1]), int(parts[2]))
-            if parts[0] == "freed":
-                self.freed = (int(parts[1]), int(parts[2]))
-            if parts[0] == word:
-                return line
-        raise AssertionError(f"no {word!r} from caller: {self.lines}")
+            if parts[0] in ("allocated", "freed"):
+                setattr(self, parts[0], (int(parts[1]), int(parts[2])))
+            return parts[0] == word
+        try:
+            return lines_until(self.p.stdout, match, self.lines, timeout, "caller")
+        except AssertionError as e:
+            raise AssertionError(f"{e} {self.p.stderr.read() if self.p.poll() is not None else ''}") from None
 
     def release(self):
         """Let it free everything and exit; returns the exit code."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from conftest import lines_until, need
 
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
@@ -37,15 +37,7 @@ def test_two_pytorch_processes_one_waits(root):
     log = []
 
     def until(text, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = enf.stderr.readline()
-            if not line:
-                break
-            log.append(line.rstrip())
-            if text in line:
-                return
-        raise AssertionError(f"no {text!r} in {log[-30:]}")
+        lines_until(enf.stderr, lambda line: text in line, log, timeout, f"enforcer log ({text!r})")
 
     procs = []
     try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import MiB
+from conftest import MiB, lines_until
 
 pytestmark = pytest.mark.system
 GiB = 1 << 30
@@ -33,15 +33,10 @@ def start_in(cg, build, env, *args):
 
 
 def read_until(p, word, timeout=20):
-    deadline, lines = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line.strip())
-        if line.split()[0] == word:
-            return lines
-    raise AssertionError(f"no {word!r}: {lines}")
+    """The caller's stdout lines up to the one starting with `word`."""
+    lines: list = []
+    lines_until(p.stdout, lambda line: line.split()[0] == word, lines, timeout, "caller")
+    return lines
 
 
 def proc_state(pid):
@@ -69,15 +64,13 @@ class Enforcing:
         self.wait_for("enforcing:")
 
     def wait_for(self, text, timeout=30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.p.stderr.readline()
-            if not line:
-                break
-            self.log.append(line.rstrip())
-            if text in line:
-                return line
-        raise AssertionError(f"enforcer never logged {text!r}: {self.log}")
+        return lines_until(self.p.stderr, lambda line: text in line, self.log, timeout,
+                           f"enforcer log (waiting for {text!r})")
+
+    def close(self):
+        """For finally blocks: stop it unless a test already did."""
+        if self.p.poll() is None:
+            self.stop()
 
     def stop(self):
         self.p.terminate()
@@ -180,8 +173,7 @@ def test_over_limit_stalls_and_clean_exit_resumes(cgroups, build, caller_env):
     finally:
         p.kill()
         p.wait()
-        if enf.p.poll() is None:
-            enf.stop()
+        enf.close()
 
 
 def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, caller_env):
@@ -209,8 +201,7 @@ def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, ca
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        if enf.p.poll() is None:
-            enf.stop()
+        enf.close()
         subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
 
 
@@ -237,8 +228,7 @@ def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
     finally:
         p.kill()
         p.wait()
-        if enf.p.poll() is None:
-            enf.stop()
+        enf.close()
 
 
 def test_figure_3_walk_through_fifo(cgroups, build, caller_env):
@@ -274,5 +264,4 @@ def test_figure_3_walk_through_fifo(cgroups, build, caller_env):
         for p in procs.values():
             p.kill()
             p.wait()
-        if enf.p.poll() is None:
-            enf.stop()
+        enf.close()
