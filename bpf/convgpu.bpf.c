@@ -29,7 +29,11 @@ struct cg_call {                    // a driver call in flight on one thread
     u64 container;                  // enforce: that container's key
     s32 rdev;                       //   and device
     u16 api;                        // 0: no call in flight
-    u16 pad;
+    u8 stalled;                     // enforce: stopped at entry, not yet let through
+    u8 pad;
+    u64 want;                       // enforce: what the stopped call needs
+    s32 wdev;                       //   on this device
+    u32 pad2;
 };
 struct cg_thread {                  // one entry per thread that ever called CUDA
     s32 dev;                        // current device, -1 unknown
@@ -210,6 +214,15 @@ static __always_inline struct cg_control *enforcing(void)
     return c;
 }
 
+// While a container waits for memory, a free or an exit wakes the enforcer at once (the
+// time to resume the waiter); otherwise events wait for its next poll.
+static __always_inline u64 wake_if_waiting(void)
+{
+    u32 k = 0;
+    struct cg_control *c = control.lookup(&k);
+    return c && c->waiters ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+}
+
 static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
 {
     u64 *m = members.lookup(&tgid);
@@ -260,7 +273,10 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     struct cg_cgstate *s = state_of(tgid, dev, &key);
     struct cg_limit_key lk = {.container = key, .dev = dev};
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+    t->call.want = size;
+    t->call.wdev = dev;
     if (!a) {                       // not placed yet: wait for the enforcer to place it
+        t->call.stalled = 1;
         emit_flags(id, api, OP_UNKNOWN, 0, dev, key, size, 0, 0, BPF_RB_FORCE_WAKEUP);
         bpf_send_signal(SIGSTOP);
         return;
@@ -273,9 +289,53 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (total <= a->assigned)
         return;
     __sync_fetch_and_add(&s->stalls, 1);
+    t->call.stalled = 1;
     u8 op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
     emit_flags(id, api, op, 0, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
     bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+}
+
+// The second instruction of every admitted call. A call stopped at entry gets here once the
+// process runs again: after the enforcer's grant (then it fits), or after a SIGCONT from anyone
+// allowed to signal the process, e.g. a sibling in its container. Either way this runs before
+// the call's body can allocate, so an unauthorized resume is stopped again here.
+int recheck(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct cg_thread *t = threads.lookup(&id);
+    if (!t || !t->call.stalled)
+        return 0;
+    struct cg_control *ctl = enforcing();
+    if (!ctl) {                     // fail open: no enforcer, nothing holds it
+        t->call.stalled = 0;
+        return 0;
+    }
+    u32 tgid = id >> 32;
+    s32 dev = t->call.wdev;
+    u64 key = 0;
+    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    struct cg_limit_key lk = {.container = key, .dev = dev};
+    struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+    u8 op = OP_UNKNOWN;
+    u64 total = 0;
+    if (a) {
+        if (!t->call.reserved) {    // stopped before it was placed: reserve like admit()
+            __sync_fetch_and_add(&s->reserved, t->call.want);
+            t->call.reserved = t->call.want;
+            t->call.container = key;
+            t->call.rdev = dev;
+        }
+        total = s->used + s->contexts * ctl->ctx_overhead + a->extra_overhead + s->reserved;
+        if (total <= a->assigned) {
+            t->call.stalled = 0;
+            return 0;
+        }
+        op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
+    }
+    emit_flags(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, 0,
+               BPF_RB_FORCE_WAKEUP);
+    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    return 0;
 }
 
 // Bytes obtained: remember the object, add to the (process, device) totals.
@@ -321,7 +381,7 @@ static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struc
     __sync_fetch_and_add(&u->n_free, 1);
     __sync_fetch_and_add(&u->bytes_free, o->size);
     u->last_ns = bpf_ktime_get_ns();
-    emit(id, api, OP_FREE, 0, o->dev, addr, o->size, live, 0);
+    emit_flags(id, api, OP_FREE, 0, o->dev, addr, o->size, live, 0, wake_if_waiting());
 }
 
 static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
@@ -483,6 +543,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     t->call.a4 = PT_REGS_PARM5(ctx);
     t->call.api = api;
     t->call.reserved = 0;
+    t->call.stalled = 0;
     if (enforcing())
         admit_call(ctx, id, t, api);
     return 0;
@@ -848,7 +909,7 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation.
     u64 id = ((u64)tgid << 32) | tgid;
-    emit(id, api, op, 0, -1, p->gen, freed, 0, 0);
+    emit_flags(id, api, op, 0, -1, p->gen, freed, 0, 0, wake_if_waiting());
     procs.delete(&tgid);
 }
 

@@ -78,6 +78,7 @@ enum cg_op {
 #define EF_ESTIMATE 0x1   /* size computed from a descriptor (arrays): the driver pads */
 #define EF_UNKNOWN 0x2    /* free of an address convgpu never saw allocated */
 #define EF_DEFERRED 0x4   /* VMM release of a still-mapped handle: bytes go at last unmap */
+#define EF_RESTALL 0x8    /* enforce: resumed without a grant (e.g. a sibling's SIGCONT): stopped again */
 
 /* Ring-buffer record, 80 bytes. */
 struct cg_event {
@@ -171,6 +172,8 @@ struct cg_control {
     __u64 ctx_overhead;    /* bytes charged per context before NVML measures it */
     __u32 enforcing;
     __u32 over_limit_kill; /* 1: SIGKILL a request above the limit instead of stopping it */
+    __u32 waiters;         /* containers waiting for memory: frees and exits wake the enforcer */
+    __u32 pad;
 };
 
 /* Global counters (per-CPU array slots). */

@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
-from ..errors import ConvgpuError
+from ..errors import ConvgpuError, EnforcerUnreachable
 
 err_console = Console(stderr=True)
 state = {"debug": False}
@@ -50,3 +50,25 @@ def handle_errors(fn):
                 raise
             raise fail(str(e)) from None
     return wrapper
+
+
+RUN_DIR = "/run/convgpu"
+RUN_DIR_HELP = "The enforcer's --run-dir (default /run/convgpu)."
+
+
+def control(run_dir: str, msg: dict) -> dict:
+    """One request to the running enforcer's control socket; its error becomes ours."""
+    from ..enforcer.server import request
+    path = f"{run_dir.rstrip('/')}/control.sock"
+    try:
+        reply = request(path, msg)
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise EnforcerUnreachable(f"no enforcer answers on {path}",
+                                  "start one with `convgpu enforce` (or give its --run-dir)") from None
+    except PermissionError:
+        raise EnforcerUnreachable(f"permission denied on {path}", "run it as root") from None
+    except (OSError, ValueError) as e:
+        raise EnforcerUnreachable(f"the enforcer on {path} did not answer ({e})", "check its log") from None
+    if not reply.get("ok"):
+        raise ConvgpuError(reply.get("error", "the enforcer refused the request"))
+    return reply

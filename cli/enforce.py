@@ -1,18 +1,32 @@
-"""`convgpu enforce`: the daemon that gives every container a GPU-memory limit."""
+"""`convgpu enforce`: the daemon that gives every container a GPU-memory limit.
+
+Every option can also be set in the config file's [enforce] table (same name, underscores);
+an option given on the command line wins. Built-in defaults are in DEFAULTS."""
+import logging
+import os
 from enum import Enum
 
 import typer
 
+from ..enforcer import config as cfg
 from ..enforcer.daemon import Enforcer
 from ..enforcer.engines import EngineLookup
 from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
+from ..enforcer.metrics import MetricsServer
 from ..enforcer.stall import make_stopper
-from ..errors import PrerequisiteError
+from ..errors import ConfigError, PrerequisiteError
 from ..probes.nvml import Nvml
 from ..probes.tracer import Tracer
 from ..units import parse_size
 from . import common
 from .trace import _stop_on_sigterm
+
+log = logging.getLogger("convgpu.cli.enforce")
+DEFAULT_CONFIG = "/etc/convgpu/config.toml"
+DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
+            "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
+            "max_wait": 30.0, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
+            "run_dir": "/run/convgpu", "libs": [], "discover": True}
 
 
 class Policy(str, Enum):
@@ -26,6 +40,8 @@ class Policy(str, Enum):
 class Stall(str, Enum):
     signal = "signal"
     freezer = "freezer"
+    freezer_v1 = "freezer-v1"
+    freezer_v2 = "freezer-v2"
 
 
 class OverLimit(str, Enum):
@@ -33,46 +49,93 @@ class OverLimit(str, Enum):
     kill = "kill"
 
 
-def capacity_of(gpu_memory: str | None, nvml: Nvml) -> dict[int, int]:
+def capacity_of(gpu_memory: int | None, reserve: int, nvml: Nvml) -> dict[int, int]:
+    """--gpu-memory per GPU (virtual), else NVML's total minus --reserve."""
     if gpu_memory is not None:
-        size = parse_size(gpu_memory, "--gpu-memory")
         n = len(nvml.gpus()) if nvml.ok else 1
-        return {d: size for d in range(max(n, 1))}
+        return {d: gpu_memory for d in range(max(n, 1))}
     if not nvml.ok:
         raise PrerequisiteError(f"cannot read the GPUs' memory from NVML ({nvml.error})",
                                 "give the capacity with --gpu-memory SIZE")
-    return {g.index: g.total for g in nvml.gpus()}
+    return {g.index: max(0, g.total - reserve) for g in nvml.gpus()}
+
+
+def settings_from(config: cfg.Config | None, cli: dict) -> dict:
+    """Command line > [enforce] table > DEFAULTS."""
+    out = dict(DEFAULTS)
+    if config is not None:
+        out.update(config.settings)
+    out.update({k: v for k, v in cli.items() if v is not None})
+    return out
+
+
+def rules_from(config: cfg.Config | None, limits: dict[str, int], default_limit: int) -> LimitRules:
+    return LimitRules(dict(limits), default_limit, list(config.rules) if config else [])
 
 
 @common.handle_errors
 def enforce(
-    policy: Policy = typer.Option(Policy.fifo, "--policy", help="Who resumes first: fifo, bf (best fit), ru (recent use), rand, bfa (best fit with aging)."),
+    config: str = typer.Option(None, "--config", help=f"TOML config file ([enforce] options and [[rule]] limits; default {DEFAULT_CONFIG} when present)."),
+    policy: Policy = typer.Option(None, "--policy", help="Who resumes first: fifo, bf (best fit), ru (recent use), rand, bfa (best fit with aging). Default fifo."),
     limit: list[str] = typer.Option([], "--limit", help="NAME_OR_ID=SIZE for one container (repeatable)."),
-    default_limit: str = typer.Option(None, "--default-limit", help="Limit of containers with no --limit and no com.nvidia.memory.limit label (default 1GiB)."),
-    gpu_memory: str = typer.Option(None, "--gpu-memory", help="Capacity per GPU to share (default: NVML's total)."),
-    stall: Stall = typer.Option(Stall.signal, "--stall", help="signal: SIGSTOP the process; freezer: freeze the container's cgroup."),
-    over_limit: OverLimit = typer.Option(OverLimit.stall, "--over-limit", help="A request above the limit: stall until the limit is raised, or kill."),
-    ctx_overhead: str = typer.Option("0", "--ctx-overhead", help="Bytes charged per CUDA context at admission."),
-    max_wait: float = typer.Option(30.0, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first."),
+    default_limit: str = typer.Option(None, "--default-limit", help="Limit of containers no other source sets (default 1GiB, the paper's)."),
+    gpu_memory: str = typer.Option(None, "--gpu-memory", help="Capacity per GPU to share, a virtual size (default: NVML's total minus --reserve)."),
+    reserve: str = typer.Option(None, "--reserve", help="Kept free per GPU when the capacity comes from NVML (default 512MiB)."),
+    stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
+    over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context at admission (default 0); with NVML the measured overhead is added."),
+    max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 30)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
-    discover: bool = typer.Option(True, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers."),
-    duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until Ctrl-C)."),
+    discover: bool = typer.Option(None, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers (default on)."),
+    duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until Ctrl-C or SIGTERM)."),
+    metrics_port: int = typer.Option(None, "--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port (default 0: off)."),
+    metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
+    run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
     common.decisions_visible()
-    rules = LimitRules(parse_limit_args(limit),
-                       parse_size(default_limit, "--default-limit") if default_limit is not None else DEFAULT_LIMIT)
-    overhead = parse_size(ctx_overhead, "--ctx-overhead")
+    path = config if config is not None else (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    conf = cfg.load(path) if path else None
+    limits = parse_limit_args(limit)
+    cli = {"policy": policy.value if policy else None,
+           "default_limit": parse_size(default_limit, "--default-limit") if default_limit is not None else None,
+           "gpu_memory": parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
+           "reserve": parse_size(reserve, "--reserve") if reserve is not None else None,
+           "stall": stall.value if stall else None, "over_limit": over_limit.value if over_limit else None,
+           "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
+           "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
+           "metrics_address": metrics_address, "run_dir": run_dir, "libs": list(lib) or None,
+           "discover": discover}
+    s = settings_from(conf, cli)
+    if s["gpu_memory"] == 0:
+        raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
+
+    def reload():
+        new = cfg.load(path) if path else cfg.Config()
+        merged = settings_from(new, cli)
+        for key in cfg.RESTART_KEYS:
+            if merged[key] != s[key]:
+                log.warning("reload: %s changed in %s; it takes effect at the next restart", key, path)
+        return rules_from(new, limits, merged["default_limit"]), merged
+
     nvml = Nvml()
-    capacity = capacity_of(gpu_memory, nvml)
-    stopper = make_stopper(stall.value)
+    capacity = capacity_of(s["gpu_memory"], s["reserve"], nvml)
+    stopper = make_stopper(s["stall"])
     engines = EngineLookup()
-    enf = Enforcer(Tracer(libraries=tuple(lib), discover=discover), policy.value, capacity, rules,
-                   stopper=stopper, over_limit=over_limit.value, ctx_overhead=overhead,
-                   max_wait=max_wait, seed=seed, engines=engines)
+    enf = Enforcer(Tracer(libraries=tuple(s["libs"]), discover=s["discover"]), s["policy"], capacity,
+                   rules_from(conf, limits, s["default_limit"]), stopper=stopper,
+                   over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
+                   seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
+                   reload=reload if path else None)
     _stop_on_sigterm()
     try:
+        if s["metrics_port"]:
+            try:
+                enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"])
+            except OSError as e:
+                raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
+                                  "choose a free --metrics-port") from None
         enf.start()
         enf.run(duration)
     except KeyboardInterrupt:

@@ -25,3 +25,11 @@ class ProbeError(ConvgpuError):
 
 class NotFoundError(ConvgpuError):
     """An unknown --pid / --container."""
+
+
+class ConfigError(ConvgpuError):
+    """A bad configuration file or setting: the enforcer refuses it whole."""
+
+
+class EnforcerUnreachable(ConvgpuError):
+    """No enforcer answers on the control socket."""

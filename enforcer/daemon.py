@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import resource
+import selectors
 import signal
 import subprocess
 import sys
@@ -20,11 +21,12 @@ from . import policies
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
-from . import watchdog
+from . import server, watchdog
 from .watchdog import write_state
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
+MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 
 
 @dataclass
@@ -50,29 +52,44 @@ class Box:
     stalled_s: float = 0.0
     stalls: int = 0
     grants: int = 0
+    over_limits: int = 0
+    restalls: int = 0
+    extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
+    labels: dict | None = None
 
 
 class Enforcer:
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
                  max_wait: float = 30.0, seed: int | None = None, engines=None,
-                 container_of=container_of_pid, state_dir: str = "/run/convgpu"):
+                 container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
+                 reload=None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         self.stopper = stopper or SignalStopper()
         self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
         self.rng = random.Random(seed)
         self.engines = engines
+        self.nvml = nvml
+        self.reload_config = reload   # () -> (LimitRules, settings dict); raises ConfigError
         self.container_of = container_of
         self.boxes: dict[str, Box] = {}
         self.by_key: dict[int, Box] = {}
         self.pid_box: dict[int, Box] = {}
+        self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
         self._next_key = 1
-        self._beat = 0.0
+        self._beat = self._measured = 0.0
         self._paused = False
-        self.state_dir = state_dir
-        self.state_file = os.path.join(state_dir, f"held-{os.getpid()}.json")
+        self._reload_asked = False
+        self.started = time.time()
+        self.run_dir = run_dir
+        self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
+        self.control_path = os.path.join(run_dir, "control.sock")
         self.watchdog = None
+        self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
+        self._published = 0.0
+        self.sel = selectors.DefaultSelector()
+        self.servers: list[server.Server] = []
 
     # --- BPF maps ---
     def _t(self, name):
@@ -82,12 +99,13 @@ class Enforcer:
         t = self._t("control")
         t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), ctx_overhead=self.ctx_overhead,
                                 enforcing=int(enforcing and not self._paused),
-                                over_limit_kill=int(self.over_limit == "kill"))
+                                over_limit_kill=int(self.over_limit == "kill"),
+                                waiters=sum(len(b.waiting) for b in self.boxes.values()))
 
     def _write_assign(self, box: Box, dev: int):
         t = self._t("assign")
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=box.limit, assigned=box.assigned[dev],
-                                                      extra_overhead=0)
+                                                      extra_overhead=box.extra.get(dev, 0))
 
     def _state(self, box: Box, dev: int):
         t = self._t("cgstate")
@@ -98,9 +116,21 @@ class Enforcer:
 
     # --- life cycle ---
     def start(self) -> "Enforcer":
+        from .control import ControlHandler
+        os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
+        # the control socket first: a second enforcer on the same run dir fails here, before
+        # its probes could stall anything
+        if _answers(self.control_path):
+            from ..errors import ConfigError
+            raise ConfigError(f"an enforcer already runs on {self.control_path}",
+                              "stop it first, or give this one another --run-dir")
+        self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
+                                          root_only=True, sel=self.sel))
         self.tracer.selftest_guard = self._pause
+        self.tracer.recheck = True
         self.tracer.start()
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self.sel.register(self.tracer.fileno(), selectors.EVENT_READ, lambda _mask: None)
+        signal.signal(signal.SIGHUP, self._on_hup)
         write_state(self.state_file, [], [])
         # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the kernel closes descriptors in ascending order and runs the releases in
         # reverse, so the highest descriptor is released first, ahead of the perf events
@@ -142,6 +172,11 @@ class Enforcer:
         for box in self.boxes.values():
             for dev in list(box.waiting):
                 self._resume(box, dev, "enforcer stopping")
+        for srv in self.servers:
+            srv.close()
+        self.servers.clear()
+        if self.metrics is not None:
+            self.metrics.close()
         self.tracer.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             self.watchdog.kill()
@@ -168,36 +203,62 @@ class Enforcer:
         if now - self._beat >= HEARTBEAT_EVERY:
             self._control(True)
             self._beat = now
+        if self._reload_asked:
+            self._reload_asked = False
+            self.reload()
         events = self.tracer.poll()
         dirty = False
         for e in events:
             if e.op == "unknown":
+                if e.restall:
+                    self._restalled(e)
                 self._place(e.pid, max(e.dev, 0), e.size)
                 dirty = True
             elif e.op in ("stall", "over_limit"):
                 box = self.by_key.get(e.addr)
                 if box is not None:
-                    log.info("stall %s pid %d on GPU%d: %s %s would bring it to %s (assigned %s)",
-                             box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
-                             format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
+                    if e.restall:
+                        self._restalled(e, box)
+                    else:
+                        log.info("stall %s pid %d on GPU%d: %s %s would bring it to %s (assigned %s)",
+                                 box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
+                                 format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
             elif e.op in ("free", "exit", "exec", "ctx_destroy"):
                 if e.op in ("exit", "exec"):
                     self._gone(e.pid)
                 dirty = True
+        if now - self._measured >= MEASURE_EVERY:
+            self._measured = now
+            dirty |= self._measure_overhead()
         if dirty:
             self.schedule()
             self._save_held()
+            self._control(True)   # the waiters count: frees wake us only while someone waits
+        if self.metrics is not None and (dirty or now - self._published >= 1.0):
+            self._published = now
+            self.metrics.publish(self.status())
         return events
 
-    def run(self, duration: float = 0.0, tick: float = 0.02, on_step=None):
+    def _restalled(self, e, box: Box | None = None):
+        if box is not None:
+            box.restalls += 1
+        log.warning("pid %d%s resumed without a grant (SIGCONT from outside?): stopped again "
+                    "before its %s ran", e.pid, f" of {box.name}" if box else "", e.api)
+
+    def run(self, duration: float = 0.0, tick: float = 0.05, on_step=None):
+        """Sleeps in select() on the ring buffer (a stall or, while someone waits, a free or
+        exit wakes it at once) and the sockets; at least every `tick` for the heartbeat."""
         end = time.monotonic() + duration if duration else None
         while end is None or time.monotonic() < end:
             events = self.step()
             if on_step:
                 on_step(events)
-            time.sleep(tick)
+            server.serve(self.sel, tick)
+
+    def _on_hup(self, *_):
+        self._reload_asked = True   # handled in the loop, never inside a signal handler
 
     # --- placement ---
     def _box_for(self, pid: int) -> Box | None:
@@ -208,14 +269,11 @@ class Enforcer:
         box = self.boxes.get(c.id)
         if box is None:
             meta = self.engines.lookup_sync(c) if self.engines is not None else None
-            name = meta.name if meta and meta.name else c.short
-            limit, source = self.rules.limit_for(c, name, meta.labels if meta else None)
-            cap = max(self.capacity.values())
-            if limit > cap:
-                log.warning("container %s: limit %s above capacity %s: capped", name,
-                            format_size(limit), format_size(cap))
-                limit = cap
-            box = Box(self._next_key, c, name, time.monotonic(), limit, source)
+            name = meta.name if meta and meta.name else self.names.get(c.cgroup, c.short)
+            labels = meta.labels if meta else None
+            limit, source = self.rules.limit_for(c, name, labels)
+            box = Box(self._next_key, c, name, time.monotonic(), self._capped(name, limit), source,
+                      labels=labels)
             self._next_key += 1
             self.boxes[c.id] = box
             self.by_key[box.key] = box
@@ -244,13 +302,21 @@ class Enforcer:
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
                  format_size(box.assigned[dev]), format_size(box.limit))
 
+    def _capped(self, name: str, limit: int) -> int:
+        cap = max(self.capacity.values())
+        if limit > cap:
+            log.warning("container %s: limit %s above capacity %s: capped", name,
+                        format_size(limit), format_size(cap))
+        return min(limit, cap)
+
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int):
         w = box.waiting.get(dev)
         if w is None:
             w = box.waiting[dev] = Wait(time.monotonic(), set())
             box.stalls += 1
+        if pid not in w.pids:   # a re-stall of the same call is not a second request
+            w.unreserved += unreserved
         w.pids.add(pid)
-        w.unreserved += unreserved
         if isinstance(self.stopper, SignalStopper):
             return
         # freezer mode: hold the whole container in its cgroup, then drop the signal stop,
@@ -328,6 +394,7 @@ class Enforcer:
         w = box.waiting[dev]
         if not w.over_limit:
             w.over_limit = True
+            box.over_limits += 1
             log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
                         format_size(demand), format_size(box.limit),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
@@ -353,19 +420,133 @@ class Enforcer:
             if _alive(p):
                 os.kill(p, sig)
 
-    def set_limit(self, container: str, limit: int) -> Box:
-        """Change a limit at run time; an over-limit waiter may now fit."""
+    # --- run-time changes (control socket, SIGHUP) ---
+    def find(self, container: str) -> Box:
         for box in self.boxes.values():
-            if container in (box.name, box.container.id, box.container.short):
-                box.limit = limit
-                for dev in box.assigned:
-                    self._write_assign(box, dev)
-                    if dev in box.waiting:
-                        box.waiting[dev].over_limit = False
-                log.info("limit of %s set to %s", box.name, format_size(limit))
-                self.schedule()
+            if container in (box.name, box.container.id, box.container.short, box.container.cgroup):
+                return box
+        for box in self.boxes.values():
+            if len(container) >= 6 and box.container.id.startswith(container):
                 return box
         raise KeyError(container)
+
+    def set_limit(self, container: str, limit: int) -> Box:
+        """`convgpu limit set`: until the container exits, beats every other source."""
+        box = self.find(container)
+        self.rules.runtime[box.container.id] = limit
+        self._apply_limit(box, self._capped(box.name, limit), "convgpu limit set")
+        return box
+
+    def _apply_limit(self, box: Box, limit: int, source: str):
+        """A new limit: an over-limit waiter may now fit; a lower one takes effect at the next
+        allocation (memory already assigned is not taken back)."""
+        if (limit, source) == (box.limit, box.source):
+            return
+        box.limit, box.source = limit, source
+        for dev in box.assigned:
+            box.assigned[dev] = min(box.assigned[dev], max(limit, self._demand(box, dev)))
+            self._write_assign(box, dev)
+            if dev in box.waiting:
+                box.waiting[dev].over_limit = False
+        log.info("limit of %s set to %s (%s)", box.name, format_size(limit), source)
+        self.schedule()
+
+    def register_run(self, cgroup: str, limit: int, name: str | None):
+        """`convgpu run`: a cgroup of its own with this limit, before its first CUDA call."""
+        self.rules.explicit[cgroup] = limit
+        if name:
+            self.names[cgroup] = name
+        log.info("convgpu run: %s (%s) limit %s", name or cgroup, cgroup, format_size(limit))
+
+    def reload(self) -> bool:
+        """SIGHUP / `convgpu reload`: new rules for new containers and for running ones whose
+        limit came from a rule, a label or the default. A bad file keeps the last good config."""
+        if self.reload_config is None:
+            log.warning("reload: no config file was given (--config)")
+            return False
+        from ..errors import ConvgpuError
+        try:
+            rules, settings = self.reload_config()
+        except ConvgpuError as e:
+            log.error("reload failed, keeping the last good config: %s", e)
+            return False
+        rules.explicit.update({k: v for k, v in self.rules.explicit.items() if k.startswith("/")})
+        rules.runtime = self.rules.runtime
+        self.rules = rules
+        if "policy" in settings and settings["policy"] != self.policy:
+            log.info("policy %s -> %s", self.policy, settings["policy"])
+            self.policy = settings["policy"]
+        self.max_wait = settings.get("max_wait", self.max_wait)
+        for box in list(self.boxes.values()):
+            limit, source = rules.limit_for(box.container, box.name, box.labels)
+            self._apply_limit(box, self._capped(box.name, limit), source)
+        log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
+                 format_size(rules.default))
+        return True
+
+    # --- measured context overhead ---
+    def _measure_overhead(self) -> bool:
+        """NVML's per-process memory minus the bytes the probes track is each process's real
+        context overhead (FACTS.md: ~519 MiB on the H100); what exceeds the per-context charge
+        of --ctx-overhead is added to the container's usage at admission."""
+        if self.nvml is None or not self.nvml.ok or not self.boxes:
+            return False
+        nv = self.nvml.process_memory()
+        live = {(u.pid, u.dev): (u.live, u.contexts) for u in self.tracer.usage()}
+        changed = False
+        for box in self.boxes.values():
+            for dev in box.assigned:
+                extra = 0
+                for pid in box.pids:
+                    used = nv.get((pid, dev))
+                    tracked, contexts = live.get((pid, dev), (0, 0))
+                    if used is not None:
+                        extra += max(0, used - tracked - max(contexts, 0) * self.ctx_overhead)
+                if extra != box.extra.get(dev, 0):
+                    box.extra[dev] = extra
+                    self._write_assign(box, dev)
+                    changed = True
+        return changed
+
+    # --- what `convgpu status`, metrics and trace show ---
+    def status(self) -> dict:
+        now = time.monotonic()
+        gpus = {}
+        for dev, cap in sorted(self.capacity.items()):
+            assigned = sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+            gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned}
+        rows = []
+        for box in sorted(self.boxes.values(), key=lambda b: b.created):
+            per = {}
+            for dev in sorted(box.assigned):
+                s = self._state(box, dev)
+                w = box.waiting.get(dev)
+                charged = (max(s.contexts, 0) * self.ctx_overhead if s else 0) + box.extra.get(dev, 0)
+                per[str(dev)] = {
+                    "assigned": box.assigned[dev], "used": s.used if s else 0,
+                    "context_overhead": charged, "reserved": s.reserved if s else 0,
+                    "contexts": max(s.contexts, 0) if s else 0, "waiting": w is not None,
+                    "over_limit": bool(w and w.over_limit),
+                    "waiting_s": round(now - w.since, 3) if w else 0.0,
+                    "waiting_pids": sorted(w.pids) if w else []}
+            stalled = box.stalled_s + sum(now - w.since for w in box.waiting.values())
+            rows.append({"id": box.container.id, "name": box.name, "kind": box.container.kind,
+                         "cgroup": box.container.cgroup, "limit": box.limit, "source": box.source,
+                         "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
+                         "stalls": box.stalls, "grants": box.grants,
+                         "over_limit_events": box.over_limits, "restalls": box.restalls})
+        return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
+                "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
+                "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
+                "started": self.started, "gpus": gpus, "containers": rows}
+
+
+def _answers(path: str) -> bool:
+    try:
+        server.request(path, {"cmd": "ping"}, timeout=2)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _alive(pid: int) -> bool:

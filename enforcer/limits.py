@@ -1,11 +1,14 @@
-"""Which limit a container gets: --limit NAME_OR_ID=SIZE, else its label
-com.nvidia.memory.limit (as in the ConVGPU paper), else --default-limit. A bad label never
-stops the daemon: the container gets the default and a warning."""
+"""Which limit a container gets, first that applies: `convgpu limit set` at run time, --limit
+NAME_OR_ID=SIZE, the first matching [[rule]] of the config file, the label
+com.nvidia.memory.limit (as in the ConVGPU paper), --default-limit. An operator's rule beats a
+label because whoever starts a container chooses its labels. A bad label never stops the
+daemon: the container gets the default and a warning."""
 import logging
 from dataclasses import dataclass, field
 
 from ..errors import SizeError
 from ..units import format_size, parse_size
+from .config import Rule
 from .containers import Container
 
 log = logging.getLogger(__name__)
@@ -28,15 +31,22 @@ def parse_limit_args(items: list[str]) -> dict[str, int]:
 class LimitRules:
     explicit: dict[str, int] = field(default_factory=dict)
     default: int = DEFAULT_LIMIT
+    rules: list[Rule] = field(default_factory=list)
+    runtime: dict[str, int] = field(default_factory=dict)   # container id -> `limit set`
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
+        if c.id in self.runtime:
+            return self.runtime[c.id], "convgpu limit set"
         for key in (name, c.id, c.short, c.cgroup):
             if key and key in self.explicit:
                 return self.explicit[key], f"--limit {key}"
         for key, size in self.explicit.items():
             if len(key) >= 6 and c.id.startswith(key):
                 return size, f"--limit {key}"
+        for rule in self.rules:
+            if rule.matches(c, name, labels):
+                return rule.limit, rule.source
         raw = (labels or {}).get(LABEL)
         if raw is not None:
             try:

@@ -297,7 +297,7 @@ def v2_has_freeze(root: str) -> bool:
         return False
 
 
-KINDS = ("signal", "freezer")
+KINDS = ("signal", "freezer", "freezer-v1", "freezer-v2")
 
 
 def make_stopper(kind: str, layout: Layout | None = None, *,
@@ -307,11 +307,14 @@ def make_stopper(kind: str, layout: Layout | None = None, *,
     with cgroupfs uses the same path in all of them); pass the path valid for that one."""
     if kind == "signal":
         return SignalStopper(timeout=timeout)
-    if kind != "freezer":
+    if kind not in KINDS:
         raise ConvgpuError(f"unknown stall method {kind!r}", f"choose one of {', '.join(KINDS)}")
     lay = detect(layout)
-    if lay.v2_root and v2_has_freeze(lay.v2_root):
+    v2 = bool(lay.v2_root and v2_has_freeze(lay.v2_root))
+    v1 = bool(lay.freezer_v1_root and os.path.isdir(lay.freezer_v1_root))
+    if kind in ("freezer", "freezer-v2") and v2:
         return FreezerV2(lay.v2_root, timeout)
-    if lay.freezer_v1_root and os.path.isdir(lay.freezer_v1_root):
+    if kind in ("freezer", "freezer-v1") and v1:
         return FreezerV1(lay.freezer_v1_root, timeout)
-    raise ConvgpuError("no cgroup freezer on this host", "use --stall signal or mount the freezer")
+    raise ConvgpuError(f"no cgroup {kind} on this host ({lay.mode} cgroups)",
+                       "use --stall signal, --stall freezer, or mount the freezer")

@@ -30,7 +30,7 @@ def write_state(path: str, pids, cgroups) -> None:
 
 def admission_off(map_fd: int) -> bool:
     """bpf(BPF_MAP_UPDATE_ELEM) of control[0] = all zero (struct cg_control: enforcing = 0)."""
-    key, value = ctypes.c_uint32(0), (ctypes.c_ubyte * 24)()
+    key, value = ctypes.c_uint32(0), (ctypes.c_ubyte * 64)()   # >= sizeof(struct cg_control)
 
     class Attr(ctypes.Structure):
         _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),

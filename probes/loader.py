@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
 from .libs import Library
-from .table import CUDA, PROBES, Probe
+from .table import ADMITTED, CUDA, PROBES, Probe
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,18 @@ def first_instruction(path: str, offset: int) -> tuple[str, str]:
     return "stepped", hx
 
 
+def instruction_length(hx: str) -> int | None:
+    """Length of the first instruction for the prologues drivers start with, else None."""
+    b = bytes.fromhex(hx)
+    if b[:1] == b"\x55" or (b and 0x50 <= b[0] <= 0x57):
+        return 1                            # push %rbp / push reg
+    if len(b) > 1 and b[0] == 0x41 and 0x50 <= b[1] <= 0x57:
+        return 2                            # push %r8-%r15
+    if b[:4] == bytes.fromhex("f30f1efa"):
+        return 4                            # endbr64
+    return None
+
+
 @dataclass
 class Attached:
     probe: Probe
@@ -87,6 +99,7 @@ class Attached:
     reason: str = ""
     insn: str = ""          # emulated / stepped / unprobeable
     fired: bool | None = None  # self-test result; None = not tested
+    recheck: bool | None = None  # enforce: second-instruction probe attached (None: not wanted)
 
 
 @dataclass
@@ -99,8 +112,9 @@ class LibraryProbes:
         return [a for a in self.probes if not a.ok and a.probe.required]
 
 
-def attach_library(b, lib: Library) -> LibraryProbes:
-    """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers)."""
+def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
+    """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers).
+    recheck: also probe the second instruction of admitted calls (enforce, table.ADMITTED)."""
     bcc = import_bcc()
     out = LibraryProbes(lib)
     for probe in PROBES:
@@ -109,7 +123,7 @@ def attach_library(b, lib: Library) -> LibraryProbes:
         a = Attached(probe, lib, ok=False)
         try:
             path, off = bcc.BPF._check_path_symbol(lib.path.encode(), probe.symbol.encode(), None, -1)
-            a.insn, _ = first_instruction(path.decode(), off)
+            a.insn, hx = first_instruction(path.decode(), off)
         except Exception:
             a.reason = "symbol not exported by this library"
             out.probes.append(a)
@@ -123,6 +137,12 @@ def attach_library(b, lib: Library) -> LibraryProbes:
             if probe.exit:
                 b.attach_uretprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.exit.encode())
             a.ok = True
+            if recheck and probe.symbol in ADMITTED:
+                n = instruction_length(hx)
+                a.recheck = n is not None
+                if n is not None:
+                    b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), sym_off=n,
+                                    fn_name=b"recheck")
         except Exception as e:
             a.reason = f"attach failed: {e}"
         out.probes.append(a)

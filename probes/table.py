@@ -76,3 +76,12 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDART, "cudaFree", "exit_runtime", False, "names the runtime call"),
     _p(CUDART, "cudaMemGetInfo", "exit_runtime", False, "memory queries (shown)"),
 )
+
+# Calls that take device memory: admitted at entry (bpf admit_call), and, when enforcing,
+# re-checked at their second instruction ("recheck") so that a resume nobody granted is caught
+# before the body runs.
+ADMITTED = frozenset({
+    "cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemCreate", "cuMemAllocAsync",
+    "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz",
+    "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4",
+})

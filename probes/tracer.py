@@ -35,7 +35,8 @@ class ProcUsage:
 class Tracer:
     def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
                  ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
-                 sweep_every: float = 30.0):
+                 sweep_every: float = 30.0, recheck: bool = False):
+        self.recheck = recheck
         self.finder = LibraryFinder(extra=tuple(libraries), discover=discover)
         self.ringbuf_pages = ringbuf_pages
         self.rescan_every = rescan_every
@@ -72,6 +73,14 @@ class Tracer:
         self.close()
 
     # --- libraries ---
+    def fileno(self) -> int:
+        """Readable when the ring buffer has data after a wake-up (libbpf's epoll fd), so a
+        loop can sleep in select() and still react to a stall at once."""
+        lib = ctypes.CDLL("libbpf.so.1")
+        lib.ring_buffer__epoll_fd.restype = ctypes.c_int
+        lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+        return lib.ring_buffer__epoll_fd(self.b._ringbuf_manager)
+
     def rescan(self, force: bool = False) -> list[loader.LibraryProbes]:
         now = time.monotonic()
         if not force and now - self._last_scan < self.rescan_every:
@@ -80,7 +89,7 @@ class Tracer:
         added = []
         for lib in self.finder.scan():
             try:
-                lp = loader.attach_library(self.b, lib)
+                lp = loader.attach_library(self.b, lib, recheck=self.recheck)
             except Exception as e:  # one bad library must not stop tracing the others
                 self.failed.append((lib, str(e)))
                 log.warning("%s", e)

@@ -1,0 +1,24 @@
+"""`convgpu limit set CONTAINER SIZE`: change a running container's limit."""
+import typer
+
+from ..units import parse_size
+from . import common
+
+app = typer.Typer(help="Change limits of running containers.", no_args_is_help=True)
+
+
+@app.command("set")
+@common.handle_errors
+def set_limit(container: str = typer.Argument(..., help="Name, id (or a 6+ character prefix) or cgroup."),
+              size: str = typer.Argument(..., help="New limit, e.g. 4GiB."),
+              run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
+    """Set CONTAINER's limit until it exits (beats --limit, rules and labels)."""
+    parse_size(size, "SIZE")   # a typo is refused here, before the daemon is asked
+    typer.echo(common.control(run_dir, {"cmd": "limit-set", "container": container, "size": size})["message"])
+
+
+@common.handle_errors
+def reload(run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
+    """Re-read the enforcer's config file (like SIGHUP); a bad file keeps the last good one."""
+    common.control(run_dir, {"cmd": "reload"})
+    typer.echo("config reloaded")

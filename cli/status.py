@@ -1,0 +1,37 @@
+"""`convgpu status`: the running enforcer's limits, assignments and waiters."""
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..units import format_size
+from . import common
+
+
+def table(st: dict) -> Table:
+    caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])} assigned"
+                     for d, g in st["gpus"].items())
+    t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
+              title_justify="left")
+    for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "state", "stalled", "stalls"):
+        t.add_column(col, justify="left" if col in ("container", "state") else "right")
+    for c in st["containers"]:
+        for dev, g in c["gpus"].items():
+            state = ("over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
+                     if g["waiting"] else "running")
+            t.add_row(c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
+                      format_size(g["used"]), format_size(g["context_overhead"]), state,
+                      f"{c['stalled_s']:.1f}s", str(c["stalls"]))
+    return t
+
+
+@common.handle_errors
+def status(as_json: bool = typer.Option(False, "--json", help="The full state as JSON."),
+           run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
+    """Show the running enforcer's containers: limits, assignments, usage, waiters."""
+    st = common.control(run_dir, {"cmd": "status"})["status"]
+    if as_json:
+        typer.echo(json.dumps(st, indent=2))
+    else:
+        Console(width=120).print(table(st))

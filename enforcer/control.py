@@ -1,0 +1,52 @@
+"""The control socket's commands (root only; `convgpu status`, `limit set`, `reload`, `run`).
+Each request is {"cmd": NAME, ...}; each reply {"ok": true, ...} or {"ok": false, "error": LINE}."""
+from ..errors import ConvgpuError
+from ..units import format_size, parse_size
+from .server import Handler, Peer
+
+
+class ControlHandler(Handler):
+    def __init__(self, enforcer):
+        self.enf = enforcer
+
+    def handle(self, peer: Peer, msg: dict):
+        cmd = msg.get("cmd")
+        fn = getattr(self, "cmd_" + str(cmd).replace("-", "_"), None)
+        if fn is None:
+            return {"ok": False, "error": f"unknown command {cmd!r}"}
+        try:
+            return {"ok": True, **fn(msg)}
+        except ConvgpuError as e:
+            return {"ok": False, "error": str(e)}
+
+    def cmd_ping(self, msg):
+        return {"pid": self.enf.status()["pid"]}
+
+    def cmd_status(self, msg):
+        return {"status": self.enf.status()}
+
+    def cmd_limit_set(self, msg):
+        name = msg.get("container")
+        size = parse_size(msg.get("size"), "limit")
+        try:
+            box = self.enf.set_limit(str(name), size)
+        except KeyError:
+            raise ConvgpuError(f"no container {name!r} is known to the enforcer",
+                               "see `convgpu status` for names and ids") from None
+        return {"container": box.name, "limit": box.limit,
+                "message": f"limit of {box.name} set to {format_size(box.limit)}"}
+
+    def cmd_reload(self, msg):
+        if not self.enf.reload():
+            raise ConvgpuError("reload failed; the last good config stays", "see the enforcer's log")
+        return {}
+
+    def cmd_register(self, msg):
+        cgroup = msg.get("cgroup")
+        if not isinstance(cgroup, str) or not cgroup.startswith("/"):
+            raise ConvgpuError(f"invalid cgroup {cgroup!r}", "give a cgroup path starting with /")
+        limit = parse_size(msg.get("limit"), "--limit")
+        name = msg.get("name")
+        self.enf.register_run(cgroup, self.enf._capped(name or cgroup, limit),
+                              str(name) if name else None)
+        return {}
