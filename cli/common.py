@@ -6,6 +6,7 @@ import sys
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from ..errors import ConvgpuError, EnforcerUnreachable
 
@@ -35,7 +36,7 @@ def decisions_visible() -> None:
 
 
 def fail(message: str) -> "typer.Exit":
-    err_console.print(f"[bold red]convgpu:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]convgpu:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 

@@ -102,7 +102,7 @@ def _setting(path: str, key: str, value):
     ok = True
     if kind == "size":
         try:
-            return parse_size(value, f"{path}: [enforce] {key}")
+            return parse_size(value, f"config file {path}: [enforce] {key}")
         except SizeError as e:
             raise ConfigError(str(e.problem), e.fix) from None
     if kind == "choice":
@@ -137,7 +137,7 @@ def _rule(path: str, i: int, r) -> Rule:
     if not isinstance(r["pattern"], str) or not r["pattern"]:
         raise ConfigError(f"{where}: invalid pattern {r['pattern']!r}", "use a non-empty glob")
     try:
-        limit = parse_size(r["limit"], f"{path}: rule #{i} limit")
+        limit = parse_size(r["limit"], f"config file {path}: rule #{i} limit")
     except SizeError as e:
         raise ConfigError(e.problem, e.fix) from None
     return Rule(r["match"], r["pattern"], limit)

@@ -290,7 +290,11 @@ class Enforcer:
         self.pid_box[pid] = box
         if dev not in box.assigned:
             self._new_device(box, dev)
-        self._waiter(box, dev, pid, request)
+        self._waiter(box, dev, pid, request, count=False)
+        if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
+            box.stalls += 1
+            log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
+                     dev, format_size(box.assigned[dev]), format_size(self._demand(box, dev)))
 
     def _new_device(self, box: Box, dev: int):
         """First context of a container on a device: A_c = min(L_c, unassigned)."""
@@ -309,11 +313,11 @@ class Enforcer:
                         format_size(limit), format_size(cap))
         return min(limit, cap)
 
-    def _waiter(self, box: Box, dev: int, pid: int, unreserved: int):
+    def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
         w = box.waiting.get(dev)
         if w is None:
             w = box.waiting[dev] = Wait(time.monotonic(), set())
-            box.stalls += 1
+            box.stalls += count
         if pid not in w.pids:   # a re-stall of the same call is not a second request
             w.unreserved += unreserved
         w.pids.add(pid)

@@ -2,7 +2,10 @@
 test command runs them (CONVGPU_REQUIRE_SYSTEM=1, also in CI) a missing prerequisite FAILS
 instead of skipping, so a broken set-up cannot pass as 'skipped'."""
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from convgpu.paths import build_dir
 
 REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def footprint(size: int) -> int:
@@ -191,3 +195,85 @@ def remove_cgroup(d: Path, tries: int = 200) -> None:
             return
         except OSError:
             time.sleep(0.01)
+
+
+# --- the enforcer on the stand-in driver (tests/system/test_enforce*.py) ---
+
+@pytest.fixture
+def env5(caller_env):
+    """Callers share one stand-in GPU of 5 GiB, like the paper's K20m experiments."""
+    e = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(5 * GiB),
+             CONVGPU_STANDIN_SHM=f"/convgpu-enf-{os.getpid()}-{time.monotonic_ns()}")
+    yield e
+    subprocess.run([e["LD_LIBRARY_PATH"] + "/standin-usage", "--unlink"], env=e, capture_output=True)
+
+
+def start_in(cg, build, env, *args):
+    """cgcaller started inside cgroup `cg` (joins before exec: its first CUDA call is there)."""
+    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', str(build / "cgcaller"), *map(str, args)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def read_until(p, word, timeout=20):
+    """The caller's stdout lines up to the one starting with `word`."""
+    lines: list = []
+    lines_until(p.stdout, lambda line: line.split()[0] == word, lines, timeout, "caller")
+    return lines
+
+
+def proc_state(pid):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_state(pid, want, timeout=20):
+    """Every thread of pid in state `want`. The stop lands shortly after the BPF program asks
+    for it (30-75 us, FACTS.md); under load on 2 vCPUs a sleeping sibling thread can take
+    much longer to join the group stop, which is still before the allocation runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(proc_state(f"{pid}/task/{t}") == want for t in os.listdir(f"/proc/{pid}/task")):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} not all {want}: {[proc_state(f'{pid}/task/{t}') for t in os.listdir(f'/proc/{pid}/task')]}")
+
+
+class Enforcing:
+    """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own."""
+
+    def __init__(self, build, *args):
+        self.run_dir = tempfile.mkdtemp(prefix="convgpu-run-")
+        self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover",
+                                   "--lib", str(build / "standin" / "libcuda.so.1"),
+                                   "--run-dir", self.run_dir, *args],
+                                  stderr=subprocess.PIPE, text=True)
+        self.log = []
+        self.wait_for("enforcing:")
+
+    def ctl(self, **msg):
+        from convgpu.enforcer.server import request
+        return request(f"{self.run_dir}/control.sock", msg)
+
+    def cli(self, *args, check=True):
+        """A client command (status, limit set, reload, run) against this enforcer."""
+        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", *args, "--run-dir", self.run_dir],
+                           capture_output=True, text=True, timeout=60)
+        if check:
+            assert r.returncode == 0, r.stderr
+        return r
+
+    def wait_for(self, text, timeout=30):
+        return lines_until(self.p.stderr, lambda line: text in line, self.log, timeout,
+                           f"enforcer log (waiting for {text!r})")
+
+    def close(self):
+        """For finally blocks: stop it unless a test already did."""
+        if self.p.poll() is None:
+            self.stop()
+
+    def stop(self):
+        self.p.terminate()
+        rc = self.p.wait(timeout=30)
+        self.log += self.p.stderr.read().splitlines()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        return rc

@@ -10,73 +10,9 @@ import time
 
 import pytest
 
-from conftest import MiB, lines_until
+from conftest import GiB, MiB, Enforcing, proc_state, read_until, start_in, wait_state
 
 pytestmark = pytest.mark.system
-GiB = 1 << 30
-
-
-@pytest.fixture
-def env5(caller_env):
-    """Callers share one stand-in GPU of 5 GiB, like the paper's K20m experiments."""
-    e = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(5 * GiB),
-             CONVGPU_STANDIN_SHM=f"/convgpu-enf-{os.getpid()}-{time.monotonic_ns()}")
-    yield e
-    subprocess.run([e["LD_LIBRARY_PATH"] + "/standin-usage", "--unlink"], env=e, capture_output=True)
-
-
-def start_in(cg, build, env, *args):
-    """cgcaller started inside cgroup `cg` (joins before exec: its first CUDA call is there)."""
-    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', str(build / "cgcaller"), *map(str, args)]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def read_until(p, word, timeout=20):
-    """The caller's stdout lines up to the one starting with `word`."""
-    lines: list = []
-    lines_until(p.stdout, lambda line: line.split()[0] == word, lines, timeout, "caller")
-    return lines
-
-
-def proc_state(pid):
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-
-
-def wait_state(pid, want, timeout=20):
-    """Every thread of pid in state `want`. The stop lands shortly after the BPF program asks
-    for it (30-75 us, FACTS.md); under load on 2 vCPUs a sleeping sibling thread can take
-    much longer to join the group stop, which is still before the allocation runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(proc_state(f"{pid}/task/{t}") == want for t in os.listdir(f"/proc/{pid}/task")):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} not all {want}: {[proc_state(f'{pid}/task/{t}') for t in os.listdir(f'/proc/{pid}/task')]}")
-
-
-class Enforcing:
-    def __init__(self, build, *args):
-        self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover",
-                                   "--lib", str(build / "standin" / "libcuda.so.1"), *args],
-                                  stderr=subprocess.PIPE, text=True)
-        self.log = []
-        self.wait_for("enforcing:")
-
-    def wait_for(self, text, timeout=30):
-        return lines_until(self.p.stderr, lambda line: text in line, self.log, timeout,
-                           f"enforcer log (waiting for {text!r})")
-
-    def close(self):
-        """For finally blocks: stop it unless a test already did."""
-        if self.p.poll() is None:
-            self.stop()
-
-    def stop(self):
-        self.p.terminate()
-        rc = self.p.wait(timeout=30)
-        self.log += self.p.stderr.read().splitlines()
-        return rc
 
 
 def test_deadlock_without_enforcer_fails_one(cgroups, build, env5):
@@ -231,11 +167,15 @@ def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
         enf.close()
 
 
-def test_figure_3_walk_through_fifo(cgroups, build, caller_env):
+@pytest.mark.parametrize("policy,first", [("fifo", "c"), ("bf", "d"), ("ru", "d"), ("bfa", "d"), ("rand", None)])
+def test_figure_3_walk_through(cgroups, build, caller_env, policy, first):
     """ConVGPU Fig. 3 on a 5 GiB GPU, 2 GiB limits: A and B run with their full limit, C gets the
-    1 GiB left and stalls at it, D gets nothing and stalls; B exits -> FIFO serves C first (its
-    full limit, resumes), D gets the remaining 1 GiB and stays stalled until A exits."""
-    enf = Enforcing(build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", "fifo")
+    1 GiB left and stalls at it, D gets nothing and stalls. B exits (2 GiB free): C misses 1 GiB,
+    D misses 2 GiB. FIFO serves C (oldest): its full limit, it resumes, and D gets the other
+    1 GiB and stays stalled. BF serves D (missing exactly what is free), RU serves D (suspended
+    last): D resumes, C gets nothing. Rand (seeded) picks either, with the same consequences.
+    Then A exits and the other one gets the rest of its limit and resumes."""
+    enf = Enforcing(build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", policy, "--seed", "7")
     procs = {}
     try:
         for name, assigned in (("a", "2.0 GiB"), ("b", "2.0 GiB"), ("c", "1.0 GiB"), ("d", "0 B")):
@@ -250,16 +190,25 @@ def test_figure_3_walk_through_fifo(cgroups, build, caller_env):
         procs["b"].stdin.flush()
         assert procs["b"].wait(timeout=30) == 0
         enf.wait_for("container b exited: 2.0 GiB back to the pool")
-        enf.wait_for("grant 1.0 GiB to c on GPU0 (assigned 2.0 GiB)")
-        enf.wait_for("resume c on GPU0")
-        enf.wait_for("grant 1.0 GiB to d on GPU0 (assigned 1.0 GiB)")
-        read_until(procs["c"], "ready")
+        line = enf.wait_for("grant ")
+        picked = line.split("grant ")[1].split()[3]
+        assert first is None and picked in "cd" or picked == first, line
+        other = "d" if picked == "c" else "c"
+        if picked == "c":
+            assert "grant 1.0 GiB to c on GPU0 (assigned 2.0 GiB)" in line
+            enf.wait_for("resume c on GPU0")
+            enf.wait_for("grant 1.0 GiB to d on GPU0 (assigned 1.0 GiB)")
+        else:
+            assert "grant 2.0 GiB to d on GPU0 (assigned 2.0 GiB)" in line
+            enf.wait_for("resume d on GPU0")
+        read_until(procs[picked], "ready")
         time.sleep(0.3)
-        assert proc_state(procs["d"].pid) == "T"          # partly assigned: still waiting
+        assert proc_state(procs[other].pid) == "T"          # partly or not assigned: still waiting
+        assert not any("grant" in x and f"to {other}" in x and "assigned 2.0 GiB" in x for x in enf.log)
         procs["a"].stdin.write("\n")
         procs["a"].stdin.flush()
-        enf.wait_for("grant 1.0 GiB to d on GPU0 (assigned 2.0 GiB)")
-        read_until(procs["d"], "ready")
+        enf.wait_for(f"grant 1.0 GiB to {other} on GPU0 (assigned 2.0 GiB)")
+        read_until(procs[other], "ready")
     finally:
         for p in procs.values():
             p.kill()

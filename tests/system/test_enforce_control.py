@@ -1,0 +1,258 @@
+"""`convgpu enforce` at run time: escapes from a stall, the control socket (status, limit set,
+reload, run), the config file, metrics, and stopping or killing a container while it waits.
+Real uprobes on the stand-in driver, real cgroups, the CLI as subprocesses."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import GiB, MiB, Enforcing, need, proc_state, read_until, remove_cgroup, start_in, wait_state
+
+pytestmark = pytest.mark.system
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def usage(build, env):
+    return json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
+                                     capture_output=True, text=True, check=True).stdout)["devices"][0]
+
+
+def release(p):
+    p.stdin.write("\n")
+    p.stdin.flush()
+
+
+def box(enf, name):
+    st = enf.ctl(cmd="status")["status"]
+    return next(c for c in st["containers"] if c["name"] == name)
+
+
+def two_and_a_waiter(enf, cgroups, build, env):
+    """`a` holds 2 GiB of a 3 GiB GPU; `b` (limit 2 GiB, assigned the 1 GiB left) asks for 2 GiB
+    and is stalled before its allocation runs."""
+    a = start_in(cgroups("a"), build, env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+    read_until(a, "ready")
+    b = start_in(cgroups("b"), build, env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+    enf.wait_for(f"stall b pid {b.pid}")
+    wait_state(b.pid, "T")
+    return a, b
+
+
+def test_sibling_sigcont_is_stopped_again_before_the_allocation(cgroups, build, env5):
+    """Signal mode: anyone allowed to signal a stalled process (here a sibling in its own
+    cgroup) can SIGCONT it. The second-instruction probe stops it again before the call's body
+    runs: the stand-in never sees the 2 GiB until the enforcer grants them."""
+    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "2GiB")
+    a = b = None
+    try:
+        a, b = two_and_a_waiter(enf, cgroups, build, env5)
+        before = usage(build, env5)["used"]
+        assert before == 2 * GiB
+        sib = subprocess.run(["/bin/sh", "-c", f"echo $$ > {cgroups('b')}/cgroup.procs && kill -CONT {b.pid}"],
+                             timeout=10)
+        assert sib.returncode == 0
+        enf.wait_for(f"pid {b.pid} of b resumed without a grant")
+        wait_state(b.pid, "T")
+        assert usage(build, env5)["used"] == before          # the allocation did not run
+        assert box(enf, "b")["restalls"] == 1 and box(enf, "b")["gpus"]["0"]["waiting"]
+        release(a)                                           # room: b is granted and runs
+        enf.wait_for("resume b on GPU0")
+        assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")
+        assert usage(build, env5)["peak"] == 2 * GiB         # never both at once
+    finally:
+        for p in (a, b):
+            if p:
+                p.kill()
+                p.wait()
+        enf.close()
+
+
+def test_status_limit_set_and_metrics(cgroups, build, env5):
+    """One over-limit waiter: status shows it exactly, `limit set` lets it run, metrics agree."""
+    port = free_port()
+    enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "small=1GiB", "--metrics-port", str(port))
+    p = None
+    try:
+        p = start_in(cgroups("small"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB: stalled until the limit is raised")
+        wait_state(p.pid, "T")
+        st = enf.ctl(cmd="status")["status"]
+        assert st["policy"] == "fifo" and st["gpus"]["0"] == {"capacity": 5 * GiB, "assigned": GiB,
+                                                              "unassigned": 4 * GiB}
+        [c] = st["containers"]
+        g = c["gpus"]["0"]
+        assert (c["name"], c["limit"], c["source"], c["pids"]) == ("small", GiB, "--limit small", [p.pid])
+        assert (g["assigned"], g["used"], g["reserved"], g["contexts"], g["over_limit"], g["waiting_pids"]) == \
+            (GiB, 0, 2 * GiB, 1, True, [p.pid])
+        assert (c["stalls"], c["over_limit_events"], c["grants"]) == (1, 1, 0)
+        table = enf.cli("status").stdout
+        assert "small" in table and "over limit" in table
+        # bad input: one line each, and the daemon keeps running
+        for args, text in ((["limit", "set", "small", "lots"], "invalid SIZE 'lots'"),
+                           (["limit", "set", "nobody", "1GiB"], "no container 'nobody' is known")):
+            r = enf.cli(*args, check=False)
+            assert r.returncode == 1 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert enf.cli("limit", "set", "small", "3GiB").stdout.strip() == "limit of small set to 3.0 GiB"
+        enf.wait_for("grant 2.0 GiB to small on GPU0 (assigned 3.0 GiB)")
+        assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")
+        c = box(enf, "small")
+        assert (c["limit"], c["source"], c["gpus"]["0"]["used"], c["grants"]) == (3 * GiB, "convgpu limit set", 2 * GiB, 1)
+        time.sleep(1.1)                                      # published at least once a second
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        labels = f'container="small",id="{c["id"]}"'
+        for line in (f'convgpu_container_limit_bytes{{{labels},gpu="0"}} {3 * GiB}',
+                     f'convgpu_container_assigned_bytes{{{labels},gpu="0"}} {3 * GiB}',
+                     f'convgpu_container_used_bytes{{{labels},gpu="0"}} {2 * GiB}',
+                     f"convgpu_stalls_total{{{labels}}} 1", f"convgpu_grants_total{{{labels}}} 1",
+                     f"convgpu_over_limit_total{{{labels}}} 1"):
+            assert line in text.splitlines(), (line, text)
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        enf.close()
+
+
+def test_config_rules_reload_and_a_bad_reload(cgroups, build, env5, tmp_path):
+    """A [[rule]] by cgroup glob sets the limit; a reload with a larger limit frees the waiter;
+    a broken file on reload is refused and the last good config stays."""
+    conf = tmp_path / "convgpu.toml"
+    conf.write_text('[enforce]\ngpu_memory = "5GiB"\npolicy = "bf"\n'
+                    '[[rule]]\nmatch = "cgroup"\npattern = "*/ruled"\nlimit = "1GiB"\n')
+    enf = Enforcing(build, "--config", str(conf))
+    p = None
+    try:
+        assert any("policy bf, capacity GPU0 5.0 GiB" in line for line in enf.log)
+        p = start_in(cgroups("ruled"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        enf.wait_for("container ruled (cgroup): limit 1.0 GiB from rule cgroup '*/ruled'")
+        enf.wait_for("above its limit 1.0 GiB")
+        conf.write_text('[enforce]\nstall = "sideways"\n')
+        r = enf.cli("reload", check=False)
+        assert r.returncode == 1 and "reload failed" in r.stderr
+        enf.wait_for("reload failed, keeping the last good config: invalid config file")
+        conf.write_text('[enforce]\ngpu_memory = "5GiB"\npolicy = "bf"\n'
+                        '[[rule]]\nmatch = "cgroup"\npattern = "*/ruled"\nlimit = "3GiB"\n')
+        enf.p.send_signal(signal.SIGHUP)                     # the same as `convgpu reload`
+        enf.wait_for("limit of ruled set to 3.0 GiB (rule cgroup '*/ruled')")
+        enf.wait_for("resume ruled on GPU0")
+        assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        enf.close()
+
+
+def test_bad_config_refuses_to_start(build, tmp_path):
+    for text, msg in (('[enforce]\npolicy = "lifo"\n', "invalid config file"),
+                      ('[enforce]\ndefault_limit = "1.5 GiBs"\n', "[enforce] default_limit '1.5 GiBs'"),
+                      ('[[rule]]\nmatch = "name"\npattern = "x"\n', "rule #1 must have exactly match, pattern and limit"),
+                      ('[enforce\n', "fix the TOML syntax"), ('[enforce]\nturbo = true\n', "unknown key [enforce] turbo")):
+        conf = tmp_path / "bad.toml"
+        conf.write_text(text)
+        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "enforce", "--config", str(conf),
+                            "--no-discover"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_convgpu_run_registers_a_cgroup_with_its_limit(build, env5):
+    """`convgpu run --limit 1GiB --name job7 -- cgcaller ...`: over its limit, it stalls under
+    that name; `limit set` lets it finish; the exit status is the command's; no cgroup is left."""
+    enf = Enforcing(build, "--gpu-memory", "5GiB")
+    p = None
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "run", "--limit", "1GiB", "--name", "job7",
+                              "--run-dir", enf.run_dir, "--", str(build / "cgcaller"), "alloc", "-n", "1", "-s",
+                              str(2 * GiB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env5)
+        enf.wait_for("container job7 (cgroup): limit 1.0 GiB from --limit /convgpu.run/job7-")
+        enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB")
+        c = box(enf, "job7")
+        assert c["cgroup"].startswith(f"/convgpu.run/job7-{p.pid}") and c["limit"] == GiB
+        enf.cli("limit", "set", "job7", "2GiB")
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and f"allocated 1 {2 * GiB}" in out, err
+        enf.wait_for("container job7 exited")
+        from convgpu.enforcer.containers import cgroup_layout
+        assert not os.path.exists(cgroup_layout().v2_root + c["cgroup"])
+    finally:
+        if p and p.poll() is None:
+            p.kill()
+        enf.close()
+
+
+@pytest.mark.parametrize("how", ["kill", "cgroup.kill"])
+def test_waiter_killed_or_its_container_stopped_while_stalled(cgroups, build, env5, how):
+    """A stalled process that dies (SIGKILL; or its whole container killed, like `podman stop`
+    ending in cgroup.kill) gives its reservation back and leaves no waiter behind."""
+    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "2GiB")
+    a = b = None
+    try:
+        a, b = two_and_a_waiter(enf, cgroups, build, env5)
+        if how == "kill":
+            b.kill()
+        else:
+            (cgroups("b") / "cgroup.kill").write_text("1")
+        b.wait(timeout=10)
+        enf.wait_for("container b exited: 1.0 GiB back to the pool")
+        st = enf.ctl(cmd="status")["status"]
+        assert [c["name"] for c in st["containers"]] == ["a"] and st["gpus"]["0"]["assigned"] == 2 * GiB
+        assert usage(build, env5)["used"] == 2 * GiB
+        c = start_in(cgroups("c"), build, env5, "alloc", "-n", 1, "-s", GiB, "--hold")   # the room is usable
+        assert f"allocated 1 {GiB} pid={c.pid}" in read_until(c, "ready")
+        c.kill()
+        c.wait()
+    finally:
+        for p in (a, b):
+            if p:
+                p.kill()
+                p.wait()
+        enf.close()
+
+
+def test_v1_freezer_under_the_enforcer(cgroups, build, env5):
+    """--stall freezer-v1 on this hybrid host: the waiter's v1 freezer cgroup is FROZEN (so a
+    SIGCONT cannot resume it), thawed when the policy grants it memory."""
+    from convgpu.enforcer.containers import cgroup_layout
+    lay = cgroup_layout()
+    need(lay.mode == "hybrid" and lay.freezer_v1_root is not None, "no v1 freezer (not a hybrid host)")
+    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "2GiB", "--stall", "freezer-v1")
+    a = b = None
+    cg = cgroups("b")
+    v1 = lay.freezer_v1_root + "/" + str(cg.relative_to(lay.v2_root))
+    os.makedirs(v1, exist_ok=True)
+    try:
+        a = start_in(cgroups("a"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        read_until(a, "ready")
+        b = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && echo $$ > {v1}/cgroup.procs && exec "$0" "$@"',
+                              str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(2 * GiB), "--hold"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env5)
+        enf.wait_for(f"stall b pid {b.pid}")
+        deadline = time.monotonic() + 10
+        while open(f"{v1}/freezer.state").read().strip() != "FROZEN" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert open(f"{v1}/freezer.state").read().strip() == "FROZEN"
+        os.kill(b.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        assert usage(build, env5)["used"] == 2 * GiB         # frozen: the SIGCONT changed nothing
+        release(a)
+        enf.wait_for("resume b on GPU0")
+        assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")
+        assert open(f"{v1}/freezer.state").read().strip() == "THAWED"
+    finally:
+        for p in (a, b):
+            if p:
+                p.kill()
+                p.wait()
+        enf.close()
+        remove_cgroup(__import__("pathlib").Path(v1))
