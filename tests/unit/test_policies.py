@@ -15,7 +15,8 @@ NAMES = ("fifo", "bf", "ru", "rand", "bfa")
 
 def w(id, created, suspended_at, missing, need, limit=2 * GiB):
     """A waiter missing `missing` bytes to its limit and `need` bytes to its pending request
-    (it uses all of its assignment, so request == need)."""
+    (it uses all of its assignment, so request == need). It holds part of its limit
+    (assigned > 0: bfa's rule 1) unless missing == limit."""
     assigned = limit - missing
     return Waiter(id=id, created=created, suspended_at=suspended_at, limit=limit,
                   assigned=assigned, used=assigned, request=need)
@@ -26,11 +27,11 @@ def rng(seed=0):
 
 
 # Four waiters on which the four deterministic policies all disagree. now = 60, free = 1.5 GiB.
-#   id  created  suspended (waited)  missing
-#   w1  1        40  (20 s)          2    GiB   oldest container          -> fifo
-#   w2  2        10  (50 s)          1    GiB   waited longest, > 30 s    -> bfa
-#   w3  3        45  (15 s)          1.25 GiB   largest missing <= 1.5    -> bf
-#   w4  4        55  ( 5 s)          0.5  GiB   suspended last            -> ru
+#   id  created  suspended (waited)  missing   assigned
+#   w1  1        40  (20 s)          2    GiB  0          oldest container          -> fifo
+#   w2  2        10  (50 s)          1    GiB  1    GiB   oldest holding memory     -> bfa
+#   w3  3        45  (15 s)          1.25 GiB  0.75 GiB   largest missing <= 1.5    -> bf
+#   w4  4        55  ( 5 s)          0.5  GiB  1.5  GiB   suspended last            -> ru
 W1 = w("w1", 1, 40, 2 * GiB, 1 * GiB)
 W2 = w("w2", 2, 10, 1 * GiB, 1 * GiB)
 W3 = w("w3", 3, 45, 5 * GiB // 4, 5 * GiB // 4)
@@ -49,7 +50,7 @@ def test_waiter_properties():
     ("fifo", W1),  # created at 1, though suspended after w2
     ("bf", W3),    # fits: w2 (1), w3 (1.25), w4 (0.5); w1 (2) does not. 1.25 is closest to 1.5
     ("ru", W4),    # suspended at 55, the latest
-    ("bfa", W2),   # waited 60 - 10 = 50 s > 30 s: served first though bf would take w3
+    ("bfa", W2),   # holds 1 GiB of its limit and is the oldest such: first, though bf takes w3
 ])
 def test_each_policy_picks_differently(policy, expected):
     assert pick(policy, FOUR, int(1.5 * GiB), NOW, rng()) == expected
@@ -60,9 +61,11 @@ def test_rand_pick_is_the_seeded_choice():
     assert pick("rand", FOUR, int(1.5 * GiB), NOW, rng(7)) == random.Random(7).choice(FOUR)
 
 
-def test_bfa_without_overdue_is_bf():
-    # max_wait 60: nobody waited longer than 60 s (w2: 50 s) -> bf's w3.
-    assert pick("bfa", FOUR, int(1.5 * GiB), NOW, rng(), max_wait=60) == W3
+def test_bfa_without_holders_or_overdue_is_bf():
+    # Nobody holds memory (all assigned 0), nobody waited over max_wait 60 -> bf's pick.
+    fresh = [w(x.id, x.created, x.suspended_at, x.limit, x.need) for x in FOUR]
+    free = int(1.5 * GiB)
+    assert pick("bfa", fresh, free, NOW, rng(), max_wait=60) == pick("bf", fresh, free, NOW, rng())
 
 
 # ---- Best-Fit ----
@@ -127,10 +130,10 @@ def test_figure3_ru_rand_bfa():
     # rand: either order, both seen across seeds.
     seen = {tuple(schedule("rand", ws, 2 * GiB, 12, rng(s))) for s in range(50)}
     assert seen == {tuple(FIG3_FIFO), tuple(FIG3_BF)}
-    # bfa: nobody over 30 s at t=12 -> bf; at t=41 C (31 s) is overdue, D (30 s) is not ->
-    # C first, then D gets the rest: same as fifo.
-    assert schedule("bfa", ws, 2 * GiB, 12, rng()) == FIG3_BF
-    assert schedule("bfa", ws, 2 * GiB, 41, rng()) == FIG3_FIFO
+    # bfa: C already holds 1 GiB of its limit -> C first (rule 1), D gets the rest: as fifo,
+    # at any time. bf would leave C's 1 GiB idle behind D.
+    assert schedule("bfa", ws, 2 * GiB, 12, rng()) == FIG3_FIFO
+    assert schedule("bfa", ws, 2 * GiB, 12, rng(), max_wait=0) == FIG3_FIFO
 
 
 # ---- rand ----
@@ -154,40 +157,81 @@ def test_rand_uniform():
 
 
 # ---- bfa ----
+# Waiters made with missing == limit hold nothing (assigned 0): only rules 2 and 3 apply.
 
-def test_bfa_equals_bf_when_nobody_overdue():
+def test_bfa_equals_bf_when_nobody_holds_or_is_overdue():
     r = rng(1)
     for _ in range(300):
-        ws = [w(f"x{i}", r.randrange(100), r.uniform(50, 100), r.randrange(1, 4 * GiB),
-                r.randrange(1, 1 * GiB)) for i in range(r.randrange(1, 7))]
+        ws = []
+        for i in range(r.randrange(1, 7)):
+            limit = r.randrange(1, 4 * GiB)
+            ws.append(w(f"x{i}", r.randrange(100), r.uniform(50, 100), limit,
+                        r.randrange(1, limit + 1), limit=limit))
         free = r.randrange(1, 5 * GiB)
         # now = 100: every waiter waited at most 50 s < max_wait 60.
         assert pick("bfa", ws, free, 100, rng(), 60) == pick("bf", ws, free, 100, rng())
         assert schedule("bfa", ws, free, 100, rng(), 60) == schedule("bf", ws, free, 100, rng())
 
 
+def test_bfa_holder_first_even_if_it_fits_worse():
+    exact = w("exact", 1, 90, 1 * GiB, 1, limit=1 * GiB)   # nothing assigned, fits exactly
+    holder = w("holder", 2, 95, 3 * GiB, 1, limit=4 * GiB)  # holds 1 GiB, misses 3: no fit
+    assert pick("bf", [exact, holder], 1 * GiB, 100, rng()) == exact
+    assert pick("bfa", [exact, holder], 1 * GiB, 100, rng()) == holder
+    # holder takes all 1 GiB (need 1 byte -> resumes, still 2 GiB short of its limit).
+    assert schedule("bfa", [exact, holder], 1 * GiB, 100, rng()) == [Grant("holder", 1 * GiB, True)]
+
+
+def test_bfa_holders_oldest_created_first_then_the_rest():
+    young = w("young", 5, 10, 1 * GiB, 1)              # holds 1 GiB, waited 90 s
+    old = w("old", 3, 99, 1 * GiB, 1)                  # holds 1 GiB, waited 1 s: first
+    none = w("none", 1, 0, 2 * GiB, 1, limit=2 * GiB)  # holds nothing, waited 100 s
+    assert [g.id for g in schedule("bfa", [young, none, old], 4 * GiB, 100, rng(), 30)] == \
+        ["old", "young", "none"]
+
+
 def test_bfa_overdue_served_first_even_if_it_fits_worse():
-    good = w("good", 1, 90, 1 * GiB, 1)   # exact fit, waited 10 s
-    bad = w("bad", 2, 60, 3 * GiB, 1)     # doesn't fit at all, waited 40 s > 30
+    good = w("good", 1, 90, 1 * GiB, 1, limit=1 * GiB)   # exact fit, waited 10 s
+    bad = w("bad", 2, 60, 3 * GiB, 1, limit=3 * GiB)     # doesn't fit at all, waited 40 s > 30
     assert pick("bf", [good, bad], 1 * GiB, 100, rng()) == good
-    assert pick("bfa", [good, bad], 1 * GiB, 100, rng()) == bad
+    assert pick("bfa", [good, bad], 1 * GiB, 100, rng(), 30) == bad
+    assert pick("bfa", [good, bad], 1 * GiB, 100, rng()) == good   # default 180 s: not overdue
     # bad takes all 1 GiB (partial, need 1 byte -> resumes); nothing left for good.
-    assert schedule("bfa", [good, bad], 1 * GiB, 100, rng()) == [Grant("bad", 1 * GiB, True)]
+    assert schedule("bfa", [good, bad], 1 * GiB, 100, rng(), 30) == [Grant("bad", 1 * GiB, True)]
 
 
 def test_bfa_two_overdue_longest_waiting_first():
-    a = w("a", 1, 50, 1 * GiB, 1)   # waited 50 s
-    b = w("b", 2, 20, 1 * GiB, 1)   # waited 80 s: first, though created later
-    c = w("c", 3, 95, 1 * GiB, 1)   # 5 s: after both overdue ones (bf among the rest)
-    assert pick("bfa", [a, b, c], 3 * GiB, 100, rng()) == b
-    assert [g.id for g in schedule("bfa", [a, b, c], 3 * GiB, 100, rng())] == ["b", "a", "c"]
+    a = w("a", 1, 50, 1 * GiB, 1, limit=1 * GiB)   # waited 50 s
+    b = w("b", 2, 20, 1 * GiB, 1, limit=1 * GiB)   # waited 80 s: first, though created later
+    c = w("c", 3, 95, 1 * GiB, 1, limit=1 * GiB)   # 5 s: after both overdue ones (bf)
+    assert pick("bfa", [a, b, c], 3 * GiB, 100, rng(), 30) == b
+    assert [g.id for g in schedule("bfa", [a, b, c], 3 * GiB, 100, rng(), 30)] == ["b", "a", "c"]
 
 
 def test_bfa_boundary_is_strict():
-    x = w("x", 2, 70, 3 * GiB, 1)   # waited exactly 30 s: not overdue
-    y = w("y", 1, 90, 1 * GiB, 1)
-    assert pick("bfa", [x, y], 1 * GiB, 100, rng()) == y
-    assert pick("bfa", [x, y], 1 * GiB, 100.5, rng()) == x
+    x = w("x", 2, 70, 3 * GiB, 1, limit=3 * GiB)   # waited exactly 30 s: not overdue
+    y = w("y", 1, 90, 1 * GiB, 1, limit=1 * GiB)
+    assert pick("bfa", [x, y], 1 * GiB, 100, rng(), 30) == y
+    assert pick("bfa", [x, y], 1 * GiB, 100.5, rng(), 30) == x
+
+
+def test_bfa_leaves_at_most_one_waiter_partly_assigned():
+    """Rule 1's point: whatever the waiters, after a grant pass at most one of those that held
+    memory or got some is still short of its limit (the one the memory ran out on)."""
+    r = rng(5)
+    for policy, most in (("bfa", 1), ("bf", 2)):
+        seen = 0
+        for _ in range(500):
+            ws = []
+            for i in range(r.randrange(1, 7)):   # x0 may hold part of its limit, the rest nothing
+                limit = r.randrange(2, 4 * GiB)
+                ws.append(w(f"x{i}", r.randrange(10), r.uniform(0, 100),
+                            r.randrange(1, limit) if i == 0 else limit, 1, limit=limit))
+            assigned = {x.id: x.assigned for x in ws}
+            for g in schedule(policy, ws, r.randrange(1, 4 * GiB), 100, rng(), r.choice([0, 30, 1e9])):
+                assigned[g.id] += g.amount
+            seen = max(seen, sum(0 < assigned[x.id] < x.limit for x in ws))
+        assert seen == most, policy   # bf: a holder left behind plus a new slice
 
 
 # ---- schedule ----
@@ -207,11 +251,12 @@ def test_schedule_multi_grant_exact():
     assert schedule("ru", FOUR, free, NOW, rng()) == [
         Grant("w4", GiB // 2, True), Grant("w3", 5 * GiB // 4, True),
         Grant("w1", 2 * GiB, True), Grant("w2", GiB // 4, False)]
-    # bfa: w2 overdue first (1, resume), free 3 -> bf: w1 (2), free 1 -> w4 (0.5; w3's 1.25
-    # doesn't fit), free 0.5 -> w3 0.5 of need 1.25, paused.
+    # bfa: holders in created order: w2 (1, resume), free 3 -> w3 (1.25, resume), free 1.75
+    # -> w4 (0.5, resume), free 1.25 -> w1 (holds nothing, 20 s < 180: bf; misses 2) 1.25 of
+    # its 2, need 1: resumes.
     assert schedule("bfa", FOUR, free, NOW, rng()) == [
-        Grant("w2", 1 * GiB, True), Grant("w1", 2 * GiB, True),
-        Grant("w4", GiB // 2, True), Grant("w3", GiB // 2, False)]
+        Grant("w2", 1 * GiB, True), Grant("w3", 5 * GiB // 4, True),
+        Grant("w4", GiB // 2, True), Grant("w1", 5 * GiB // 4, True)]
 
 
 def test_schedule_free_left_over_when_all_served():

@@ -1,0 +1,149 @@
+"""The scheduling simulator (bench/sched): hand-computed schedules per policy, determinism per
+seed, and invariants over many seeded workloads. No kernel, no root."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
+from bench.sched.sim import percentile, simulate  # noqa: E402
+from bench.sched.workload import CAPACITY, OVERHEADS, TABLE_III, Job, generate  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+POLICIES = ("fifo", "bf", "ru", "rand", "bfa")
+
+
+def summary(r):
+    """{name: (ready, end, suspended)} of a run."""
+    return {o.name: (o.ready, o.end, o.suspended) for o in r.jobs}
+
+
+# ---- hand-computed: three containers on 4 GiB, no context overhead ----
+# A (3 GiB) arrives at 0 and runs 20 s. B (2 GiB) arrives at 5: 1 GiB unassigned -> assigned
+# 1 GiB, stalls at its allocation (misses 1). C (3 GiB) arrives at 10: 0 assigned, stalls
+# (misses 3). A exits at 20: 3 GiB free, both fit.
+#   fifo: B (created first) 1 GiB -> runs 20-30; C gets the other 2 GiB, still 1 short; B's
+#         exit at 30 gives C its last 1 GiB -> runs 30-60. Suspended: B 15, C 20.
+#   bf:   the largest missing that fits: C (3) -> runs 20-50; B keeps its 1 GiB and waits
+#         until C exits: runs 50-60. Suspended: B 45, C 10.
+#   ru:   C was suspended last: as bf.
+#   bfa:  B holds 1 GiB already (rule 1): as fifo.
+THREE = [Job(0, 0.0, 3 * GiB, 20.0), Job(1, 5.0, 2 * GiB, 10.0), Job(2, 10.0, 3 * GiB, 30.0)]
+FIFO_LIKE = {"c00": (0.0, 20.0, 0.0), "c01": (20.0, 30.0, 15.0), "c02": (30.0, 60.0, 20.0)}
+BF_LIKE = {"c00": (0.0, 20.0, 0.0), "c01": (50.0, 60.0, 45.0), "c02": (20.0, 50.0, 10.0)}
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("fifo", FIFO_LIKE), ("bf", BF_LIKE), ("ru", BF_LIKE), ("bfa", FIFO_LIKE)])
+def test_three_containers_by_hand(policy, expected):
+    r = simulate(THREE, policy, overhead=0, capacity=4 * GiB)
+    assert summary(r) == expected
+    assert r.makespan == 60.0
+    assert r.mean_suspended == sum(s for _, _, s in expected.values()) / 3
+    assert r.peak_assigned == 4 * GiB and not r.deadlocked
+
+
+def test_three_containers_rand_is_one_of_the_two_orders_per_seed():
+    seen = {}
+    for seed in range(20):
+        got = summary(simulate(THREE, "rand", overhead=0, capacity=4 * GiB, seed=seed))
+        assert got in (FIFO_LIKE, BF_LIKE)
+        seen.setdefault(got == FIFO_LIKE, seed)
+        assert summary(simulate(THREE, "rand", overhead=0, capacity=4 * GiB, seed=seed)) == got
+    assert set(seen) == {True, False}
+
+
+# ---- hand-computed with a context overhead of 1 GiB (limit = size + 1 GiB), 4 GiB ----
+# A (2 GiB, limit 3) at 0 runs 12 s. B (2 GiB, limit 3) at 5: 1 GiB left -> its context fits,
+# its 2 GiB allocation stalls (misses 2). C (1 GiB, limit 2) at 10: nothing -> stalls at its
+# context (misses 2). A exits at 12: 3 GiB free.
+#   fifo/bf/bfa: B first (oldest; bf: both miss 2, tie by creation; bfa: B holds memory):
+#         B 2 GiB -> runs 12-20. C gets 1 GiB: enough for its context, so it resumes, creates
+#         it, and stalls again at its allocation (a new stall at 12). B exits at 20: C gets its
+#         last 1 GiB -> runs 20-25. Suspended: B 7, C 2 + 8 = 10; makespan 25.
+#   ru:   C (suspended last) 2 GiB -> runs 12-17; B gets 1 GiB, 1 short. C exits at 17: B gets
+#         its last 1 GiB -> runs 17-25. Suspended: B 12, C 2; makespan 25.
+CTX = [Job(0, 0.0, 2 * GiB, 12.0), Job(1, 5.0, 2 * GiB, 8.0), Job(2, 10.0, 1 * GiB, 5.0)]
+
+
+@pytest.mark.parametrize("policy, expected, stalls", [
+    ("fifo", {"c01": (12.0, 20.0, 7.0), "c02": (20.0, 25.0, 10.0)}, 2),
+    ("bf", {"c01": (12.0, 20.0, 7.0), "c02": (20.0, 25.0, 10.0)}, 2),
+    ("bfa", {"c01": (12.0, 20.0, 7.0), "c02": (20.0, 25.0, 10.0)}, 2),
+    ("ru", {"c01": (17.0, 25.0, 12.0), "c02": (12.0, 17.0, 2.0)}, 1)])
+def test_context_overhead_by_hand(policy, expected, stalls):
+    r = simulate(CTX, policy, overhead=1 * GiB, capacity=4 * GiB)
+    assert summary(r) == {"c00": (0.0, 12.0, 0.0), **expected}
+    assert [o.limit for o in r.jobs] == [3 * GiB, 3 * GiB, 2 * GiB]
+    assert r.jobs[2].stalls == stalls   # fifo: at its context, then at its allocation
+    assert r.makespan == 25.0
+
+
+# ---- the deadlock that ru reaches, by hand ----
+# 4 GiB. A (2 GiB) runs 0-20. B (3 GiB) at 5 gets the 2 GiB left (misses 1). C (3 GiB) at 10
+# gets nothing (misses 3). A exits: 2 GiB free. ru serves C (suspended last): C holds 2 GiB,
+# B holds 2 GiB, both still short, nothing runs: nothing will ever come back.
+# fifo, bf and bfa serve B (oldest / fits / holds memory): B runs 20-30, then C 30-60.
+DEAD = [Job(0, 0.0, 2 * GiB, 20.0), Job(1, 5.0, 3 * GiB, 10.0), Job(2, 10.0, 3 * GiB, 30.0)]
+
+
+def test_ru_deadlocks_where_the_others_finish():
+    r = simulate(DEAD, "ru", overhead=0, capacity=4 * GiB)
+    assert r.deadlocked == ("c01", "c02") and r.makespan == math.inf
+    assert [o.ready for o in r.jobs] == [0.0, None, None]
+    assert r.peak_assigned == 4 * GiB
+    for policy in ("fifo", "bf", "bfa"):
+        r = simulate(DEAD, policy, overhead=0, capacity=4 * GiB)
+        assert summary(r) == {"c00": (0.0, 20.0, 0.0), "c01": (20.0, 30.0, 15.0),
+                              "c02": (30.0, 60.0, 20.0)}, policy
+
+
+# ---- the workload generator ----
+
+def test_workload_is_seeded_and_prefix_stable():
+    a, b = generate(38, 7), generate(38, 7)
+    assert a == b and generate(4, 7) == a[:4] and generate(38, 8) != a
+    assert [j.arrival for j in a] == [5.0 * i for i in range(38)]
+    assert {j.size for j in a} <= set(TABLE_III) and len({j.size for j in a}) == 6
+    assert all(5.0 <= j.duration <= 45.0 for j in a)
+
+
+# ---- determinism and invariants over many seeded workloads ----
+
+def test_same_seed_same_run_different_seed_different_rand():
+    jobs = generate(20, 3)
+    for policy in POLICIES:
+        r1 = simulate(jobs, policy, OVERHEADS["paper"], seed=3, trace=True)
+        r2 = simulate(jobs, policy, OVERHEADS["paper"], seed=3, trace=True)
+        assert r1 == r2
+    runs = {summary(simulate(jobs, "rand", OVERHEADS["paper"], seed=s)).__repr__() for s in range(10)}
+    assert len(runs) > 1
+
+
+@pytest.mark.parametrize("overhead", sorted(OVERHEADS.values()))
+def test_invariants_over_seeds(overhead):
+    for seed in range(40):
+        jobs = generate(16, seed)
+        for policy in POLICIES:
+            r = simulate(jobs, policy, overhead, seed=seed, trace=True)
+            assert max(total for _, _, _, total in r.trace) == r.peak_assigned <= CAPACITY
+            assert [t for t, *_ in r.trace] == sorted(t for t, *_ in r.trace)
+            for job, o in zip(jobs, r.jobs):
+                assert o.limit == job.size + overhead
+                if o.end is None:
+                    continue
+                # a container is either stopped or running: its wait is all of its delay
+                assert o.suspended == pytest.approx(o.ready - job.arrival, abs=1e-9)
+                assert o.end == pytest.approx(o.ready + job.duration)
+            if not r.deadlocked:
+                assert r.makespan == max(o.end for o in r.jobs)
+            if policy in ("fifo", "bfa"):   # serve the oldest, or the one holding memory, first
+                assert not r.deadlocked, (policy, seed)
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([0, 10], 95) == 9.5
+    assert percentile([7], 95) == 7
