@@ -167,13 +167,14 @@ def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
         enf.close()
 
 
-@pytest.mark.parametrize("policy,first", [("fifo", "c"), ("bf", "d"), ("ru", "d"), ("bfa", "d"), ("rand", None)])
+@pytest.mark.parametrize("policy,first", [("fifo", "c"), ("bf", "d"), ("ru", "d"), ("bfa", "c"), ("rand", None)])
 def test_figure_3_walk_through(cgroups, build, caller_env, policy, first):
     """ConVGPU Fig. 3 on a 5 GiB GPU, 2 GiB limits: A and B run with their full limit, C gets the
     1 GiB left and stalls at it, D gets nothing and stalls. B exits (2 GiB free): C misses 1 GiB,
     D misses 2 GiB. FIFO serves C (oldest): its full limit, it resumes, and D gets the other
-    1 GiB and stays stalled. BF serves D (missing exactly what is free), RU serves D (suspended
-    last): D resumes, C gets nothing. Rand (seeded) picks either, with the same consequences.
+    1 GiB and stays stalled (so does bfa: C already holds memory). BF serves D (missing exactly
+    what is free), RU serves D (suspended last): D resumes, C gets nothing. Rand (seeded) picks
+    either, with the same consequences.
     Then A exits and the other one gets the rest of its limit and resumes."""
     enf = Enforcing(build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", policy, "--seed", "7")
     procs = {}
