@@ -44,10 +44,22 @@ struct cg_thread {                  // one entry per thread that ever called CUD
                                     // at entry and one at return (probe cost, FACTS.md)
 };
 
-BPF_HASH(threads, u64, struct cg_thread, 16384);
-BPF_HASH(procs, u32, struct cg_proc, 16384);
-BPF_HASH(usage, struct cg_usage_key, struct cg_usage, 65536);
-BPF_HASH(objs, struct cg_obj_key, struct cg_obj, MAX_OBJS);
+// The enforcer pins the state (accounting, calls in flight, containers) under PIN_DIR: its
+// watchdog keeps the probes attached after a crash, and a restarted enforcer loads this
+// program over the same maps, so its accounting continues exactly where the other stopped.
+#ifdef PIN_DIR
+#define STATE(type, k, v, name, n) BPF_TABLE_PINNED(type, k, v, name, n, PIN_DIR "/" #name)
+#else
+#define STATE(type, k, v, name, n) BPF_TABLE(type, k, v, name, n)
+#endif
+#ifndef OWNER
+#define OWNER 0                     // the enforcer instance that may admit (control.owner)
+#endif
+
+STATE("hash", u64, struct cg_thread, threads, 16384);
+STATE("hash", u32, struct cg_proc, procs, 16384);
+STATE("hash", struct cg_usage_key, struct cg_usage, usage, 65536);
+STATE("hash", struct cg_obj_key, struct cg_obj, objs, MAX_OBJS);
 BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
 BPF_PERCPU_ARRAY(hits, u64, CG_API_MAX);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
@@ -199,17 +211,18 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 #define SIGKILL 9
 #define SIGSTOP 19
 
-BPF_HASH(members, u32, u64, 16384);
-BPF_HASH(assign, struct cg_limit_key, struct cg_assign, 4096);
-BPF_HASH(cgstate, struct cg_limit_key, struct cg_cgstate, 4096);
-BPF_ARRAY(control, struct cg_control, 1);
+STATE("hash", u32, u64, members, 16384);
+STATE("hash", struct cg_limit_key, struct cg_assign, assign, 4096);
+STATE("hash", struct cg_limit_key, struct cg_cgstate, cgstate, 4096);
+STATE("array", int, struct cg_control, control, 1);
 
 static __always_inline struct cg_control *enforcing(void)
 {
     u32 k = 0;
     struct cg_control *c = control.lookup(&k);
     // signed: a heartbeat stamped a hair "after" this read (another CPU) is fresh, not stale
-    if (!c || !c->enforcing || (s64)(bpf_ktime_get_ns() - c->heartbeat_ns) > (s64)HEARTBEAT_NS)
+    if (!c || !c->enforcing || c->owner != OWNER ||
+        (s64)(bpf_ktime_get_ns() - c->heartbeat_ns) > (s64)HEARTBEAT_NS)
         return 0;
     return c;
 }
@@ -244,6 +257,15 @@ static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts
         __sync_fetch_and_add(&s->used, bytes);
     if (contexts)
         __sync_fetch_and_add(&s->contexts, contexts);
+}
+
+// U_c without reservations. u64 arithmetic wraps: a process placed after it had allocated
+// is adopted by the enforcer (a->adopted), and its later frees take those bytes from `used`,
+// so `used` alone may "go below zero" while the sum stays exact.
+static __always_inline u64 charged(struct cg_cgstate *s, struct cg_assign *a, struct cg_control *ctl)
+{
+    return s->used + a->adopted + (s->contexts + a->adopted_contexts) * ctl->ctx_overhead
+           + a->extra_overhead;
 }
 
 // Give back what a call reserved: at its return, after its bytes were charged (so the
@@ -285,7 +307,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     t->call.reserved = size;
     t->call.container = key;
     t->call.rdev = dev;
-    u64 total = s->used + s->contexts * ctl->ctx_overhead + a->extra_overhead + r;
+    u64 total = charged(s, a, ctl) + r;
     if (total <= a->assigned)
         return;
     __sync_fetch_and_add(&s->stalls, 1);
@@ -325,7 +347,7 @@ int recheck(struct pt_regs *ctx)
             t->call.container = key;
             t->call.rdev = dev;
         }
-        total = s->used + s->contexts * ctl->ctx_overhead + a->extra_overhead + s->reserved;
+        total = charged(s, a, ctl) + s->reserved;
         if (total <= a->assigned) {
             t->call.stalled = 0;
             return 0;

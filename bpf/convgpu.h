@@ -160,6 +160,8 @@ struct cg_assign {     /* written by the enforcer */
     __u64 limit;       /* L_c */
     __u64 assigned;    /* A_c */
     __u64 extra_overhead;  /* measured context overhead beyond contexts * ctx_overhead */
+    __u64 adopted;     /* live bytes its processes had when placed (BPF charged them nowhere) */
+    __s64 adopted_contexts;
 };
 struct cg_cgstate {    /* written by BPF */
     __u64 used;        /* live bytes of the container's processes */
@@ -173,7 +175,8 @@ struct cg_control {
     __u32 enforcing;
     __u32 over_limit_kill; /* 1: SIGKILL a request above the limit instead of stopping it */
     __u32 waiters;         /* containers waiting for memory: frees and exits wake the enforcer */
-    __u32 pad;
+    __u32 owner;           /* the enforcer whose programs admit: during a take-over the old
+                            * instance's programs, still attached, only account */
 };
 
 /* Global counters (per-CPU array slots). */

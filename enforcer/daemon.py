@@ -21,10 +21,11 @@ from . import policies
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
-from . import server, watchdog
+from . import server, takeover, watchdog
 from .watchdog import write_state
 
 log = logging.getLogger(__name__)
+MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 
@@ -56,6 +57,7 @@ class Box:
     restalls: int = 0
     extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
     labels: dict | None = None
+    adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
 
 
 class Enforcer:
@@ -86,6 +88,8 @@ class Enforcer:
         self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
         self.control_path = os.path.join(run_dir, "control.sock")
         self.watchdog = None
+        self.pin_dir = takeover.pin_dir_for(run_dir)
+        self.owner = random.SystemRandom().randrange(1, 1 << 31)   # control.owner: who admits
         self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
         self._published = 0.0
         self.sel = selectors.DefaultSelector()
@@ -100,12 +104,15 @@ class Enforcer:
         t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), ctx_overhead=self.ctx_overhead,
                                 enforcing=int(enforcing and not self._paused),
                                 over_limit_kill=int(self.over_limit == "kill"),
-                                waiters=sum(len(b.waiting) for b in self.boxes.values()))
+                                waiters=sum(len(b.waiting) for b in self.boxes.values()),
+                                owner=self.owner)
 
     def _write_assign(self, box: Box, dev: int):
         t = self._t("assign")
+        nbytes, nctx = box.adopted.get(dev, (0, 0))
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=box.limit, assigned=box.assigned[dev],
-                                                      extra_overhead=box.extra.get(dev, 0))
+                                                      extra_overhead=box.extra.get(dev, 0),
+                                                      adopted=nbytes, adopted_contexts=nctx)
 
     def _state(self, box: Box, dev: int):
         t = self._t("cgstate")
@@ -128,9 +135,10 @@ class Enforcer:
                                           root_only=True, sel=self.sel))
         self.tracer.selftest_guard = self._pause
         self.tracer.recheck = True
-        self.tracer.start()
+        prev = self._load_over_pins()
         self.sel.register(self.tracer.fileno(), selectors.EVENT_READ, lambda _mask: None)
         signal.signal(signal.SIGHUP, self._on_hup)
+        self._adopt(prev)
         write_state(self.state_file, [], [])
         # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the kernel closes descriptors in ascending order and runs the releases in
         # reverse, so the highest descriptor is released first, ahead of the perf events
@@ -142,14 +150,94 @@ class Enforcer:
         os.close(w)
         # its own session: a kill of our process group must not take the fail-safe with it;
         # it gets the control map to turn admission off the moment we die
+        self.fds = takeover.FdSender()
         self.watchdog = subprocess.Popen([sys.executable, watchdog.__file__,   # stdlib only
-                                          str(os.getpid()), self.state_file, str(r), str(ctl)],
-                                         start_new_session=True, pass_fds=(r, ctl))
+                                          str(os.getpid()), self.state_file, str(r), str(ctl),
+                                          str(self.fds.theirs.fileno()), self.pin_dir],
+                                         start_new_session=True,
+                                         pass_fds=(r, ctl, self.fds.theirs.fileno()))
         os.close(r)
+        self.fds.theirs.close()
+        self.fds.send(takeover.probe_fds(self.tracer.b))
+        self._save_held()
         self._control(True)
+        takeover.retire(prev)   # our probes own admission now: the old ones may detach
         log.info("enforcing: policy %s, capacity %s", self.policy,
                  ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items())))
         return self
+
+    def _load_over_pins(self) -> list[dict]:
+        """Load the BPF program over the maps a crashed enforcer left pinned (and its watchdog
+        kept exact), or over fresh ones."""
+        prev = takeover.previous(self.run_dir, self.state_file)
+        if not takeover.ensure_bpffs():
+            self.tracer.start()
+            return []
+        if not prev:
+            takeover.clear(self.pin_dir)   # no successor-to-be left them: stale
+        os.makedirs(self.pin_dir, mode=0o700, exist_ok=True)
+        self.tracer.cflags = (f'-DPIN_DIR="{self.pin_dir}"', f"-DOWNER={self.owner}")
+        try:
+            self.tracer.start()
+        except Exception as e:   # an older layout of the maps: start afresh
+            if not prev:
+                raise
+            log.warning("cannot load over the pinned maps (%s): the accounting starts afresh", e)
+            self.tracer.close()
+            takeover.clear(self.pin_dir)
+            os.makedirs(self.pin_dir, mode=0o700, exist_ok=True)
+            self.tracer.start()
+            return []
+        return prev
+
+    def _adopt(self, prev: list[dict]):
+        """Containers, assignments and counters of the enforcer before us, from the pinned
+        maps (exact) and its state file (names, ages, counters)."""
+        if not prev:
+            return
+        info = {}
+        for st in prev:
+            info.update(st.get("boxes", {}))
+        members = self._t("members")
+        pids: dict[int, set[int]] = {}
+        for k, v in list(members.items()):
+            if _alive(k.value):
+                pids.setdefault(v.value, set()).add(k.value)
+            else:
+                del members[k]
+        for name in ("assign", "cgstate"):
+            t = self._t(name)
+            for k, a in list(t.items()):
+                if k.container not in pids:
+                    del t[k]
+        for k, a in self._t("assign").items():
+            box = self.by_key.get(k.container)
+            if box is None:
+                old = info.get(str(k.container), {})
+                try:
+                    c = self.container_of(min(pids[k.container]))
+                except Exception:
+                    continue
+                name = old.get("name") or self.names.get(c.cgroup, c.short)
+                limit, source = self.rules.limit_for(c, name, old.get("labels"))
+                box = Box(k.container, c, name, time.monotonic() - (time.time() - old.get("created", time.time())),
+                          self._capped(name, limit), source, labels=old.get("labels"))
+                for key in ("stalled_s", "stalls", "grants", "over_limits", "restalls"):
+                    setattr(box, key, old.get(key, 0))
+                box.pids = pids[k.container]
+                self.boxes[c.id] = box
+                self.by_key[box.key] = box
+                self.pid_box.update({p: box for p in box.pids})
+            box.assigned[k.dev] = a.assigned
+            box.extra[k.dev] = a.extra_overhead
+            box.adopted[k.dev] = (a.adopted, a.adopted_contexts)
+        for box in self.boxes.values():
+            for dev in box.assigned:
+                self._write_assign(box, dev)
+        self._next_key = max(self.by_key, default=0) + 1
+        log.info("took over from enforcer %s: %d containers, %s assigned", 
+                 ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(self.boxes),
+                 format_size(sum(sum(b.assigned.values()) for b in self.boxes.values())))
 
     def _pause(self):
         """Admission off while a self-test child calls every driver symbol (else it stalls)."""
@@ -185,6 +273,7 @@ class Enforcer:
                 os.unlink(self.state_file)
             except OSError:
                 pass
+            takeover.clear(self.pin_dir)   # no probes left to keep the maps exact
 
     def _save_held(self):
         """What the watchdog must undo if we die: every waiting pid, every frozen cgroup."""
@@ -195,7 +284,12 @@ class Enforcer:
                 if not isinstance(self.stopper, SignalStopper):
                     pids |= box.pids
                     cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
-        write_state(self.state_file, pids, cgroups)
+        boxes = {str(b.key): {"name": b.name, "created": time.time() - (time.monotonic() - b.created),
+                              "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
+                              "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
+                 for b in self.boxes.values()}
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(),
+                    watchdog=self.watchdog.pid if self.watchdog else None)
 
     # --- the loop ---
     def step(self):
@@ -231,7 +325,9 @@ class Enforcer:
                 dirty = True
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
-            dirty |= self._measure_overhead()
+            # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
+            dirty |= self._measure_overhead() or any(b.waiting for b in self.boxes.values())
+            self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
         if dirty:
             self.schedule()
             self._save_held()
@@ -278,6 +374,13 @@ class Enforcer:
             self.boxes[c.id] = box
             self.by_key[box.key] = box
             log.info("container %s (%s): limit %s from %s", name, c.kind, format_size(limit), source)
+            usage = self.tracer.usage()   # its other processes that already use the GPU join too
+            for u in {u.pid for u in usage} - set(self.pid_box) - {pid}:
+                try:
+                    if self.container_of(u).id == c.id:
+                        self._join(box, u, usage=usage)
+                except Exception:
+                    pass
         return box
 
     def _place(self, pid: int, dev: int, request: int):
@@ -285,16 +388,31 @@ class Enforcer:
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if _alive(pid) else None
             return
-        self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
-        box.pids.add(pid)
-        self.pid_box[pid] = box
-        if dev not in box.assigned:
-            self._new_device(box, dev)
+        self._join(box, pid, dev)
         self._waiter(box, dev, pid, request, count=False)
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
                      dev, format_size(box.assigned[dev]), format_size(self._demand(box, dev)))
+
+    def _join(self, box: Box, pid: int, dev: int | None = None, usage=None):
+        """pid is in box from now on. What it allocated before (while no enforcer admitted, or
+        in calls that are not admitted) was charged to no container: adopt it. Read before the
+        membership is written, so a racing free can only make this an over-count."""
+        held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
+                if u.pid == pid and (u.live or u.contexts > 0)}
+        self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
+        box.pids.add(pid)
+        self.pid_box[pid] = box
+        for d in sorted(set(held) | ({dev} if dev is not None else set())):
+            if d not in box.assigned:
+                self._new_device(box, d)
+        for d, (nbytes, nctx) in held.items():
+            b0, c0 = box.adopted.get(d, (0, 0))
+            box.adopted[d] = (b0 + nbytes, c0 + nctx)
+            self._write_assign(box, d)
+            log.info("container %s GPU%d: pid %d already held %s in %d contexts: adopted", box.name,
+                     d, pid, format_size(nbytes), nctx)
 
     def _new_device(self, box: Box, dev: int):
         """First context of a container on a device: A_c = min(L_c, unassigned)."""
@@ -355,13 +473,21 @@ class Enforcer:
                      format_size(sum(box.assigned.values())))
 
     # --- scheduling ---
+    def _usage(self, box: Box, dev: int) -> tuple[int, int, int]:
+        """(live bytes, contexts, reserved) of a container on a device: BPF's counters plus
+        what was adopted at placement (BPF's `used` may have wrapped below zero: see charged()
+        in bpf/convgpu.bpf.c)."""
+        s = self._state(box, dev)
+        nbytes, nctx = box.adopted.get(dev, (0, 0))
+        if s is None:
+            return nbytes, nctx, 0
+        return (s.used + nbytes) & MASK64, max(s.contexts + nctx, 0), s.reserved
+
     def _demand(self, box: Box, dev: int) -> int:
         """U_c plus what is pending: everything the container needs to run on."""
-        s = self._state(box, dev)
-        if s is None:
-            return 0
+        used, contexts, reserved = self._usage(box, dev)
         w = box.waiting.get(dev)
-        return (s.used + max(s.contexts, 0) * self.ctx_overhead + s.reserved
+        return (used + contexts * self.ctx_overhead + box.extra.get(dev, 0) + reserved
                 + (w.unreserved if w else 0))
 
     def schedule(self):
@@ -523,13 +649,12 @@ class Enforcer:
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
-                s = self._state(box, dev)
+                used, contexts, reserved = self._usage(box, dev)
                 w = box.waiting.get(dev)
-                charged = (max(s.contexts, 0) * self.ctx_overhead if s else 0) + box.extra.get(dev, 0)
                 per[str(dev)] = {
-                    "assigned": box.assigned[dev], "used": s.used if s else 0,
-                    "context_overhead": charged, "reserved": s.reserved if s else 0,
-                    "contexts": max(s.contexts, 0) if s else 0, "waiting": w is not None,
+                    "assigned": box.assigned[dev], "used": used,
+                    "context_overhead": contexts * self.ctx_overhead + box.extra.get(dev, 0),
+                    "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "over_limit": bool(w and w.over_limit),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
                     "waiting_pids": sorted(w.pids) if w else []}

@@ -1,30 +1,36 @@
-"""Fail-safe: no process stays stopped because the enforcer is gone.
+"""Fail-safe: no process stays stopped because the enforcer is gone; and accounting goes on
+until another enforcer takes over.
 
 The enforcer starts this as a separate session (a kill of the enforcer's process group does
 not reach it) and keeps a state file of what it holds stopped: pids it must SIGCONT and
-cgroups it froze. When the enforcer dies, even by SIGKILL, its BPF programs detach with its
-file descriptors (no new stalls), and this process resumes everything in the file at once.
-It learns of the death from a pipe whose write end only the enforcer holds: the kernel closes
-it early in the exit, before the ~100 ms per uprobe that releasing the probes costs (a pidfd
-fires only after all of that, seconds later with 60 probes).
-It also holds the BPF `control` map and first turns admission off: a dying enforcer's probes
-stay attached for seconds while the kernel releases them, and a resumed process would
-otherwise be stopped again at its next allocation.
-    python -m convgpu.enforcer.watchdog ENFORCER_PID STATE_FILE PIPE_FD CONTROL_MAP_FD"""
+cgroups it froze. When the enforcer dies, even by SIGKILL, this process resumes everything in
+the file at once. It learns of the death from a pipe whose write end only the enforcer holds:
+the kernel closes it early in the exit, before the ~100 ms per uprobe that releasing the probes
+costs (a pidfd fires only after all of that, seconds later with 60 probes).
+It also holds the BPF `control` map and first turns admission off, so nothing is stopped again.
+And it holds duplicates of the enforcer's probe descriptors (sent over FD_SOCK as they are
+attached): after the death the probes stay attached and keep the pinned maps exact, until a
+restarted enforcer, loaded over the same maps, sends SIGTERM; then this exits and the old
+probes detach. Without a successor within CONVGPU_HANDOVER_S (600 s) it removes the pins too.
+    python -m convgpu.enforcer.watchdog ENFORCER_PID STATE_FILE PIPE_FD CONTROL_MAP_FD [FD_SOCK PIN_DIR]"""
 import ctypes
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import sys
 import time
 
+HANDOVER_S = float(os.environ.get("CONVGPU_HANDOVER_S", "600"))
 
-def write_state(path: str, pids, cgroups) -> None:
+
+def write_state(path: str, pids, cgroups, **more) -> None:
     """Atomically replace the state file (the watchdog may read it at any moment)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"pids": sorted(pids), "cgroups": sorted(cgroups)}, f)
+        json.dump({"pids": sorted(pids), "cgroups": sorted(cgroups), **more}, f)
     os.replace(tmp, path)
 
 
@@ -63,42 +69,52 @@ def release(path: str) -> tuple[int, int]:
                 thawed += 1
             except OSError:
                 pass
-    os.unlink(path)
+    state.update(pids=[], cgroups=[], orphaned=True, watchdog=os.getpid())
+    write_state(path, **{k: v for k, v in state.items()})   # for the successor: who to stop
     return n, thawed
 
 
-def wait_for_death(pid: int, pipe_fd: int | None = None) -> None:
-    if pipe_fd is not None:
-        while os.read(pipe_fd, 64):   # EOF: every write end is closed
-            pass
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        while True:           # no pidfd (kernel < 5.3): poll
+def wait_for_death(pipe_fd: int, fd_sock: socket.socket | None, held: list[int]) -> None:
+    """Until the pipe's EOF; meanwhile keep every probe descriptor the enforcer sends."""
+    while True:
+        ready, _, _ = select.select([pipe_fd] + ([fd_sock] if fd_sock else []), [], [])
+        if fd_sock in ready:
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-    select.select([fd], [], [])
-    os.close(fd)
+                _, fds, _, _ = socket.recv_fds(fd_sock, 16, 253)
+            except OSError:
+                fds = []
+            held.extend(fds)
+        if pipe_fd in ready and not os.read(pipe_fd, 64):
+            return
 
 
 def main() -> int:
-    pid, path = int(sys.argv[1]), sys.argv[2]
-    pipe_fd = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    map_fd = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    pid, path, pipe_fd, map_fd = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    fd_sock = socket.socket(fileno=int(sys.argv[5])) if len(sys.argv) > 5 else None
+    pin_dir = sys.argv[6] if len(sys.argv) > 6 else None
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only the enforcer's death ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wait_for_death(pid, pipe_fd)
-    if map_fd is not None:
-        admission_off(map_fd)
+    held: list[int] = []
+    wait_for_death(pipe_fd, fd_sock, held)
+    admission_off(map_fd)
     n, thawed = release(path)
-    if n or thawed:
-        print(f"convgpu watchdog: enforcer {pid} is gone; resumed {n} processes, thawed {thawed} cgroups",
-              file=sys.stderr)
-    return 0
+    print(f"convgpu watchdog: enforcer {pid} is gone; resumed {n} processes, thawed {thawed} cgroups"
+          + (f"; {len(held)} probes kept for a successor" if held else ""), file=sys.stderr)
+    if not held:
+        return 0
+    taken_over = []
+    signal.signal(signal.SIGTERM, lambda *_: taken_over.append(1))
+    deadline = time.monotonic() + HANDOVER_S
+    while not taken_over and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if not taken_over:   # nobody came: nothing may keep stale state
+        if pin_dir:
+            shutil.rmtree(pin_dir, ignore_errors=True)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return 0   # our descriptors close: the old probes detach
 
 
 if __name__ == "__main__":

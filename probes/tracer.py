@@ -35,7 +35,8 @@ class ProcUsage:
 class Tracer:
     def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
                  ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
-                 sweep_every: float = 30.0, recheck: bool = False):
+                 sweep_every: float = 30.0, recheck: bool = False, cflags: tuple = ()):
+        self.cflags = cflags
         self.recheck = recheck
         self.finder = LibraryFinder(extra=tuple(libraries), discover=discover)
         self.ringbuf_pages = ringbuf_pages
@@ -55,7 +56,7 @@ class Tracer:
 
     # --- life cycle ---
     def start(self) -> "Tracer":
-        self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages)
+        self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages, extra=self.cflags)
         self.b[b"events"].open_ring_buffer(self._on_event)
         self.started_ns = time.monotonic_ns()
         self.rescan(force=True)

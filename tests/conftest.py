@@ -2,10 +2,12 @@
 test command runs them (CONVGPU_REQUIRE_SYSTEM=1, also in CI) a missing prerequisite FAILS
 instead of skipping, so a broken set-up cannot pass as 'skipped'."""
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,19 +50,55 @@ def root():
         need(False, "bcc not importable: install python3-bpfcc, venv with --system-site-packages")
 
 
+def _lines(stream) -> "queue.Queue":
+    """A thread per stream turns its lines into a queue, so waiting has a real time limit
+    (a blocking readline() would wait forever on a process that stays silent)."""
+    q = getattr(stream, "_convgpu_lines", None)
+    if q is None:
+        q = stream._convgpu_lines = queue.Queue()
+
+        def pump():
+            for line in iter(stream.readline, ""):
+                q.put(line)
+            q.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def rest_of(stream, timeout: float = 30) -> list[str]:
+    """Every line left until EOF, whether or not lines_until has read this stream before."""
+    q = _lines(stream)
+    out: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            q.put(None)
+            break
+        out.append(line.rstrip())
+    return out
+
+
 def lines_until(stream, match, sink: list, timeout: float = 30, what: str = "output"):
     """Read lines of `stream` into `sink` until `match(line)`; returns that line. EOF or the
     time limit raise with everything read so far (the process's own words)."""
+    q = _lines(stream)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
+    while True:
+        try:
+            line = q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"{what}: expected line not seen in {timeout} s: {sink[-30:]}") from None
+        if line is None:
+            q.put(None)   # EOF stays EOF for the next caller
             raise AssertionError(f"{what} ended before the expected line: {sink[-30:]}")
         line = line.rstrip()
         sink.append(line)
         if match(line):
             return line
-    raise AssertionError(f"{what}: expected line not seen in {timeout} s: {sink[-30:]}")
 
 
 class Caller:
@@ -241,8 +279,8 @@ def wait_state(pid, want, timeout=20):
 class Enforcing:
     """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own."""
 
-    def __init__(self, build, *args):
-        self.run_dir = tempfile.mkdtemp(prefix="convgpu-run-")
+    def __init__(self, build, *args, run_dir=None):
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="convgpu-run-")
         self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover",
                                    "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args],
@@ -274,6 +312,6 @@ class Enforcing:
     def stop(self):
         self.p.terminate()
         rc = self.p.wait(timeout=30)
-        self.log += self.p.stderr.read().splitlines()
+        self.log += rest_of(self.p.stderr)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return rc

@@ -256,3 +256,48 @@ def test_v1_freezer_under_the_enforcer(cgroups, build, env5):
                 p.wait()
         enf.close()
         remove_cgroup(__import__("pathlib").Path(v1))
+
+
+def test_kill_9_then_restart_takes_over_the_accounting_exactly(cgroups, build, env5):
+    """kill -9 of the enforcer; while none runs, one container frees and exits and a new one
+    allocates; a restarted enforcer (same run dir) continues from the pinned maps, which the
+    old probes (kept by the watchdog) kept exact: its numbers equal the stand-in driver's."""
+    args = ("--gpu-memory", "5GiB", "--default-limit", "3GiB")
+    enf = Enforcing(build, *args)
+    enf2 = None
+    procs = {}
+    try:
+        for name, n in (("x", 2), ("y", 1)):
+            procs[name] = start_in(cgroups(name), build, env5, "alloc", "-n", n, "-s", GiB, "--hold")
+            read_until(procs[name], "ready")
+        before = {c["name"]: (c["gpus"]["0"]["used"], c["gpus"]["0"]["assigned"], c["pids"])
+                  for c in enf.ctl(cmd="status")["status"]["containers"]}
+        assert before == {"x": (2 * GiB, 3 * GiB, [procs["x"].pid]), "y": (GiB, 2 * GiB, [procs["y"].pid])}
+        enf.p.kill()
+        enf.p.wait()
+        enf.wait_for("probes kept for a successor")           # the watchdog's line
+        release(procs["y"])                                   # seen only by the old probes
+        assert procs["y"].wait(timeout=20) == 0
+        procs["z"] = start_in(cgroups("z"), build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold")
+        read_until(procs["z"], "ready")                       # nobody admits: it just runs
+        enf2 = Enforcing(build, *args, run_dir=enf.run_dir)
+        assert any(f"took over from enforcer {enf.p.pid}: 1 containers" in line for line in enf2.log), enf2.log
+        st = enf2.ctl(cmd="status")["status"]
+        assert {c["name"]: (c["gpus"]["0"]["used"], c["gpus"]["0"]["assigned"], c["pids"])
+                for c in st["containers"]} == {"x": (2 * GiB, 3 * GiB, [procs["x"].pid])}
+        # z allocated while nobody admitted; a second process in z's cgroup places the
+        # container, and z's 512 MiB are adopted into it
+        procs["z2"] = start_in(cgroups("z"), build, env5, "alloc", "-n", 1, "-s", GiB, "--hold")
+        read_until(procs["z2"], "ready")
+        st = enf2.ctl(cmd="status")["status"]
+        got = {c["name"]: c["gpus"]["0"]["used"] for c in st["containers"]}
+        assert got == {"x": 2 * GiB, "z": GiB + 512 * MiB}
+        assert sum(got.values()) == usage(build, env5)["used"]   # the driver's own count
+        assert not os.path.exists(f"{enf.run_dir}/held-{enf.p.pid}.json")   # retired
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        if enf2:
+            enf2.close()
+        enf.close()
