@@ -14,6 +14,7 @@ from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer.accounting import Accountant, matches
 from ..enforcer.containers import container_of_pid
 from ..enforcer.engines import EngineLookup
+from ..enforcer.model import Snapshot
 from ..errors import NotFoundError
 from ..probes.libs import system_drivers
 from ..probes.nvml import Nvml
@@ -68,11 +69,20 @@ def trace(
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe fires (calls each driver symbol once, before cuInit)."),
+    run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
 ):
     """Watch live how much GPU memory each container and process holds."""
     overhead = parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None
     engines = EngineLookup()
     check_filters(pid, container, engines)
+    if demo is not DemoMode.always and _enforcer_answers(run_dir):
+        engines.close()
+        _stop_on_sigterm()
+        try:
+            _remote(run_dir, set(pid), container, interval, duration, as_json, events)
+        except KeyboardInterrupt:
+            pass
+        return
     nvml = Nvml()
     tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest)
     the_demo = None
@@ -97,6 +107,46 @@ def trace(
             the_demo.stop()
         engines.close()
         nvml.close()
+
+
+def _enforcer_answers(run_dir: str) -> bool:
+    try:
+        common.control(run_dir, {"cmd": "ping"})
+        return True
+    except Exception:
+        return False
+
+
+def _remote(run_dir, pids, container, interval, duration, as_json, events):
+    """The running enforcer's probes and accounting, asked every interval over its socket."""
+    from ..probes.events import Event
+    msg = {"cmd": "snapshot", "pids": sorted(pids) or None, "container": container}
+    seen = 0
+
+    def snap():
+        nonlocal seen
+        r = common.control(run_dir, msg)
+        evs = [Event(**{k: e[k] for k in Event._fields}) for e in r["events"]]
+        if as_json and events:
+            for e in r["events"]:
+                if e["ts_ns"] > seen and (not pids or e["pid"] in pids):
+                    sys.stdout.write(json.dumps(e) + "\n")
+            seen = max([seen] + [e["ts_ns"] for e in r["events"]])
+        return Snapshot.from_json(r["snapshot"], evs)
+
+    end = time.monotonic() + duration if duration else None
+    if as_json:
+        while True:
+            sys.stdout.write(json.dumps(snap().to_json()) + "\n")
+            sys.stdout.flush()
+            if end is not None and time.monotonic() >= end:
+                return
+            time.sleep(interval)
+    console = Console(width=min(WIDTH, Console().width))
+    with Live(render(snap()), console=console, refresh_per_second=4, screen=False) as live:
+        while end is None or time.monotonic() < end:
+            time.sleep(interval)
+            live.update(render(snap()))
 
 
 def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, events, the_demo):

@@ -83,6 +83,28 @@ def events_table(s: Snapshot, rows: int = 8) -> Table:
     return t
 
 
+def enforce_table(s: Snapshot) -> Table:
+    """Limits, assignments and waiters of the enforcer that sent this snapshot."""
+    e = s.enforce
+    caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])}" for d, g in e["gpus"].items())
+    t = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, padding=(0, 0, 0, 1),
+              title=f"enforce (pid {e['pid']}): policy {e['policy']}, stall {e['stall']}; assigned {caps}",
+              title_justify="left", title_style="bold")
+    t.add_column("container", width=22, no_wrap=True, overflow="ellipsis")
+    t.add_column("GPU", justify="right", min_width=3, no_wrap=True)
+    for col, w in (("limit", 10), ("assigned", 10), ("used", 10), ("state", 16), ("stalled", 8), ("stalls", 6)):
+        t.add_column(col, justify="left" if col == "state" else "right", min_width=w, no_wrap=True)
+    if not e["containers"]:
+        t.add_row(Text("no container placed yet", style="dim"), "", "", "", "", "", "", "")
+    for c in e["containers"]:
+        for dev, g in c["gpus"].items():
+            state = (Text("over limit", style="bold red") if g["over_limit"] else
+                     Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
+            t.add_row(Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
+                      format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
+    return t
+
+
 def footer(s: Snapshot) -> Text:
     t = Text(style="dim")
     t.append(f"events {s.events_total}   dropped {s.drops}   ~ = estimated context overhead (no NVML)\n")
@@ -94,4 +116,7 @@ def footer(s: Snapshot) -> Text:
 
 
 def render(s: Snapshot, event_rows: int = 8) -> Group:
-    return Group(_header(s), gpu_table(s), container_table(s), events_table(s, event_rows), footer(s))
+    parts = [_header(s), gpu_table(s), container_table(s)]
+    if s.enforce is not None:
+        parts.append(enforce_table(s))
+    return Group(*parts, events_table(s, event_rows), footer(s))

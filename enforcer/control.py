@@ -25,6 +25,13 @@ class ControlHandler(Handler):
     def cmd_status(self, msg):
         return {"status": self.enf.status()}
 
+    def cmd_snapshot(self, msg):
+        pids = msg.get("pids") or None
+        if pids is not None and not (isinstance(pids, list) and all(isinstance(p, int) for p in pids)):
+            raise ConvgpuError(f"invalid pids {pids!r}", "give a list of process ids")
+        container = msg.get("container")
+        return self.enf.snapshot(set(pids) if pids else None, str(container) if container else None)
+
     def cmd_limit_set(self, msg):
         name = msg.get("container")
         size = parse_size(msg.get("size"), "limit")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..units import format_size
 from . import policies
+from .accounting import Accountant
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
@@ -91,6 +92,9 @@ class Enforcer:
         self.pin_dir = takeover.pin_dir_for(run_dir)
         self.owner = random.SystemRandom().randrange(1, 1 << 31)   # control.owner: who admits
         self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
+        # what `convgpu trace` shows while we run (it asks us rather than probing twice)
+        self.acct = Accountant(nvml=nvml, ctx_overhead=None if nvml is not None and nvml.ok else ctx_overhead,
+                               engines=engines, container_of_pid=container_of)
         self._published = 0.0
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
@@ -301,6 +305,7 @@ class Enforcer:
             self._reload_asked = False
             self.reload()
         events = self.tracer.poll()
+        self.acct.feed(events)
         dirty = False
         for e in events:
             if e.op == "unknown":
@@ -668,6 +673,15 @@ class Enforcer:
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
                 "started": self.started, "gpus": gpus, "containers": rows}
+
+
+    def snapshot(self, pids=None, container=None) -> dict:
+        """`convgpu trace`'s view, with our state in it."""
+        snap = self.acct.snapshot(self.tracer.usage(), libraries=[str(x) for x in self.tracer.libraries],
+                                  drops=self.tracer.stats()["drops"], pids=pids, container=container)
+        d = snap.to_json()
+        d["enforce"] = self.status()
+        return {"snapshot": d, "events": [e.to_json() for e in self.acct.recent]}
 
 
 def _answers(path: str) -> bool:

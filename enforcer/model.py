@@ -83,6 +83,7 @@ class Snapshot:
     drops: int = 0
     libraries: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    enforce: dict | None = None   # `convgpu status --json` of the enforcer this came from
 
     def to_json(self) -> dict:
         d = {
@@ -98,4 +99,18 @@ class Snapshot:
                        last_event_age=c.last_event_age,
                        processes=[dict(asdict(p), total=p.total) for p in c.processes])
             d["containers"].append(row)
+        if self.enforce is not None:
+            d["enforce"] = self.enforce
         return d
+
+    @classmethod
+    def from_json(cls, d: dict, events=()) -> "Snapshot":
+        """The inverse of to_json: `convgpu trace` shows what a running enforcer sends."""
+        containers = []
+        for c in d["containers"]:
+            procs = tuple(ProcessRow(**{k: v for k, v in p.items() if k != "total"}) for p in c["processes"])
+            containers.append(ContainerRow(c["id"], c["name"], c["kind"], c["cgroup"], procs, c["peak"],
+                                           c.get("labels") or {}))
+        return cls(d["ts"], d["mode"], tuple(GpuRow(**g) for g in d["gpus"]), tuple(containers),
+                   tuple(events), d["events_total"], d["drops"], tuple(d["libraries"]),
+                   tuple(d["notes"]), d.get("enforce"))

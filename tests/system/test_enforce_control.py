@@ -98,6 +98,12 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         assert (c["stalls"], c["over_limit_events"], c["grants"]) == (1, 1, 0)
         table = enf.cli("status").stdout
         assert "small" in table and "over limit" in table
+        # `convgpu trace` asks the enforcer rather than probing a second time
+        r = enf.cli("trace", "--json", "--no-events", "--duration", "0.3", "--no-discover")
+        snap = json.loads(r.stdout.splitlines()[-1])
+        assert snap["enforce"]["containers"][0]["gpus"]["0"]["over_limit"] is True
+        [row] = [c for c in snap["containers"] if c["name"] == "small"]
+        assert [(x["pid"], x["live"], x["contexts"]) for x in row["processes"]] == [(p.pid, 0, 1)]
         # bad input: one line each, and the daemon keeps running
         for args, text in ((["limit", "set", "small", "lots"], "invalid SIZE 'lots'"),
                            (["limit", "set", "nobody", "1GiB"], "no container 'nobody' is known")):

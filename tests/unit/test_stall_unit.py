@@ -188,8 +188,12 @@ def test_make_stopper_choices(tmp_path, monkeypatch):
     write(v2root / "child" / "cgroup.freeze", "0")
     s = make_stopper("freezer", Layout("hybrid", str(v2root), str(v1root)), timeout=0.5)
     assert isinstance(s, FreezerV2) and s.root == str(v2root) and s.timeout == 0.5
-    with pytest.raises(ConvgpuError, match="no cgroup freezer on this host; use --stall signal"):
+    with pytest.raises(ConvgpuError, match=r"no cgroup freezer on this host \(v1 cgroups\); use --stall signal"):
         make_stopper("freezer", Layout("v1", None, None))
+    # an explicit choice: only that one
+    assert isinstance(make_stopper("freezer-v1", Layout("hybrid", str(v2root), str(v1root))), FreezerV1)
+    with pytest.raises(ConvgpuError, match=r"no cgroup freezer-v2 on this host"):
+        make_stopper("freezer-v2", Layout("v1", None, str(v1root)))
     with pytest.raises(ConvgpuError, match="no cgroup freezer"):
         make_stopper("freezer", Layout("v1", None, str(tmp_path / "not-mounted")))
     with pytest.raises(ConvgpuError, match=r"'pause'.*signal, freezer"):

@@ -71,3 +71,27 @@ def test_snapshot_json_totals():
     assert (a["live"], a["overhead"], a["total"], a["peak"]) == (384 * MiB, 1038 * MiB, 1422 * MiB, 512 * MiB)
     assert [p["total"] for p in a["processes"]] == [775 * MiB, 647 * MiB]
     assert j["type"] == "snapshot" and j["schema"] == 1 and j["gpus"][0]["tracked"] == 1495 * MiB
+
+
+ENFORCE = {"pid": 4242, "policy": "bf", "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
+           "default_limit": 1 << 30, "started": 0.0,
+           "gpus": {"0": {"capacity": 5 << 30, "assigned": 3 << 30, "unassigned": 2 << 30}},
+           "containers": [{"id": "a" * 64, "name": "trainer", "kind": "podman", "cgroup": "/x", "limit": 2 << 30,
+                           "source": "default", "pids": [101], "stalled_s": 3.25, "stalls": 2, "grants": 1,
+                           "over_limit_events": 0, "restalls": 0,
+                           "gpus": {"0": {"assigned": 1 << 30, "used": 768 * MiB, "context_overhead": 64 * MiB,
+                                          "reserved": 512 * MiB, "contexts": 1, "waiting": True,
+                                          "over_limit": False, "waiting_s": 1.5, "waiting_pids": [101]}}}]}
+
+
+def test_snapshot_json_round_trip_and_enforce_table():
+    """What an enforcer sends (to_json) is what `convgpu trace` rebuilds and shows."""
+    s = snapshot()
+    s = Snapshot(**{**s.__dict__, "enforce": ENFORCE})
+    back = Snapshot.from_json(s.to_json(), s.events)
+    assert back == s
+    text = text_of(back)
+    assert "enforce (pid 4242): policy bf, stall signal; assigned GPU0 3.0 GiB of 5.0 GiB" in text
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("trainer "))
+    assert row.split() == ["trainer", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting", "1.5s", "3.2s", "2"]
+    assert max(len(line) for line in text.splitlines()) <= 100
