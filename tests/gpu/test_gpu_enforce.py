@@ -77,3 +77,58 @@ def test_two_pytorch_processes_one_waits(root):
             base.rmdir()
         except OSError:
             pass
+
+
+def test_sigcont_from_outside_is_stopped_again_on_the_real_driver(root, build):
+    """The second-instruction probe on the real libcuda: a stalled cuMemAlloc_v2 resumed by an
+    outside SIGCONT stops again before the driver allocates (NVML shows no new memory)."""
+    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.probes.nvml import Nvml
+    base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-sig-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}   # the real driver
+    enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "8GiB",
+                            "--default-limit", "5GiB", "--run-dir", "/run/convgpu-gpu-test"],
+                           stderr=subprocess.PIPE, text=True, cwd="/")
+    log, procs, nvml = [], [], Nvml()
+
+    def until(text, timeout=60):
+        return lines_until(enf.stderr, lambda line: text in line, log, timeout, f"enforcer log ({text!r})")
+
+    def start(name):
+        (base / name).mkdir(parents=True, exist_ok=True)
+        p = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {base / name}/cgroup.procs && exec "$0" "$@"',
+                              str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(4 * GiB), "--hold"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(p)
+        return p
+
+    try:
+        until("enforcing:")
+        a = start("a")
+        lines_until(a.stdout, lambda line: line.startswith("ready"), [], 60, "a")
+        b = start("b")
+        until(f"stall b pid {b.pid}")
+        time.sleep(0.5)
+        held = nvml.process_memory().get((b.pid, 0), 0)
+        assert held < GiB                                        # its context only
+        os.kill(b.pid, 18)                                       # SIGCONT from outside
+        until(f"pid {b.pid} of b resumed without a grant")
+        time.sleep(0.5)
+        assert open(f"/proc/{b.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        assert nvml.process_memory().get((b.pid, 0), 0) == held   # the 4 GiB were not allocated
+        a.stdin.write("\n")
+        a.stdin.flush()
+        until("resume b on GPU0")
+        lines_until(b.stdout, lambda line: line.startswith("ready"), [], 60, "b")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        enf.terminate()
+        enf.wait(timeout=60)
+        nvml.close()
+        for n in ("a", "b", ""):
+            try:
+                os.rmdir(base / n)
+            except OSError:
+                pass
