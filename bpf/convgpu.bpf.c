@@ -241,9 +241,17 @@ static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
     u64 *m = members.lookup(&tgid);
     if (!m)
         return 0;
-    *key = *m;
-    struct cg_limit_key lk = {.container = *m, .dev = dev};
+    *key = *m & ~SHIM_MEMBER;
+    struct cg_limit_key lk = {.container = *key, .dev = dev};
     return cgstate.lookup(&lk);
+}
+
+// A process under the preload shim asks the enforcer before each allocation and waits in the
+// shim (or gets an out-of-memory error): it is accounted here but never stopped.
+static __always_inline int shim_managed(u32 tgid)
+{
+    u64 *m = members.lookup(&tgid);
+    return m && (*m & SHIM_MEMBER);
 }
 
 // Bytes and contexts that landed (or left): kept per container as well as per process.
@@ -289,6 +297,8 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (!ctl)
         return;
     u32 tgid = id >> 32;
+    if (shim_managed(tgid))
+        return;
     if (is_ctx)
         size = ctl->ctx_overhead;
     u64 key = 0;

@@ -151,6 +151,7 @@ struct cg_obj {
  * writes cg_assign; BPF alone writes cg_cgstate (atomics), so neither side overwrites the
  * other's counters. Admission: used + contexts * ctx_overhead + extra_overhead + reserved must
  * stay <= assigned, checked at the entry of every call that takes device memory. */
+#define SHIM_MEMBER (1ULL << 63)   /* members value bit: managed by the preload shim */
 struct cg_limit_key {
     __u64 container;   /* the enforcer's key for the container */
     __s32 dev;

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..units import format_size
 from . import policies
 from .accounting import Accountant
+from .broker import SHIM_MEMBER, ShimBroker
 from .containers import Container, container_of_pid
 from .limits import LimitRules
 from .stall import SignalStopper, Target
@@ -37,6 +38,7 @@ class Wait:
     pids: set[int]
     unreserved: int = 0      # requests stopped before placement: not reserved in BPF
     over_limit: bool = False
+    wakes: list = field(default_factory=list)   # shim waiters: (pid, size, wake(answer))
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Box:
     extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
     labels: dict | None = None
     adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
+    shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
 
 
 class Enforcer:
@@ -80,6 +83,8 @@ class Enforcer:
         self.by_key: dict[int, Box] = {}
         self.pid_box: dict[int, Box] = {}
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
+        self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
+        self.broker = ShimBroker(self)
         self._next_key = 1
         self._beat = self._measured = 0.0
         self._paused = False
@@ -137,6 +142,13 @@ class Enforcer:
                               "stop it first, or give this one another --run-dir")
         self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
                                           root_only=True, sel=self.sel))
+        try:
+            from .shim import ShimHandler
+        except ImportError:
+            ShimHandler = None
+        if ShimHandler is not None:   # any process may ask; SO_PEERCRED says who it is
+            self.servers.append(server.Server(os.path.join(self.run_dir, "shim", "shim.sock"),
+                                              ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel))
         self.tracer.selftest_guard = self._pause
         self.tracer.recheck = True
         prev = self._load_over_pins()
@@ -206,7 +218,7 @@ class Enforcer:
         pids: dict[int, set[int]] = {}
         for k, v in list(members.items()):
             if _alive(k.value):
-                pids.setdefault(v.value, set()).add(k.value)
+                pids.setdefault(v.value & ~SHIM_MEMBER, set()).add(k.value)
             else:
                 del members[k]
         for name in ("assign", "cgstate"):
@@ -423,8 +435,7 @@ class Enforcer:
         """First context of a container on a device: A_c = min(L_c, unassigned)."""
         free = self.capacity.get(dev, 0) - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
         box.assigned[dev] = policies.assign_new(box.limit, free)
-        st = self._t("cgstate")
-        st[st.Key(container=box.key, dev=dev)] = st.Leaf()
+        self._ensure_state(box, dev)
         self._write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
                  format_size(box.assigned[dev]), format_size(box.limit))
@@ -436,16 +447,26 @@ class Enforcer:
                         format_size(limit), format_size(cap))
         return min(limit, cap)
 
+    def _ensure_state(self, box: Box, dev: int):
+        """BPF charges a container's bytes on a device once this entry exists (never reset:
+        a shim process may have been charged before the device was assigned)."""
+        st = self._t("cgstate")
+        k = st.Key(container=box.key, dev=dev)
+        try:
+            st[k]
+        except KeyError:
+            st[k] = st.Leaf()
+
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
         w = box.waiting.get(dev)
         if w is None:
             w = box.waiting[dev] = Wait(time.monotonic(), set())
             box.stalls += count
-        if pid not in w.pids:   # a re-stall of the same call is not a second request
+        if pid not in w.pids or pid in self.shimmed:   # a re-stall is not a second request
             w.unreserved += unreserved
         w.pids.add(pid)
-        if isinstance(self.stopper, SignalStopper):
-            return
+        if isinstance(self.stopper, SignalStopper) or pid in self.shimmed:
+            return w
         # freezer mode: hold the whole container in its cgroup, then drop the signal stop,
         # so that no SIGCONT from inside the container can undo the stall
         try:
@@ -454,8 +475,11 @@ class Enforcer:
                 os.kill(p, signal.SIGCONT) if _alive(p) else None
         except Exception as e:
             log.warning("container %s: freezer failed (%s); it stays signal-stopped", box.name, e)
+        return w
 
     def _gone(self, pid: int):
+        if pid in self.shimmed:
+            self.broker.shim_gone(pid)
         box = self.pid_box.pop(pid, None)
         if box is None:
             return
@@ -493,7 +517,7 @@ class Enforcer:
         used, contexts, reserved = self._usage(box, dev)
         w = box.waiting.get(dev)
         return (used + contexts * self.ctx_overhead + box.extra.get(dev, 0) + reserved
-                + (w.unreserved if w else 0))
+                + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0))
 
     def schedule(self):
         now = time.monotonic()
@@ -533,6 +557,16 @@ class Enforcer:
             log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
                         format_size(demand), format_size(box.limit),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
+        if w.wakes:   # the shim can fail the call: a real out-of-memory error
+            self.broker.granted(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
+                                                            f"above its limit {format_size(box.limit)}"})
+            for pid, size, _ in w.wakes:
+                w.unreserved -= size
+                w.pids.discard(pid)
+            w.wakes.clear()
+            if not w.pids:
+                del box.waiting[dev]
+            return
         if self.over_limit == "kill":
             for p in list(w.pids):
                 os.kill(p, signal.SIGKILL) if _alive(p) else None
@@ -542,8 +576,9 @@ class Enforcer:
         if w is None:
             return
         box.stalled_s += time.monotonic() - w.since
+        self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
-            self.stopper.resume(Target(tuple(w.pids)))
+            self.stopper.resume(Target(tuple(w.pids - self.shimmed)))
         else:
             self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
             self._signal(box.pids, signal.SIGCONT)

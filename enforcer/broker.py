@@ -1,0 +1,109 @@
+"""The enforcer's answers to processes under the preload shim (issue "shim"): the shim asks before
+each allocation and waits in the calling thread, or gets a real out-of-memory error, instead of
+being stopped. enforcer/shim.py speaks the socket protocol and calls these methods.
+
+With probes active there is one accounting: BPF charges the shim process's bytes as for any
+other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
+held here as *pending* until the shim reports the allocation (then BPF has charged it)."""
+import ctypes as ct
+import logging
+from collections import defaultdict
+
+from ..units import format_size
+
+log = logging.getLogger(__name__)
+SHIM_MEMBER = 1 << 63   # bpf/convgpu.h
+
+
+class ShimBroker:
+    def __init__(self, enf):
+        self.enf = enf
+        self.pending: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # pid -> dev -> bytes
+
+    def _box(self, pid: int):
+        enf = self.enf
+        box = enf.pid_box.get(pid)
+        if box is None:
+            box = enf._box_for(pid)
+            if box is None:
+                raise LookupError(f"pid {pid} has gone")
+            enf._join(box, pid)
+        if pid not in enf.shimmed:
+            for dev in enf.capacity:   # charged from its first call, asked for or not (contexts)
+                enf._ensure_state(box, dev)
+            enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key | SHIM_MEMBER)
+            enf.shimmed.add(pid)
+            log.info("pid %d of %s uses the shim: it waits (or fails) instead of stopping", pid, box.name)
+        return box
+
+    def shim_hello(self, pid: int) -> dict:
+        box = self._box(pid)
+        return {"limit": box.limit,
+                "devices": {str(d): min(box.limit, cap) for d, cap in sorted(self.enf.capacity.items())}}
+
+    def shim_ask(self, pid: int, dev: int, size: int, wake):
+        enf = self.enf
+        box = self._box(pid)
+        if dev not in enf.capacity:
+            return {"deny": f"no GPU{dev} under the enforcer"}
+        if dev not in box.assigned:
+            enf._new_device(box, dev)
+        need = enf._demand(box, dev) + size
+        if need > box.limit:
+            box.over_limits += 1
+            log.warning("deny %s pid %d on GPU%d: %s would bring it to %s, above its limit %s", box.name,
+                        pid, dev, format_size(size), format_size(need), format_size(box.limit))
+            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(box.limit)}"}
+        if need <= box.assigned[dev]:
+            self._hold(box, pid, dev, size)
+            return {"grant": True}
+        w = enf._waiter(box, dev, pid, size)
+        w.wakes.append((pid, size, wake))
+        log.info("stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
+                 "(assigned %s)", box.name, pid, dev, format_size(size), format_size(need),
+                 format_size(box.assigned[dev]))
+        enf.schedule()
+        return None
+
+    def _hold(self, box, pid: int, dev: int, size: int):
+        box.shim_pending[dev] = box.shim_pending.get(dev, 0) + size
+        self.pending[pid][dev] += size
+
+    def granted(self, box, dev: int, wakes, answer: dict):
+        """The scheduler resumed (or refused) a shim waiter."""
+        for pid, size, wake in wakes:
+            if answer.get("grant"):
+                self._hold(box, pid, dev, size)
+            wake(answer)
+
+    def _settle(self, pid: int, dev: int, size: int):
+        box = self.enf.pid_box.get(pid)
+        held = self.pending[pid][dev]
+        take = min(held, size)
+        self.pending[pid][dev] = held - take
+        if box is not None:
+            box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - take)
+
+    def shim_alloc(self, pid: int, dev: int, addr: int, size: int):
+        self._settle(pid, dev, size)   # BPF has charged the bytes by now
+
+    def shim_free(self, pid: int, dev: int, addr: int, size: int):
+        self.enf.schedule()            # BPF has taken the bytes off; room for a waiter?
+
+    def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
+        box = self._box(pid)
+        total = min(box.limit, self.enf.capacity.get(dev, 0))
+        used = self.enf._demand(box, dev) if dev in box.assigned else 0
+        return total, min(used, total)
+
+    def shim_gone(self, pid: int):
+        for dev, held in self.pending.pop(pid, {}).items():
+            box = self.enf.pid_box.get(pid)
+            if box is not None:
+                box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - held)
+        self.enf.shimmed.discard(pid)
+        box = self.enf.pid_box.get(pid)
+        if box is not None:
+            for w in box.waiting.values():
+                w.wakes[:] = [x for x in w.wakes if x[0] != pid]
+        self.enf.schedule()

@@ -1,0 +1,105 @@
+"""The enforcer's side of the preload shim (enforcer/broker.py) with real probes: a shim process
+is accounted by BPF but never stopped; asks are granted, made to wait (only that caller) and
+woken by the scheduler, or denied above the limit. In-process enforcer on the stand-in driver."""
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from conftest import GiB, read_until
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+def enforcer(root, build):
+    from convgpu.enforcer.daemon import Enforcer
+    from convgpu.enforcer.limits import LimitRules
+    from convgpu.probes.tracer import Tracer
+    enf = Enforcer(Tracer(libraries=(str(build / "standin" / "libcuda.so.1"),), discover=False), "fifo",
+                   {0: 4 * GiB}, LimitRules({}, 3 * GiB), run_dir=tempfile.mkdtemp(prefix="convgpu-broker-"))
+    enf.start()
+    yield enf
+    enf.close()
+
+
+def joined(pid, cg):
+    """True once pid has moved itself into cgroup directory cg."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if open(f"/proc/{pid}/cgroup").read().strip().endswith(cg.name):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def run_until(enf, cond, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        enf.step()
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, build, caller_env):
+    enf = enforcer
+    cg = cgroups("shimmed")
+    # hello first (while it sleeps), then it allocates 3.5 GiB: over its 3 GiB assignment, yet
+    # BPF does not stop it (the shim would have asked); the bytes are charged all the same
+    p = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && sleep 1 && exec "$0" "$@"',
+                          str(build / "cgcaller"), "alloc", "-n", "7", "-s", str(GiB // 2), "--hold"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=caller_env)
+    try:
+        b = enf.broker
+        assert joined(p.pid, cg)
+        assert b.shim_hello(p.pid) == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}}
+        read_until(p, "ready")
+        box = enf.pid_box[p.pid]
+        run_until(enf, lambda: enf._usage(box, 0)[0] == 7 * GiB // 2)
+        assert p.pid in enf.shimmed and not box.waiting
+        # above the limit: a real "no" (the shim returns out-of-memory)
+        assert "above its limit 3.0 GiB" in b.shim_ask(p.pid, 0, GiB, lambda a: None)["deny"]
+        assert b.shim_meminfo(p.pid, 0) == (3 * GiB, 3 * GiB)   # used is capped at the total
+        # a second shim process of the same container keeps it alive when p frees and exits
+        s = subprocess.Popen(["/bin/sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec sleep 60"])
+        assert joined(s.pid, cg)
+        b.shim_hello(s.pid)
+        p.stdin.write("\n")                                   # frees everything and exits
+        p.stdin.flush()
+        read_until(p, "freed")
+        run_until(enf, lambda: enf._usage(box, 0)[0] == 0 and p.pid not in enf.pid_box)
+        assert enf.pid_box[s.pid] is box
+        # within the assignment: granted and held as pending until the shim reports it
+        assert b.shim_ask(s.pid, 0, 2 * GiB, lambda a: None) == {"grant": True}
+        assert box.shim_pending == {0: 2 * GiB} and b.shim_meminfo(s.pid, 0) == (3 * GiB, 2 * GiB)
+        # above the assignment, within the limit, while another container holds the rest: wait
+        other = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cgroups("other")}/cgroup.procs && exec "$0" "$@"',
+                                  str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(GiB), "--hold"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=caller_env)
+        run_until(enf, lambda: other.pid in enf.pid_box and not enf.pid_box[other.pid].waiting)
+        read_until(other, "ready")
+        enf.set_limit("shimmed", 4 * GiB)                     # assigned stays 3 GiB: all there is
+        answers = []
+        assert b.shim_ask(s.pid, 0, GiB + GiB // 2, answers.append) is None and answers == []
+        assert box.waiting[0].wakes and box.assigned[0] == 3 * GiB
+        other.stdin.write("\n")                               # its 1 GiB comes back
+        other.stdin.flush()
+        run_until(enf, lambda: answers == [{"grant": True}])
+        assert box.assigned[0] == 4 * GiB and 0 not in box.waiting
+        assert box.shim_pending == {0: 3 * GiB + GiB // 2}
+        b.shim_alloc(s.pid, 0, 0x1000, 2 * GiB)               # reported: no longer pending
+        assert box.shim_pending == {0: GiB + GiB // 2}
+        b.shim_gone(s.pid)
+        assert box.shim_pending == {0: 0} and s.pid not in enf.shimmed
+        s.kill()
+        s.wait()
+        other.kill()
+        other.wait()
+    finally:
+        p.kill()
+        p.wait()
