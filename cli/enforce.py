@@ -8,7 +8,7 @@ from enum import Enum
 
 import typer
 
-from ..enforcer import config as cfg
+from ..enforcer import config as cfg, policies
 from ..enforcer.daemon import Enforcer
 from ..enforcer.engines import EngineLookup
 from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
@@ -25,7 +25,7 @@ log = logging.getLogger("convgpu.cli.enforce")
 DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
-            "max_wait": 30.0, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
+            "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
             "run_dir": "/run/convgpu", "libs": [], "discover": True}
 
 
@@ -84,7 +84,7 @@ def enforce(
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context at admission (default 0); with NVML the measured overhead is added."),
-    max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 30)."),
+    max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
     discover: bool = typer.Option(None, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers (default on)."),

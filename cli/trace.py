@@ -51,9 +51,14 @@ def check_filters(pids: list[int], container: str | None, engines: EngineLookup)
 
 
 def _stop_on_sigterm():
+    """SIGTERM, and SIGHUP (its terminal went away), end the command like Ctrl-C: the finally
+    blocks stop the demo's containers and detach the probes."""
     def handler(signum, frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP):   # once: never interrupt the clean-up
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
 
 
 @common.handle_errors
@@ -92,9 +97,10 @@ def trace(
         mode = "driver"
         no_driver = not nvml.ok and not system_drivers() and not lib
         if demo is DemoMode.always or (demo is DemoMode.auto and no_driver):
-            the_demo = Demo().start()
+            the_demo = Demo()
             tracer.finder.extra += (str(the_demo.lib),)
-            tracer.rescan(force=True)
+            tracer.rescan(force=True)   # before the workers start: their contexts are seen too
+            the_demo.start()
             mode = "demo"
             overhead = DEMO_CTX_OVERHEAD if overhead is None else overhead   # no NVML to measure it
         acct = Accountant(nvml=nvml, ctx_overhead=overhead, engines=engines)

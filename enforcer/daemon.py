@@ -67,7 +67,7 @@ class Box:
 class Enforcer:
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
-                 max_wait: float = 30.0, seed: int | None = None, engines=None,
+                 max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug

@@ -17,6 +17,8 @@ need=""
 for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static; do
   dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
 done
+# vagrant (from the distro, where it has one): the tests validate the Vagrantfile with it
+if ! dpkg -s vagrant >/dev/null 2>&1 && apt-cache show vagrant >/dev/null 2>&1; then need="$need vagrant"; fi
 kr="$(uname -r)"
 if [ ! -e "/lib/modules/$kr/build/include" ]; then
   # Exact headers when the distro has them, else the generic flavour (linked in below).
