@@ -51,6 +51,7 @@ class Server:
     def __init__(self, path: str, handler: Handler, mode: int = 0o600, root_only: bool = True,
                  sel: selectors.BaseSelector | None = None):
         self.path, self.handler, self.root_only = path, handler, root_only
+        handler.server = self   # for replies it defers
         self.sel = sel or selectors.DefaultSelector()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:

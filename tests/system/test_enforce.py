@@ -114,27 +114,42 @@ def test_over_limit_stalls_and_clean_exit_resumes(cgroups, build, caller_env):
 
 def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, caller_env):
     """8 threads per container race 31 x 1 MiB each (248 MiB per container, 992 allocations in
-    all) against 512 MiB shared: two containers get 256 MiB, two wait. The stand-in (1 GiB) keeps
-    its own peak: it must never pass 512 MiB, whatever the interleaving."""
+    all) against 512 MiB shared: the first two containers placed get 256 MiB each, the other
+    two nothing, and wait (each holds what it got until told). The stand-in (1 GiB) keeps its
+    own peak: it must never pass 512 MiB, whatever the interleaving."""
     env = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(GiB),
                CONVGPU_STANDIN_SHM=f"/convgpu-race-{os.getpid()}-{time.monotonic_ns()}")
     enf = Enforcing(build, "--gpu-memory", "512MiB", "--default-limit", "256MiB", "--policy", "bf")
-    procs = []
+    procs = {}
     try:
         for n in range(4):
-            procs.append(start_in(cgroups(f"race{n}"), build, env, "alloc", "-t", 8, "-n", 31, "-s", MiB))
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
-            assert f"allocated 248 {248 * MiB}" in out
+            procs[f"race{n}"] = start_in(cgroups(f"race{n}"), build, env, "alloc", "-t", 8, "-n", 31, "-s", MiB, "--hold")
+        first = set()
+        while len(first) < 2:       # the two placed first fill the GPU; the others get nothing
+            line = enf.wait_for("GPU0: assigned")
+            if "assigned 256.0 MiB" in line:
+                first.add(line.split("container ")[1].split()[0])
+        later = set(procs) - first
+        for name in sorted(first):
+            assert f"allocated 248 {248 * MiB} pid={procs[name].pid}" in read_until(procs[name], "ready", timeout=120)
+        for name in sorted(later):
+            wait_state(procs[name].pid, "T")
+        for name in sorted(first):  # they free and exit: the waiters get their memory
+            procs[name].stdin.write("\n")
+            procs[name].stdin.flush()
+        for name in sorted(later):
+            assert f"allocated 248 {248 * MiB} pid={procs[name].pid}" in read_until(procs[name], "ready", timeout=120)
+            procs[name].stdin.write("\n")
+            procs[name].stdin.flush()
+        assert all(p.wait(timeout=60) == 0 for p in procs.values())
         usage = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
                                           capture_output=True, text=True, check=True).stdout)
-        assert 248 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB
+        assert 496 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB
         assert enf.stop() == 0
         waited = {line.split("stall ")[1].split()[0] for line in enf.log if "daemon: stall race" in line}
-        assert len(waited) >= 2, enf.log     # two containers started with nothing assigned
+        assert waited == later, enf.log
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
         enf.close()

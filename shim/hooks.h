@@ -1,0 +1,29 @@
+/* The one hook list of libconvgpu.so. X(kind, name, params, args):
+ *   ALLOC: takes device memory: ask the enforcer first (size_expr below), report on success;
+ *   FREE:  gives memory back: report after success;
+ *   INFO:  cuMemGetInfo: report the container's limit instead of the GPU's memory;
+ *   RT:    runtime calls of the paper's Table II: named (they reach the driver calls above,
+ *          directly or through cuGetProcAddress), never asked twice.
+ * Every entry is exported (LD_PRELOAD interposes it) and returned by dlsym / cuGetProcAddress. */
+#define SHIM_DRIVER_HOOKS(X) \
+    X(ALLOC, cuMemAlloc_v2, (CUdeviceptr *p, size_t n), (p, n)) \
+    X(ALLOC, cuMemAllocManaged, (CUdeviceptr *p, size_t n, unsigned f), (p, n, f)) \
+    X(ALLOC, cuMemAllocPitch_v2, (CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e), (p, pitch, w, h, e)) \
+    X(ALLOC, cuMemAllocAsync, (CUdeviceptr *p, size_t n, void *s), (p, n, s)) \
+    X(ALLOC, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, void *s), (p, n, s)) \
+    X(ALLOC, cuMemAllocFromPoolAsync, (CUdeviceptr *p, size_t n, void *pool, void *s), (p, n, pool, s)) \
+    X(ALLOC, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, void *pool, void *s), (p, n, pool, s)) \
+    X(ALLOC, cuMemCreate, (unsigned long long *h, size_t n, const void *prop, unsigned long long f), (h, n, prop, f)) \
+    X(FREE, cuMemFree_v2, (CUdeviceptr p), (p)) \
+    X(FREE, cuMemFreeAsync, (CUdeviceptr p, void *s), (p, s)) \
+    X(FREE, cuMemFreeAsync_ptsz, (CUdeviceptr p, void *s), (p, s)) \
+    X(FREE, cuMemRelease, (unsigned long long h), (h)) \
+    X(INFO, cuMemGetInfo_v2, (size_t *free_b, size_t *total_b), (free_b, total_b))
+
+#define SHIM_RUNTIME_HOOKS(X) \
+    X(RT, cudaMalloc, (void **p, size_t n), (p, n)) \
+    X(RT, cudaMallocManaged, (void **p, size_t n, unsigned f), (p, n, f)) \
+    X(RT, cudaMallocPitch, (void **p, size_t *pitch, size_t w, size_t h), (p, pitch, w, h)) \
+    X(RT, cudaMalloc3D, (void *pitched, struct shim_extent e), (pitched, e)) \
+    X(RT, cudaFree, (void *p), (p)) \
+    X(RT, cudaMemGetInfo, (size_t *free_b, size_t *total_b), (free_b, total_b))

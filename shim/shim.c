@@ -1,0 +1,402 @@
+/* libconvgpu.so: the preload shim. LD_PRELOAD it (see `convgpu shim --print-env`) and every
+ * allocating CUDA driver call asks the enforcer first, over its shim socket, in JSON lines:
+ *   {"op":"hello"}                         -> {"ok":true,"limit":L}      once per connection
+ *   {"op":"ask","dev":D,"size":N}          -> {"ok":true,"grant":true} | {"ok":true,"deny":"why"}
+ *   {"op":"alloc","dev":D,"addr":A,"size":N}  after success (no reply)
+ *   {"op":"free","addr":A}                 after success (no reply)
+ *   {"op":"meminfo","dev":D}               -> {"ok":true,"total":T,"used":U}
+ * A grant may take a while (the container waits for memory): one connection per thread, so only
+ * the calling thread waits. A deny becomes CUDA_ERROR_OUT_OF_MEMORY (the runtime turns it into
+ * cudaErrorMemoryAllocation; PyTorch frees its cache and retries, then raises OutOfMemoryError).
+ * Who asks is what the kernel says (SO_PEERCRED), never what a message claims.
+ * Without a reachable enforcer calls pass through with one warning (fail-open), or fail with
+ * out-of-memory when CONVGPU_SHIM_FAIL_CLOSED=1. Hooks: hooks.h (one X-macro list). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int cudaError_t;
+typedef unsigned long long CUdeviceptr;
+struct shim_extent { size_t width, height, depth; };
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define EXPORT __attribute__((visibility("default")))
+
+#include "hooks.h"
+
+/* ---- configuration: read once, at load ---- */
+static struct {
+    char socket[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    int fail_closed;
+    int level;          /* 0 quiet, 1 warnings (default), 2 decisions, 3 every call */
+} cfg = {"/run/convgpu/shim/shim.sock", 0, 1};
+
+__attribute__((constructor)) static void shim_config(void)
+{
+    const char *s = getenv("CONVGPU_SHIM_SOCKET");
+    if (s && *s)
+        snprintf(cfg.socket, sizeof(cfg.socket), "%s", s);
+    s = getenv("CONVGPU_SHIM_FAIL_CLOSED");
+    cfg.fail_closed = s && *s == '1';
+    s = getenv("CONVGPU_SHIM_LOG");
+    if (s && *s >= '0' && *s <= '3')
+        cfg.level = *s - '0';
+}
+
+#define LOG(lvl, ...) do { if (cfg.level >= (lvl)) shim_log(__FILE__, __LINE__, __VA_ARGS__); } while (0)
+
+static void shim_log(const char *file, int line, const char *fmt, ...)
+{
+    char buf[512];
+    int n = snprintf(buf, sizeof(buf), "[convgpu %d:%ld %s:%d] ", getpid(), (long)syscall(SYS_gettid),
+                     file, line);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, sizeof(buf) - n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = strlen(buf);
+    buf[len++] = '\n';
+    if (write(2, buf, len) < 0) { /* nothing to do */ }
+}
+
+/* ---- the real functions ---- */
+static void *(*real_dlsym)(void *, const char *);
+
+static void find_dlsym(void)
+{
+    if (!real_dlsym)
+        real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!real_dlsym)
+        real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+}
+
+/* The driver may be loaded RTLD_LOCAL (static cudart dlopens it): ask it by handle. */
+static void *driver_sym(const char *name)
+{
+    find_dlsym();
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    return h ? real_dlsym(h, name) : NULL;
+}
+
+static void *runtime_sym(const char *name)
+{
+    find_dlsym();
+    return real_dlsym(RTLD_NEXT, name);
+}
+
+/* ---- the enforcer connection: one per thread ---- */
+static __thread int conn_fd = -1;
+static __thread const char *rt_name;   /* the runtime call in progress, for the logs */
+static int warned;
+
+static int send_all(int fd, const char *s, size_t n)
+{
+    while (n) {
+        ssize_t w = send(fd, s, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        s += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int recv_line(int fd, char *buf, size_t size)
+{
+    size_t n = 0;
+    while (n + 1 < size) {
+        ssize_t r = recv(fd, buf + n, 1, 0);   /* one byte: never read past our reply */
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        if (buf[n] == '\n') {
+            buf[n] = 0;
+            return 0;
+        }
+        n++;
+    }
+    return -1;
+}
+
+static void disconnect(void)
+{
+    if (conn_fd >= 0)
+        close(conn_fd);
+    conn_fd = -1;
+}
+
+static int connect_enforcer(void)
+{
+    if (conn_fd >= 0)
+        return conn_fd;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    memcpy(a.sun_path, cfg.socket, sizeof(a.sun_path));
+    char reply[256];
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+        send_all(fd, "{\"op\":\"hello\"}\n", 15) < 0 || recv_line(fd, reply, sizeof(reply)) < 0 ||
+        !strstr(reply, "\"ok\":true")) {
+        if (fd >= 0)
+            close(fd);
+        if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+            LOG(1, "no enforcer on %s (%s): %s", cfg.socket, strerror(errno),
+                cfg.fail_closed ? "allocations fail (CONVGPU_SHIM_FAIL_CLOSED=1)" : "calls pass through");
+        return -1;
+    }
+    __atomic_store_n(&warned, 0, __ATOMIC_RELAXED);   /* warn again if it goes away */
+    conn_fd = fd;
+    return fd;
+}
+
+/* One request; reply into buf (when want_reply). A broken connection is retried once: the
+ * enforcer may have restarted. */
+static int request(const char *msg, char *buf, size_t size, int want_reply)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int fd = connect_enforcer();
+        if (fd < 0)
+            return -1;
+        if (send_all(fd, msg, strlen(msg)) == 0 && (!want_reply || recv_line(fd, buf, size) == 0))
+            return 0;
+        disconnect();
+    }
+    return -1;
+}
+
+static long long json_num(const char *s, const char *key)
+{
+    const char *p = strstr(s, key);
+    return p ? strtoll(p + strlen(key), NULL, 10) : -1;
+}
+
+static int current_device(void)
+{
+    static CUresult (*get)(int *);
+    if (!get)
+        get = (CUresult (*)(int *))driver_sym("cuCtxGetDevice");
+    int dev = 0;
+    if (!get || get(&dev) != CUDA_SUCCESS)
+        dev = 0;
+    return dev;
+}
+
+/* 0: go ahead; CUDA_ERROR_OUT_OF_MEMORY: denied (or no enforcer and fail-closed). */
+static CUresult ask(const char *api, int dev, size_t size)
+{
+    char msg[160], reply[512];
+    snprintf(msg, sizeof(msg), "{\"op\":\"ask\",\"dev\":%d,\"size\":%zu}\n", dev, size);
+    if (request(msg, reply, sizeof(reply), 1) < 0)
+        return cfg.fail_closed ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
+    if (strstr(reply, "\"grant\":true")) {
+        LOG(3, "%s%s%s %zu bytes on GPU%d: granted", rt_name ? rt_name : "", rt_name ? " -> " : "", api, size, dev);
+        return CUDA_SUCCESS;
+    }
+    LOG(2, "%s %zu bytes on GPU%d denied: %s", api, size, dev, reply);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static void report_alloc(int dev, unsigned long long addr, size_t size)
+{
+    char msg[160];
+    snprintf(msg, sizeof(msg), "{\"op\":\"alloc\",\"dev\":%d,\"addr\":%llu,\"size\":%zu}\n", dev, addr, size);
+    request(msg, NULL, 0, 0);
+}
+
+static void report_free(unsigned long long addr)
+{
+    char msg[96];
+    snprintf(msg, sizeof(msg), "{\"op\":\"free\",\"addr\":%llu}\n", addr);
+    request(msg, NULL, 0, 0);
+}
+
+/* ---- the wrappers ---- */
+#define REAL(kind, name, params, args) static CUresult (*real_##name) params;
+SHIM_DRIVER_HOOKS(REAL)
+#undef REAL
+#define RESOLVE(name) (real_##name ? real_##name : (real_##name = (__typeof__(real_##name))driver_sym(#name)))
+
+static CUresult missing(const char *name)
+{
+    LOG(1, "%s: not in this libcuda.so.1", name);
+    return 500;   /* CUDA_ERROR_NOT_FOUND */
+}
+
+#define ALLOC_WRAPPER(name, params, args, size_expr, addr_expr)                  \
+    EXPORT CUresult name params                                                  \
+    {                                                                             \
+        if (!RESOLVE(name))                                                       \
+            return missing(#name);                                                \
+        int dev = current_device();                                               \
+        size_t size = (size_expr);                                                \
+        CUresult rc = ask(#name, dev, size);                                      \
+        if (rc != CUDA_SUCCESS)                                                   \
+            return rc;                                                            \
+        rc = real_##name args;                                                    \
+        if (rc == CUDA_SUCCESS)                                                   \
+            report_alloc(dev, (addr_expr), size);                                 \
+        else   /* address 0: nothing was taken, the grant is released */         \
+            report_alloc(dev, 0, size);                                           \
+        return rc;                                                                \
+    }
+
+ALLOC_WRAPPER(cuMemAlloc_v2, (CUdeviceptr *p, size_t n), (p, n), n, *p)
+ALLOC_WRAPPER(cuMemAllocManaged, (CUdeviceptr *p, size_t n, unsigned f), (p, n, f), n, *p)
+ALLOC_WRAPPER(cuMemAllocPitch_v2, (CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e),
+              (p, pitch, w, h, e), w * h, *p)
+ALLOC_WRAPPER(cuMemAllocAsync, (CUdeviceptr *p, size_t n, void *s), (p, n, s), n, *p)
+ALLOC_WRAPPER(cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, void *s), (p, n, s), n, *p)
+ALLOC_WRAPPER(cuMemAllocFromPoolAsync, (CUdeviceptr *p, size_t n, void *pool, void *s), (p, n, pool, s), n, *p)
+ALLOC_WRAPPER(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, void *pool, void *s), (p, n, pool, s), n, *p)
+ALLOC_WRAPPER(cuMemCreate, (unsigned long long *h, size_t n, const void *prop, unsigned long long f),
+              (h, n, prop, f), n, *h)
+
+#define FREE_WRAPPER(name, params, args, addr)                                    \
+    EXPORT CUresult name params                                                  \
+    {                                                                             \
+        if (!RESOLVE(name))                                                       \
+            return missing(#name);                                                \
+        CUresult rc = real_##name args;                                           \
+        if (rc == CUDA_SUCCESS && (addr))                                         \
+            report_free(addr);                                                    \
+        return rc;                                                                \
+    }
+
+FREE_WRAPPER(cuMemFree_v2, (CUdeviceptr p), (p), p)
+FREE_WRAPPER(cuMemFreeAsync, (CUdeviceptr p, void *s), (p, s), p)
+FREE_WRAPPER(cuMemFreeAsync_ptsz, (CUdeviceptr p, void *s), (p, s), p)
+FREE_WRAPPER(cuMemRelease, (unsigned long long h), (h), h)
+
+/* What the container may use, never an error: total = min(limit, the GPU's), free = total - used. */
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+{
+    if (!RESOLVE(cuMemGetInfo_v2))
+        return missing("cuMemGetInfo_v2");
+    CUresult rc = real_cuMemGetInfo_v2(free_b, total_b);
+    if (rc != CUDA_SUCCESS || !free_b || !total_b)
+        return rc;
+    char msg[64], reply[256];
+    snprintf(msg, sizeof(msg), "{\"op\":\"meminfo\",\"dev\":%d}\n", current_device());
+    if (request(msg, reply, sizeof(reply), 1) < 0)
+        return rc;
+    long long total = json_num(reply, "\"total\":"), used = json_num(reply, "\"used\":");
+    if (total < 0 || used < 0)
+        return rc;
+    if ((size_t)total < *total_b)
+        *total_b = (size_t)total;
+    size_t left = (size_t)used < *total_b ? *total_b - (size_t)used : 0;
+    if (left < *free_b)
+        *free_b = left;
+    return rc;
+}
+
+/* ---- runtime calls: named, then the driver wrappers above do the asking ---- */
+#define RT_WRAPPER(kind, name, params, args)                                      \
+    EXPORT cudaError_t name params                                               \
+    {                                                                             \
+        static cudaError_t (*real) params;                                        \
+        if (!real)                                                                \
+            real = (cudaError_t (*) params)runtime_sym(#name);                    \
+        if (!real)                                                                \
+            return 999;   /* cudaErrorUnknown: no libcudart after us */           \
+        const char *outer = rt_name;                                              \
+        rt_name = #name;                                                          \
+        cudaError_t rc = real args;                                               \
+        rt_name = outer;                                                          \
+        return rc;                                                                \
+    }
+SHIM_RUNTIME_HOOKS(RT_WRAPPER)
+
+/* ---- lookups return the wrappers ---- */
+struct hook { const char *name; void *wrapper; };
+#define ENTRY(kind, name, params, args) {#name, (void *)name},
+static const struct hook hooks[] = { SHIM_DRIVER_HOOKS(ENTRY) SHIM_RUNTIME_HOOKS(ENTRY) };
+#undef ENTRY
+
+static void *wrapper_of(const char *name)
+{
+    for (size_t i = 0; name && i < sizeof(hooks) / sizeof(hooks[0]); i++)
+        if (!strcmp(hooks[i].name, name))
+            return hooks[i].wrapper;
+    return NULL;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
+                                    int *status);
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
+
+/* cuGetProcAddress takes base names ("cuMemAlloc") and picks a version: compare the pointer it
+ * returns with the real functions we wrap, whatever the name. */
+static void swap_pointer(void **pfn)
+{
+    if (!pfn || !*pfn)
+        return;
+#define SWAP(kind, name, params, args) if (RESOLVE(name) == (void *)*pfn) { *pfn = (void *)name; return; }
+    SHIM_DRIVER_HOOKS(SWAP)
+#undef SWAP
+    static void *get_v2, *get_v1;
+    if (!get_v2)
+        get_v2 = driver_sym("cuGetProcAddress_v2");
+    if (!get_v1)
+        get_v1 = driver_sym("cuGetProcAddress");
+    if (*pfn == get_v2)
+        *pfn = (void *)cuGetProcAddress_v2;
+    else if (*pfn == get_v1)
+        *pfn = (void *)cuGetProcAddress;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
+                                    int *status)
+{
+    static CUresult (*real)(const char *, void **, int, unsigned long long, int *);
+    if (!real)
+        real = (CUresult (*)(const char *, void **, int, unsigned long long, int *))driver_sym("cuGetProcAddress_v2");
+    if (!real)
+        return missing("cuGetProcAddress_v2");
+    CUresult rc = real(symbol, pfn, version, flags, status);
+    if (rc == CUDA_SUCCESS)
+        swap_pointer(pfn);
+    return rc;
+}
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags)
+{
+    static CUresult (*real)(const char *, void **, int, unsigned long long);
+    if (!real)
+        real = (CUresult (*)(const char *, void **, int, unsigned long long))driver_sym("cuGetProcAddress");
+    if (!real)
+        return missing("cuGetProcAddress");
+    CUresult rc = real(symbol, pfn, version, flags);
+    if (rc == CUDA_SUCCESS)
+        swap_pointer(pfn);
+    return rc;
+}
+
+/* Libraries that find the driver with dlsym get the wrappers too. */
+EXPORT void *dlsym(void *handle, const char *name)
+{
+    find_dlsym();
+    void *w = wrapper_of(name);
+    if (w && strncmp(name, "cuda", 4) != 0)
+        return w;
+    if (name && !strcmp(name, "cuGetProcAddress_v2"))
+        return (void *)cuGetProcAddress_v2;
+    if (name && !strcmp(name, "cuGetProcAddress"))
+        return (void *)cuGetProcAddress;
+    return real_dlsym(handle, name);
+}
