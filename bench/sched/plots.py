@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from convgpu.units import format_size  # noqa: E402
 
+MAX_DEADLOCKED = 0.1   # a point is drawn while at most this share of its runs deadlocked
 PANELS = (("makespan", "makespan (s)"), ("mean_suspended", "mean suspended time (s)"),
           ("p95_suspended", "p95 suspended time (s)"), ("deadlocks", "runs deadlocked (%)"))
 
@@ -21,17 +22,19 @@ def plot_simulation(results: dict, meta: dict, out: Path) -> list[Path]:
     for oname, by_n in results.items():
         ns = [int(n) for n in by_n]
         labels = list(next(iter(by_n.values())))
-        fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8.5), sharex=True)
         for ax, (metric, title) in zip(axes.flat, PANELS):
             for lab in labels:
                 rows = [by_n[str(n)][lab] for n in ns]
                 if metric == "deadlocks":
                     ax.plot(ns, [100 * r["deadlocks"] / r["runs"] for r in rows], marker=".", label=lab)
                     continue
-                mean = [r[metric]["mean"] for r in rows]
-                ci = [r[metric]["ci"] for r in rows]
-                line, = ax.plot(ns, mean, marker=".", label=lab)
-                ax.fill_between(ns, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
+                # over the runs that finished: meaningless once many deadlock (survivors only)
+                pts = [(n, r[metric]["mean"], r[metric]["ci"]) for n, r in zip(ns, rows)
+                       if r["deadlocks"] <= MAX_DEADLOCKED * r["runs"]]
+                xs, mean, ci = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+                line, = ax.plot(xs, mean, marker=".", label=lab)
+                ax.fill_between(xs, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
                                 color=line.get_color(), alpha=0.2)
             ax.set_title(title)
             ax.grid(alpha=0.3)
@@ -39,34 +42,12 @@ def plot_simulation(results: dict, meta: dict, out: Path) -> list[Path]:
             ax.set_xlabel("containers (N)")
         axes[0][0].legend()
         fig.suptitle(f"simulator, 5 GiB, context overhead {format_size(meta['overheads'][oname])} "
-                     f"({oname}), {meta['seeds']} seeds per point, {meta['date']}")
+                     f"({oname}), {meta['seeds']} seeds per point, {meta['date']}\n"
+                     f"means of the runs that finished, drawn while at most "
+                     f"{MAX_DEADLOCKED:.0%} deadlocked; shaded: 95 % CI")
         fig.tight_layout()
         path = out / f"sim-{oname}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         files.append(path)
     return files
-
-
-def plot_real(rows: list[dict], out: Path, title: str) -> Path:
-    """Real runs against the simulator on the same seeds: makespan and mean suspended time per
-    policy, bars side by side (times in the workload's unscaled seconds)."""
-    policies = sorted({r["policy"] for r in rows}, key=[r["policy"] for r in rows].index)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, name in ((axes[0], "makespan", "makespan (s)"),
-                             (axes[1], "mean_suspended", "mean suspended time (s)")):
-        xs = range(len(policies))
-        for k, (src, off) in enumerate((("sim", -0.2), ("real", 0.2))):
-            vals = [sum(r[src][metric] for r in rows if r["policy"] == p) /
-                    max(1, sum(1 for r in rows if r["policy"] == p)) for p in policies]
-            ax.bar([x + off for x in xs], vals, width=0.4, label="simulator" if src == "sim" else "enforcer")
-        ax.set_xticks(list(xs), policies)
-        ax.set_title(name)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = out / "real-vs-sim.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path

@@ -147,3 +147,33 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([0, 10], 95) == 9.5
     assert percentile([7], 95) == 7
+
+
+# ---- the experiment's command, tiny (CI smoke: shape and sanity) ----
+
+def test_simulate_command_writes_results(tmp_path):
+    import json
+
+    from bench.sched import simulate as cmd
+    assert cmd.main(["--seeds", "4", "--n", "4,8", "--max-wait", "60,inf", "--out", str(tmp_path),
+                     "--no-plots"]) == 0
+    data = json.loads((tmp_path / "simulate.json").read_text())
+    assert data["meta"]["seeds"] == 4 and data["meta"]["ns"] == [4, 8]
+    labels = ["fifo", "bf", "ru", "rand", "bfa@60", "bfa@inf"]
+    for oname, ov in (("paper", 66 * MiB), ("h100", 519 * MiB)):
+        assert data["meta"]["overheads"][oname] == ov
+        for n in ("4", "8"):
+            agg = data["results"][oname][n]
+            assert list(agg) == labels
+            for lab in labels:
+                row = agg[lab]
+                assert row["runs"] == 4 and 0 <= row["deadlocks"] <= 4
+                if row["deadlocks"] < 4:   # the last arrival is at 5 (N-1) s, runs last >= 5 s
+                    assert row["makespan"]["mean"] >= 5 * (int(n) - 1) + 5
+                    assert 0 <= row["mean_suspended"]["mean"] <= row["max_suspended"]["mean"]
+                    assert row["p95_suspended"]["mean"] <= row["max_suspended"]["mean"]
+            assert agg["fifo"]["deadlocks"] == agg["bfa@60"]["deadlocks"] == 0
+            assert set(agg["bfa@60"]["minus_bf"]) == {"makespan", "mean_suspended", "p95_suspended",
+                                                      "max_suspended"}
+    md = (tmp_path / "simulate.md").read_text()
+    assert md.count("| N | fifo | bf | ru | rand | bfa@60 | bfa@inf |") == 6   # 3 metrics x 2 overheads

@@ -1,0 +1,56 @@
+"""CI smoke of the scheduling experiment's real form (bench/sched/real.py) and of issue 3's
+resume / CPU benchmark (bench/sched/resume.py), on the stand-in driver under `convgpu
+enforce`: shapes and sanity, never machine speed. The simulator's smoke is in
+tests/unit/test_sim.py."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
+from bench.sched import real, resume  # noqa: E402
+from bench.sched.workload import CAPACITY, OVERHEADS, generate  # noqa: E402
+
+pytestmark = pytest.mark.system
+
+# Seed 37, 4 containers (1 GiB, 2 GiB, 2 GiB, 4 GiB; every one waits at some point under some
+# policy) and the paper's 66 MiB context: fifo, bf and bfa all schedule it differently in the
+# simulator (makespan 105.7 / 99.3 / 99.3 s, mean suspended 39.9 / 33.7 / 22.4 s).
+SEED, N, SCALE = 37, 4, 0.05
+
+
+@pytest.mark.parametrize("policy", ["fifo", "bf", "bfa"])
+def test_real_run_matches_the_simulator(root, build, policy):
+    jobs = generate(N, SEED)
+    ov = OVERHEADS["paper"]
+    r = real.run_policy(policy, jobs, ov, SEED, SCALE, 180.0, build / "standin" / "libcuda.so.1",
+                        build / "cgcaller", "sched-ci")
+    c = real.compare(policy, jobs, ov, SEED, 180.0, r)
+    assert r["errors"] == [] and not r["deadlock"], r["log"][-20:]
+    # every container allocated its size once, under the enforcer, and the stand-in's own peak
+    # never passed the 5 GiB the enforcer hands out
+    assert all(j["ready"] is not None and j["end"] is not None for j in r["jobs"])
+    assert max(j.size for j in jobs) + ov <= r["peak"] <= CAPACITY
+    sim = c["sim"]
+    assert not sim["deadlock"] and c["same_outcome"]
+    # real processes only add delays (start-up, wake-ups) to the simulated schedule; at 1/20
+    # time a generous bound still catches a different schedule (the three differ by 6-17 s)
+    assert sim["makespan"] - 1.0 <= r["makespan"] <= sim["makespan"] * 1.5 + 5.0, c
+    # a container that never waited in the simulator waited at most moments for real
+    for name, ready in sim["ready"].items():
+        assert c["real"]["ready"][name] >= ready - 1.0, (name, c)
+
+
+def test_resume_benchmark_shape(root, build, tmp_path):
+    out = tmp_path / "resume.json"
+    assert resume.main(["--trials", "5", "--seconds", "1", "--rates", "0,1000", "--settle", "0.02",
+                        "--json", str(out), "--tag", "sched-ci-resume"]) == 0
+    res = json.loads(out.read_text())
+    for case in ("exit@0.02", "free@0.02"):
+        r = res[case]
+        assert r["n"] == 5 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] < 10_000
+    idle, busy = res["cpu"]
+    assert idle["allocs"] == 0 and 500 <= busy["allocs"] <= 1000   # paced: never above the rate
+    assert all(math.isfinite(x["cpu_pct"]) and x["cpu_pct"] >= 0 for x in res["cpu"])
