@@ -1,9 +1,12 @@
-"""Added latency of the probes on cuMemAlloc_v2 / cuMemFree_v2, as ratios measured in one run.
+"""Added latency on cuMemAlloc_v2 / cuMemFree_v2, as ratios to bare measured in one run:
+probed (the tracer attached), enforced (`convgpu enforce` running, nothing stalls) and shim
+(the preload shim under that enforcer: one round trip to it per allocation).
 
-    python bench/probe_latency.py [--standin] [--sizes 4K,64K,1M,2M,16M,64M] [--iters 2000] [--rounds 5]
+    python bench/probe_latency.py [--standin] [--sizes 4K,64K,1M,2M,16M,64M] [--iters 2000]
+                                  [--rounds 5] [--modes bare,probed,enforced,shim]
 
-Bare and probed rounds alternate (the tracer is attached, measured, detached, again), so drift
-of the machine hits both alike. Each cell is the median over rounds of the per-call median.
+The modes alternate within each round (attach, measure, detach, again), so drift of the machine
+hits all alike. Each cell is the median over rounds of the per-call median.
 Without --standin the real driver is used (the GPU machine); with it, build/standin."""
 import argparse
 import json
@@ -11,6 +14,8 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
 from convgpu.paths import build_dir
 from convgpu.probes.tracer import Tracer
@@ -30,6 +35,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="4K,64K,1M,2M,16M,64M")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="bare,probed,enforced,shim")
     ap.add_argument("--json", help="write raw results here")
     a = ap.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -38,36 +44,63 @@ def main() -> int:
     if a.standin:
         env["LD_LIBRARY_PATH"] = str(build_dir() / "standin")
         libs = (str(build_dir() / "standin" / "libcuda.so.1"),)
-    res: dict = {m: {s: [] for s in sizes} for m in ("bare", "probed")}
+    modes = a.modes.split(",")
+    res: dict = {m: {s: [] for s in sizes} for m in modes}
     for r in range(a.rounds):
-        for mode in ("bare", "probed"):
-            tracer = Tracer(libraries=libs, discover=not a.standin, selftest=False).start() if mode == "probed" else None
+        for mode in modes:
+            tracer = enf = None
+            menv = env
+            if mode == "probed":
+                tracer = Tracer(libraries=libs, discover=not a.standin, selftest=False).start()
+            elif mode in ("enforced", "shim"):
+                enf, run_dir = start_enforcer(libs, a.standin)
+                if mode == "shim":
+                    from convgpu.cli.shim import shim_env
+                    menv = dict(env, **shim_env(run_dir))
             try:
                 for s in sizes:
-                    res[mode][s].append(run_bench(s, a.iters, env))
+                    res[mode][s].append(run_bench(s, a.iters, menv))
                     if tracer:
                         tracer.poll()
             finally:
                 if tracer:
                     tracer.close()
+                if enf:
+                    enf.terminate()
+                    enf.wait(timeout=120)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-    print(f"{'size':>10} {'alloc bare':>11} {'probed':>8} {'added':>8} {'ratio':>6} | "
-          f"{'free bare':>10} {'probed':>8} {'added':>8} {'ratio':>6}   (us, medians)")
     rows = []
+    print(f"{'size':>10} {'op':>5} {'bare us':>9} " + " ".join(f"{m + ' +us':>12} {'x':>6}" for m in modes[1:]))
     for s in sizes:
         row = {"size": s}
         for op in ("alloc", "free"):
-            bare = statistics.median(x[f"{op}_ns"] for x in res["bare"][s]) / 1000
-            probed = statistics.median(x[f"{op}_ns"] for x in res["probed"][s]) / 1000
-            row[op] = {"bare_us": bare, "probed_us": probed, "added_us": probed - bare, "ratio": probed / bare}
+            med = {m: statistics.median(x[f"{op}_ns"] for x in res[m][s]) / 1000 for m in modes}
+            row[op] = {m: {"us": med[m], "added_us": med[m] - med["bare"], "ratio": med[m] / med["bare"]}
+                       for m in modes}
+            print(f"{format_size(s):>10} {op:>5} {med['bare']:>9.2f} " +
+                  " ".join(f"{med[m] - med['bare']:>12.2f} {med[m] / med['bare']:>6.2f}" for m in modes[1:]))
         rows.append(row)
-        al, fr = row["alloc"], row["free"]
-        print(f"{format_size(s):>10} {al['bare_us']:>11.2f} {al['probed_us']:>8.2f} {al['added_us']:>8.2f} "
-              f"{al['ratio']:>6.2f} | {fr['bare_us']:>10.2f} {fr['probed_us']:>8.2f} {fr['added_us']:>8.2f} {fr['ratio']:>6.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "rows": rows}, f, indent=1)
+            json.dump({"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "rows": rows},
+                      f, indent=1)
     return 0
+
+
+def start_enforcer(libs, standin: bool):
+    """`convgpu enforce` with room for everything: its cost, not its stalls, is measured."""
+    run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
+    argv = [sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
+            "60GiB", "--run-dir", run_dir] + (["--no-discover"] + [f"--lib={x}" for x in libs] if standin else [])
+    enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    for line in enf.stderr:
+        if "enforcing:" in line:
+            break
+    else:
+        raise SystemExit(f"the enforcer did not start (exit {enf.wait()})")
+    subprocess.Popen(["cat"], stdin=enf.stderr, stdout=subprocess.DEVNULL)   # keep its pipe drained
+    time.sleep(0.2)
+    return enf, run_dir
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
  *   ALLOC: takes device memory: ask the enforcer first (size_expr below), report on success;
  *   FREE:  gives memory back: report after success;
  *   INFO:  cuMemGetInfo: report the container's limit instead of the GPU's memory;
+ *   CTX:   a context is made: say hello first, so the enforcer knows this process waits in the
+ *          shim (and BPF never stops it) before its first admitted call;
  *   RT:    runtime calls of the paper's Table II: named (they reach the driver calls above,
  *          directly or through cuGetProcAddress), never asked twice.
  * Every entry is exported (LD_PRELOAD interposes it) and returned by dlsym / cuGetProcAddress. */
@@ -18,7 +20,11 @@
     X(FREE, cuMemFreeAsync, (CUdeviceptr p, void *s), (p, s)) \
     X(FREE, cuMemFreeAsync_ptsz, (CUdeviceptr p, void *s), (p, s)) \
     X(FREE, cuMemRelease, (unsigned long long h), (h)) \
-    X(INFO, cuMemGetInfo_v2, (size_t *free_b, size_t *total_b), (free_b, total_b))
+    X(INFO, cuMemGetInfo_v2, (size_t *free_b, size_t *total_b), (free_b, total_b)) \
+    X(CTX, cuDevicePrimaryCtxRetain, (void **ctx, int dev), (ctx, dev)) \
+    X(CTX, cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev)) \
+    X(CTX, cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev)) \
+    X(CTX, cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev))
 
 #define SHIM_RUNTIME_HOOKS(X) \
     X(RT, cudaMalloc, (void **p, size_t n), (p, n)) \

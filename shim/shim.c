@@ -282,6 +282,20 @@ FREE_WRAPPER(cuMemFreeAsync, (CUdeviceptr p, void *s), (p, s), p)
 FREE_WRAPPER(cuMemFreeAsync_ptsz, (CUdeviceptr p, void *s), (p, s), p)
 FREE_WRAPPER(cuMemRelease, (unsigned long long h), (h), h)
 
+#define CTX_WRAPPER(name, params, args)                                           \
+    EXPORT CUresult name params                                                  \
+    {                                                                             \
+        if (!RESOLVE(name))                                                       \
+            return missing(#name);                                                \
+        connect_enforcer();   /* hello before BPF sees our first admitted call */ \
+        return real_##name args;                                                  \
+    }
+
+CTX_WRAPPER(cuDevicePrimaryCtxRetain, (void **ctx, int dev), (ctx, dev))
+CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev))
+CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev))
+CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev))
+
 /* What the container may use, never an error: total = min(limit, the GPU's), free = total - used. */
 EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {

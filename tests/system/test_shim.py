@@ -56,6 +56,9 @@ def test_deny_meminfo_and_wait_in_the_thread(cgroups, build, env5):
         a.stdin.write("\n")
         a.stdin.flush()
         assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")
+        # it said hello when it made its context: never placed by a stop, never stopped
+        said = [x for x in enf.log if f"pid {b.pid}" in x]
+        assert "uses the shim" in said[0] and all("(shim, waits in its thread)" in x for x in said if "stall" in x), said
         st = enf.ctl(cmd="status")["status"]
         row = next(c for c in st["containers"] if c["name"] == "shimmed")
         assert row["gpus"]["0"]["used"] == 2 * GiB and row["stalls"] >= 1      # counted once, by BPF

@@ -1,0 +1,84 @@
+"""The preload shim on the real driver, under the running enforcer: PyTorch under a 1 GiB limit
+gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit in mem_get_info, and still trains a
+small model; an nvcc program (static cudart) is limited through its driver calls."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import lines_until
+
+pytestmark = pytest.mark.gpu
+GiB = 1 << 30
+HERE = Path(__file__).parent
+TRAIN = r"""
+import json, torch
+free, total = torch.cuda.mem_get_info()
+try:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    oom = False
+except torch.cuda.OutOfMemoryError:
+    oom = True
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+X, y = torch.randn(512, 256, device="cuda"), torch.randint(0, 10, (512,), device="cuda")
+losses = []
+for _ in range(100):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(X), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print(json.dumps({"free": free, "total": total, "oom": oom, "first": losses[0], "last": losses[-1]}))
+"""
+
+
+@pytest.fixture
+def enforcer(root):
+    from convgpu.enforcer.containers import cgroup_layout
+    base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-shim-{os.getpid()}"
+    run_dir = "/run/convgpu-gpu-shim"
+    enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "16GiB",
+                            "--limit", "torch=1GiB", "--limit", "nvcc64=64MiB", "--limit", "nvcc1g=1GiB",
+                            "--run-dir", run_dir], stderr=subprocess.PIPE, text=True, cwd="/")
+    log = []
+    lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 120, "enforcer log")
+    from convgpu.cli.shim import shim_env
+    env = dict(os.environ, **shim_env(run_dir), CONVGPU_SHIM_LOG="2")
+
+    def run(name, argv):
+        (base / name).mkdir(parents=True, exist_ok=True)
+        return subprocess.run(["/bin/sh", "-c", f'echo $$ > {base / name}/cgroup.procs && exec "$0" "$@"', *argv],
+                              env=env, capture_output=True, text=True, timeout=300, cwd="/")
+    yield run
+    enf.terminate()
+    enf.wait(timeout=60)
+    for d in sorted(base.glob("*")) + [base]:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def test_pytorch_under_a_1gib_limit(enforcer):
+    r = enforcer("torch", [sys.executable, "-c", TRAIN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print(out)
+    assert out["oom"] is True and out["total"] == GiB and 0 <= out["free"] <= GiB
+    assert out["last"] < out["first"] * 0.8          # it trained
+
+
+def test_nvcc_static_program_limited_through_driver_calls(enforcer, tmp_path):
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    exe = tmp_path / "static_alloc"
+    subprocess.run([nvcc, "-o", str(exe), str(HERE / "static_alloc.cu")], check=True)
+    denied = enforcer("nvcc64", [str(exe)])            # 123 MiB asked, 64 MiB allowed
+    assert denied.returncode == 2 and "denied" in denied.stderr, denied.stderr
+    allowed = enforcer("nvcc1g", ["/bin/sh", "-c", f"echo | {exe}"])
+    assert allowed.returncode == 0 and "allocated 1 128974848" in allowed.stdout, allowed.stderr
