@@ -90,7 +90,7 @@ def main() -> int:
 def start_enforcer(libs, standin: bool):
     """`convgpu enforce` with room for everything: its cost, not its stalls, is measured."""
     run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
-    argv = [sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
+    argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
             "60GiB", "--run-dir", run_dir] + (["--no-discover"] + [f"--lib={x}" for x in libs] if standin else [])
     enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     for line in enf.stderr:

@@ -101,6 +101,7 @@ class Enforcer:
         self.acct = Accountant(nvml=nvml, ctx_overhead=None if nvml is not None and nvml.ok else ctx_overhead,
                                engines=engines, container_of_pid=container_of)
         self._published = 0.0
+        self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
 
@@ -300,12 +301,15 @@ class Enforcer:
                 if not isinstance(self.stopper, SignalStopper):
                     pids |= box.pids
                     cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
-        boxes = {str(b.key): {"name": b.name, "created": time.time() - (time.monotonic() - b.created),
+        boxes = {str(b.key): {"name": b.name, "created": int(time.time() - (time.monotonic() - b.created)),
                               "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
                               "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
                  for b in self.boxes.values()}
-        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(),
-                    watchdog=self.watchdog.pid if self.watchdog else None)
+        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog.pid if self.watchdog else None)
+        if state == self._saved:   # the file is rewritten (rename) only when it changes
+            return
+        self._saved = state
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
 
     # --- the loop ---
     def step(self):
@@ -336,10 +340,11 @@ class Enforcer:
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
-            elif e.op in ("free", "exit", "exec", "ctx_destroy"):
-                if e.op in ("exit", "exec"):
-                    self._gone(e.pid)
+            elif e.op in ("exit", "exec"):
+                self._gone(e.pid)
                 dirty = True
+            elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
+                dirty = dirty or any(b.waiting for b in self.boxes.values())
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
@@ -526,28 +531,55 @@ class Enforcer:
             for box in waiting:   # a free inside the container may be enough
                 if self._demand(box, dev) <= box.assigned[dev]:
                     self._resume(box, dev, "fits its assignment")
-            cands = []
-            for box in self.boxes.values():
-                if dev not in box.waiting:
-                    continue
-                demand = self._demand(box, dev)
-                if demand > box.limit:
-                    self._over_limit(box, dev, demand)
-                    continue
-                w = box.waiting[dev]
-                cands.append(policies.Waiter(id=box.container.id, created=box.created,
-                                             suspended_at=w.since, limit=box.limit,
-                                             assigned=box.assigned[dev], used=demand, request=0))
-            free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
-            for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait):
-                box = self.boxes[g.id]
-                box.assigned[dev] += g.amount
-                box.grants += 1
-                self._write_assign(box, dev)
-                log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
-                         dev, format_size(box.assigned[dev]))
-                if g.resume:
-                    self._resume(box, dev, f"policy {self.policy}")
+            for _ in range(2):   # a second pass only after a reclaim
+                if self._grant(dev, now) or not self._reclaim(dev):
+                    break
+
+    def _grant(self, dev: int, now: float) -> bool:
+        """One pass of the policy over the waiters on dev; True if it resumed one."""
+        cands = []
+        for box in self.boxes.values():
+            if dev not in box.waiting:
+                continue
+            demand = self._demand(box, dev)
+            if demand > box.limit:
+                self._over_limit(box, dev, demand)
+                continue
+            w = box.waiting[dev]
+            cands.append(policies.Waiter(id=box.container.id, created=box.created,
+                                         suspended_at=w.since, limit=box.limit,
+                                         assigned=box.assigned[dev], used=demand, request=0))
+        free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+        resumed = False
+        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait):
+            box = self.boxes[g.id]
+            box.assigned[dev] += g.amount
+            box.grants += 1
+            self._write_assign(box, dev)
+            log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
+                     dev, format_size(box.assigned[dev]))
+            if g.resume:
+                self._resume(box, dev, f"policy {self.policy}")
+                resumed = True
+        return resumed
+
+    def _reclaim(self, dev: int) -> bool:
+        """Every container on dev paused, nobody resumed: see policies.reclaim."""
+        on = [b for b in self.boxes.values() if dev in b.assigned]
+        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in on if dev in b.waiting}
+        back = policies.reclaim(waiting, any(dev not in b.waiting for b in on)) if waiting else {}
+        for cid, held in back.items():
+            box = self.boxes[cid]
+            log.warning("reclaim %s from %s on GPU%d: every container waits, none can run on what "
+                        "it was given", format_size(box.assigned[dev] - held), box.name, dev)
+            box.assigned[dev] = held
+            self._write_assign(box, dev)
+        return bool(back)
+
+    def _held(self, box: Box, dev: int) -> int:
+        """What the container holds now: its demand less the requests it is stopped at."""
+        used, contexts, _ = self._usage(box, dev)
+        return used + contexts * self.ctx_overhead + box.extra.get(dev, 0) + box.shim_pending.get(dev, 0)
 
     def _over_limit(self, box: Box, dev: int, demand: int):
         w = box.waiting[dev]

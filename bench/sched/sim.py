@@ -191,6 +191,21 @@ class _Sim:
         for box in waiting:   # a free inside the container may be enough (never here)
             if self.demand(box) <= box.assigned:
                 self.resume(now, box)
+        for _ in range(2):    # Enforcer.schedule: a second pass only after a reclaim
+            if self.grant(now) or not self.reclaim(now):
+                break
+
+    def reclaim(self, now: float) -> bool:   # Enforcer._reclaim
+        waiting = {b.job.name: (b.assigned, b.used) for b in self.boxes.values() if b.since is not None}
+        running = any(b.since is None for b in self.boxes.values())
+        back = policies.reclaim(waiting, running) if waiting else {}
+        for name, held in back.items():
+            self.boxes[name].assigned = held
+            self.note(now, "reclaim", name)
+        return bool(back)
+
+    def grant(self, now: float) -> bool:     # Enforcer._grant
+        resumed = False
         cands = []
         for box in self.boxes.values():
             if box.since is None:
@@ -206,6 +221,8 @@ class _Sim:
             self.note(now, "grant", g.id)
             if g.resume:
                 self.resume(now, box)
+                resumed = True
+        return resumed
 
     def resume(self, now: float, box: _Box):
         box.suspended += now - box.since

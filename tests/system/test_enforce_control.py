@@ -307,3 +307,35 @@ def test_kill_9_then_restart_takes_over_the_accounting_exactly(cgroups, build, e
         if enf2:
             enf2.close()
         enf.close()
+
+
+def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, env5):
+    """tests/unit/test_sim.py's hand-worked case with real processes: after A exits, ru gives
+    the 2 GiB to C, which still misses 1 GiB while B holds 2 GiB it cannot run on either. Nobody
+    runs, so both partial assignments go back to the pool and the pass runs again."""
+    enf = Enforcing(build, "--gpu-memory", "4GiB", "--policy", "ru", "--limit", "a=2GiB", "--limit", "b=3GiB",
+                    "--limit", "c=3GiB")
+    procs = {}
+    try:
+        for name, size in (("a", 2 * GiB), ("b", 3 * GiB), ("c", 3 * GiB)):
+            procs[name] = start_in(cgroups(name), build, env5, "alloc", "-n", 1, "-s", size, "--hold")
+            if name == "a":
+                read_until(procs[name], "ready")
+            else:
+                enf.wait_for(f"stall {name} pid {procs[name].pid}")
+        release(procs["a"])
+        enf.wait_for("grant 2.0 GiB to c on GPU0 (assigned 2.0 GiB)")        # ru's pick: still short
+        enf.wait_for("reclaim 2.0 GiB from b on GPU0: every container waits")
+        enf.wait_for("reclaim 2.0 GiB from c on GPU0")
+        enf.wait_for("grant 3.0 GiB to c on GPU0 (assigned 3.0 GiB)")
+        enf.wait_for("resume c on GPU0")
+        assert f"allocated 1 {3 * GiB} pid={procs['c'].pid}" in read_until(procs["c"], "ready")
+        release(procs["c"])
+        enf.wait_for("resume b on GPU0")
+        assert f"allocated 1 {3 * GiB} pid={procs['b'].pid}" in read_until(procs["b"], "ready")
+        assert usage(build, env5)["peak"] <= 4 * GiB
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        enf.close()

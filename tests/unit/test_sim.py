@@ -81,23 +81,33 @@ def test_context_overhead_by_hand(policy, expected, stalls):
     assert r.makespan == 25.0
 
 
-# ---- the deadlock that ru reaches, by hand ----
+# ---- the deadlock that ru would reach, by hand, and the reclaim that breaks it ----
 # 4 GiB. A (2 GiB) runs 0-20. B (3 GiB) at 5 gets the 2 GiB left (misses 1). C (3 GiB) at 10
 # gets nothing (misses 3). A exits: 2 GiB free. ru serves C (suspended last): C holds 2 GiB,
-# B holds 2 GiB, both still short, nothing runs: nothing will ever come back.
+# B holds 2 GiB, both still short, nothing runs: with the paper's partial grants nothing would
+# ever come back. policies.reclaim: nobody runs and the pass resumed nobody, so both
+# assignments shrink to what they hold (0) and the pass runs again on 4 GiB: ru serves C in
+# full (runs 20-50) and B gets the 1 GiB left; C's exit gives B the rest (runs 50-60).
 # fifo, bf and bfa serve B (oldest / fits / holds memory): B runs 20-30, then C 30-60.
 DEAD = [Job(0, 0.0, 2 * GiB, 20.0), Job(1, 5.0, 3 * GiB, 10.0), Job(2, 10.0, 3 * GiB, 30.0)]
 
 
-def test_ru_deadlocks_where_the_others_finish():
-    r = simulate(DEAD, "ru", overhead=0, capacity=4 * GiB)
-    assert r.deadlocked == ("c01", "c02") and r.makespan == math.inf
-    assert [o.ready for o in r.jobs] == [0.0, None, None]
+def test_ru_partial_grants_would_deadlock_and_reclaim_breaks_it():
+    r = simulate(DEAD, "ru", overhead=0, capacity=4 * GiB, trace=True)
+    assert r.deadlocked == () and r.makespan == 60.0
+    assert summary(r) == {"c00": (0.0, 20.0, 0.0), "c01": (50.0, 60.0, 45.0), "c02": (20.0, 50.0, 10.0)}
     assert r.peak_assigned == 4 * GiB
     for policy in ("fifo", "bf", "bfa"):
         r = simulate(DEAD, policy, overhead=0, capacity=4 * GiB)
         assert summary(r) == {"c00": (0.0, 20.0, 0.0), "c01": (20.0, 30.0, 15.0),
                               "c02": (30.0, 60.0, 20.0)}, policy
+
+
+def test_reclaim_only_when_nothing_runs():
+    from convgpu.enforcer.policies import reclaim
+    assert reclaim({"b": (2 * GiB, 0), "c": (2 * GiB, GiB)}, any_running=False) == {"b": 0, "c": GiB}
+    assert reclaim({"b": (2 * GiB, 0)}, any_running=True) == {}
+    assert reclaim({"b": (GiB, GiB)}, any_running=False) == {}
 
 
 # ---- the workload generator ----
