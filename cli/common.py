@@ -1,6 +1,7 @@
 """What every command shares: logging set-up and the one place errors become output."""
 import functools
 import logging
+import signal
 import sys
 
 import typer
@@ -12,6 +13,32 @@ from ..errors import ConvgpuError, EnforcerUnreachable
 
 err_console = Console(stderr=True)
 state = {"debug": False}
+
+
+_stopping: list[int] = []
+
+
+def stop_on_signals(interrupt: bool = True) -> None:
+    """SIGINT, SIGTERM and SIGHUP (its terminal went away) end a long-running command through
+    its finally blocks (resume what is stopped, detach, stop the demo's containers). Once:
+    repeats never interrupt the clean-up. The loops call check_stop() after each poll: bcc
+    delivers events in a ctypes callback, which prints and drops an exception raised there, so
+    a KeyboardInterrupt from the handler alone can be lost. interrupt=False (the enforcer)
+    only leaves the flag: no event is ever handled halfway, and the loop sees it within a tick."""
+    def handler(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        _stopping.append(signum)
+        if interrupt:
+            raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def check_stop(*_) -> None:
+    """Raise the KeyboardInterrupt that a ctypes callback may have swallowed."""
+    if _stopping:
+        raise KeyboardInterrupt
 
 
 def setup_logging(verbose: bool = False, debug: bool = False) -> None:

@@ -19,7 +19,6 @@ from ..probes.nvml import Nvml
 from ..probes.tracer import Tracer
 from ..units import parse_size
 from . import common
-from .trace import _stop_on_sigterm
 
 log = logging.getLogger("convgpu.cli.enforce")
 DEFAULT_CONFIG = "/etc/convgpu/config.toml"
@@ -128,7 +127,7 @@ def enforce(
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None)
-    _stop_on_sigterm()
+    common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:
             try:
@@ -137,7 +136,7 @@ def enforce(
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
                                   "choose a free --metrics-port") from None
         enf.start()
-        enf.run(duration)
+        enf.run(duration, on_step=common.check_stop)
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,7 +1,6 @@
 """`convgpu trace`: a live view (or JSON lines) of GPU memory per container, process and GPU."""
 import json
 import os
-import signal
 import sys
 import time
 from enum import Enum
@@ -50,17 +49,6 @@ def check_filters(pids: list[int], container: str | None, engines: EngineLookup)
                         "give a name, an id (6+ characters), a short id or a cgroup path; see `podman ps` / `docker ps`")
 
 
-def _stop_on_sigterm():
-    """SIGTERM, and SIGHUP (its terminal went away), end the command like Ctrl-C: the finally
-    blocks stop the demo's containers and detach the probes."""
-    def handler(signum, frame):
-        for sig in (signal.SIGTERM, signal.SIGHUP):   # once: never interrupt the clean-up
-            signal.signal(sig, signal.SIG_IGN)
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGHUP, handler)
-
-
 @common.handle_errors
 def trace(
     pid: list[int] = typer.Option([], "--pid", "-p", help="Only these processes (repeatable)."),
@@ -82,7 +70,7 @@ def trace(
     check_filters(pid, container, engines)
     if demo is not DemoMode.always and _enforcer_answers(run_dir):
         engines.close()
-        _stop_on_sigterm()
+        common.stop_on_signals()
         try:
             _remote(run_dir, set(pid), container, interval, duration, as_json, events)
         except KeyboardInterrupt:
@@ -91,7 +79,7 @@ def trace(
     nvml = Nvml()
     tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest)
     the_demo = None
-    _stop_on_sigterm()
+    common.stop_on_signals()
     try:
         tracer.start()
         mode = "driver"
@@ -176,6 +164,7 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
 
     def step():
         evs = tracer.poll()
+        common.check_stop()
         acct.feed(evs)
         if as_json and events:
             for e in evs:

@@ -567,7 +567,8 @@ class Enforcer:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
         on = [b for b in self.boxes.values() if dev in b.assigned]
         waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in on if dev in b.waiting}
-        back = policies.reclaim(waiting, any(dev not in b.waiting for b in on)) if waiting else {}
+        within = any(not b.waiting[dev].over_limit for b in on if dev in b.waiting)
+        back = policies.reclaim(waiting, any(dev not in b.waiting for b in on), within) if waiting else {}
         for cid, held in back.items():
             box = self.boxes[cid]
             log.warning("reclaim %s from %s on GPU%d: every container waits, none can run on what "

@@ -187,14 +187,17 @@ def assign_new(limit: int, unassigned: int) -> int:
     return max(0, min(limit, unassigned))
 
 
-def reclaim(waiting: dict[str, tuple[int, int]], any_running: bool) -> dict[str, int]:
+def reclaim(waiting: dict[str, tuple[int, int]], any_running: bool,
+            any_within_limit: bool = True) -> dict[str, int]:
     """The deadlock breaker. The paper keeps a partial grant with a paused container; with ru
     and rand (which hand each freed slice to a different waiter) every container can end up
     paused on a slice too small to run on, with nothing left to free anything (the simulator
     finds it in up to a third of runs: docs/SCHEDULING.md). So when no container on a GPU runs
     and a scheduling pass resumed nobody, each paused container's assignment shrinks to what it
-    holds, and the pass runs again on the whole pool.
+    holds, and the pass runs again on the whole pool. When every waiter is over its limit
+    nobody could use what comes back, so assignments stay as they are (an operator reading
+    `convgpu status` sees the container keep what it was given until its limit is raised).
     waiting: id -> (assigned, held now); returns id -> new assignment, for those that shrink."""
-    if any_running:
+    if any_running or not any_within_limit:
         return {}
     return {i: held for i, (assigned, held) in waiting.items() if assigned > held}

@@ -20,7 +20,10 @@ done
 # vagrant (from the distro, where it has one): the tests validate the Vagrantfile with it
 if ! dpkg -s vagrant >/dev/null 2>&1 && apt-cache show vagrant >/dev/null 2>&1; then need="$need vagrant"; fi
 kr="$(uname -r)"
-if [ ! -e "/lib/modules/$kr/build/include" ]; then
+# bcc needs the full header tree: kconfig.h lives in the arch-independent part (-common), so a
+# build link alone (or a source link to the arch part) is not enough.
+headers_ok() { [ -e "/lib/modules/$kr/build/include/linux/kconfig.h" ] || [ -e "/lib/modules/$kr/source/include/linux/kconfig.h" ]; }
+if ! headers_ok; then
   # Exact headers when the distro has them, else the generic flavour (linked in below).
   if apt-cache show "linux-headers-$kr" >/dev/null 2>&1; then hdr="linux-headers-$kr"
   elif grep -qi ubuntu /etc/os-release; then hdr="linux-headers-generic"
@@ -33,13 +36,15 @@ if [ -n "$need" ]; then
   apt-get install -y -qq --no-install-recommends $need >/dev/null
 fi
 
-if [ ! -e "/lib/modules/$kr/build/include" ]; then
+if ! headers_ok; then
   b="$(ls -d /usr/src/linux-headers-*-amd64 /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -n1)"
   [ -n "$b" ] || { echo "setup.sh: no kernel headers under /usr/src; install linux-headers-$kr" >&2; exit 1; }
-  c="$(ls -d "${b%-*}-common" "${b%-generic}" 2>/dev/null | head -n1 || true)"
+  # Debian splits the tree (-amd64 + -common); Ubuntu's -generic is whole. (Not `ls -d A B`:
+  # ls sorts its output, and -amd64 sorts before -common.)
+  c="$b"; [ -d "${b%-*}-common" ] && c="${b%-*}-common"
   mkdir -p "/lib/modules/$kr"
   ln -sfn "$b" "/lib/modules/$kr/build"
-  ln -sfn "${c:-$b}" "/lib/modules/$kr/source"
+  ln -sfn "$c" "/lib/modules/$kr/source"
 fi
 mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
 

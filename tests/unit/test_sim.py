@@ -108,6 +108,8 @@ def test_reclaim_only_when_nothing_runs():
     assert reclaim({"b": (2 * GiB, 0), "c": (2 * GiB, GiB)}, any_running=False) == {"b": 0, "c": GiB}
     assert reclaim({"b": (2 * GiB, 0)}, any_running=True) == {}
     assert reclaim({"b": (GiB, GiB)}, any_running=False) == {}
+    # every waiter over its limit: nothing could use the memory, assignments stay
+    assert reclaim({"b": (2 * GiB, 0)}, any_running=False, any_within_limit=False) == {}
 
 
 # ---- the workload generator ----
