@@ -339,3 +339,29 @@ def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, 
             p.kill()
             p.wait()
         enf.close()
+
+
+def test_sigterm_under_an_event_flood_stops_and_resumes(cgroups, build, env5):
+    """bcc hands events to Python in a ctypes callback, which drops an exception raised there;
+    a SIGTERM landing inside it once left an enforcer that ignored every later SIGTERM and
+    kept a waiter stopped. Under ~10^5 events a second, SIGTERM must end it, exit 0, resume."""
+    busy = cgroups("busy")
+    loop = ["/bin/sh", "-c", f'echo $$ > {busy}/cgroup.procs; while :; do "$0" alloc -n 20000 -s 4096 -t 2; done',
+            str(build / "cgcaller")]
+    for round_ in range(3):
+        enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "small=1GiB")
+        flood = subprocess.Popen(loop, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env5)
+        p = start_in(cgroups("small"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        try:
+            enf.wait_for("above its limit 1.0 GiB")
+            wait_state(p.pid, "T")
+            enf.wait_for("container busy (cgroup)")
+            time.sleep(0.2 + 0.3 * round_)   # well inside the flood
+            assert enf.stop() == 0, enf.log[-5:]
+            assert any("resume small on GPU0" in line and "enforcer stopping" in line for line in enf.log)
+            wait_state(p.pid, "S")   # resumed: it runs into the 2 GiB allocation's failure or holds
+        finally:
+            for q in (flood, p):
+                q.kill()
+                q.wait()
+            enf.close()
