@@ -19,4 +19,4 @@ PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-b
 export PYTHONPATH=/tmp/pkgs:$PYTHONPATH CONVGPU_BUILD=$PWD/build CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA "$@" > "$OUT/pytest-gpu.txt" 2>&1
 tail -25 "$OUT/pytest-gpu.txt"
-[ -n "${NO_BENCH:-}" ] || { timeout 170 python3 -P bench/probe_latency.py --rounds 5 --iters 2000 --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
+[ -n "${NO_BENCH:-}" ] || { timeout 230 python3 -P bench/probe_latency.py --rounds 3 --iters 1000 --sizes 4K,64K,1M,16M --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
