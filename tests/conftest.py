@@ -162,12 +162,22 @@ def run_caller(build, caller_env):
 
 
 @pytest.fixture(scope="session")
-def tracer(root, build):
+def session_tracer(root, build):
     from convgpu.probes.tracer import Tracer
     t = Tracer(libraries=(str(build / "standin" / "libcuda.so.1"), str(build / "standin" / "libcudart.so.13")),
                discover=False).start()
     yield t
     t.close()
+
+
+@pytest.fixture
+def tracer(session_tracer):
+    """The shared tracer, drained first: tests in between (enforcers, floods) run stand-in
+    callers that it also sees, and a ring buffer left full would drop this test's events."""
+    drain(session_tracer)
+    drops = session_tracer.stats()["drops"]
+    yield session_tracer
+    assert session_tracer.stats()["drops"] == drops, "events dropped during the test"
 
 
 EVENTS: dict[int, list] = {}
