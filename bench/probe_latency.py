@@ -2,8 +2,8 @@
 probed (the tracer attached), enforced (`convgpu enforce` running, nothing stalls) and shim
 (the preload shim under that enforcer: one round trip to it per allocation).
 
-    python bench/probe_latency.py [--standin] [--sizes 4K,64K,1M,2M,16M,64M] [--iters 2000]
-                                  [--rounds 5] [--modes bare,probed,enforced,shim]
+    python -m bench.probe_latency [--standin] [--sizes 4K,64K,1M,2M,16M,64M] [--iters 2000]
+                                     [--rounds 5] [--modes bare,probed,enforced,shim]
 
 The modes alternate within each round (attach, measure, detach, again), so drift of the machine
 hits all alike. Each cell is the median over rounds of the per-call median.
@@ -14,12 +14,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 
 from convgpu.paths import build_dir
-from convgpu.probes.tracer import Tracer
 from convgpu.units import format_size, parse_size
+
+from bench.modes import running
 
 
 def run_bench(size: int, iters: int, env: dict) -> dict:
@@ -48,26 +47,11 @@ def main() -> int:
     res: dict = {m: {s: [] for s in sizes} for m in modes}
     for r in range(a.rounds):
         for mode in modes:
-            tracer = enf = None
-            menv = env
-            if mode == "probed":
-                tracer = Tracer(libraries=libs, discover=not a.standin, selftest=False).start()
-            elif mode in ("enforced", "shim"):
-                enf, run_dir = start_enforcer(libs, a.standin)
-                if mode == "shim":
-                    from convgpu.cli.shim import shim_env
-                    menv = dict(env, **shim_env(run_dir))
-            try:
+            with running(mode, libs, a.standin) as (extra, tracer):
                 for s in sizes:
-                    res[mode][s].append(run_bench(s, a.iters, menv))
+                    res[mode][s].append(run_bench(s, a.iters, {**env, **extra}))
                     if tracer:
                         tracer.poll()
-            finally:
-                if tracer:
-                    tracer.close()
-                if enf:
-                    enf.terminate()
-                    enf.wait(timeout=120)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     rows = []
     print(f"{'size':>10} {'op':>5} {'bare us':>9} " + " ".join(f"{m + ' +us':>12} {'x':>6}" for m in modes[1:]))
@@ -85,22 +69,6 @@ def main() -> int:
             json.dump({"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "rows": rows},
                       f, indent=1)
     return 0
-
-
-def start_enforcer(libs, standin: bool):
-    """`convgpu enforce` with room for everything: its cost, not its stalls, is measured."""
-    run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
-    argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
-            "60GiB", "--run-dir", run_dir] + (["--no-discover"] + [f"--lib={x}" for x in libs] if standin else [])
-    enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-    for line in enf.stderr:
-        if "enforcing:" in line:
-            break
-    else:
-        raise SystemExit(f"the enforcer did not start (exit {enf.wait()})")
-    subprocess.Popen(["cat"], stdin=enf.stderr, stdout=subprocess.DEVNULL)   # keep its pipe drained
-    time.sleep(0.2)
-    return enf, run_dir
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
 from ..enforcer.metrics import MetricsServer
 from ..enforcer.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
+from ..probes.ledger import Ledger
 from ..probes.nvml import Nvml
 from ..probes.tracer import Tracer
 from ..units import parse_size
@@ -25,7 +26,7 @@ DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
-            "run_dir": "/run/convgpu", "libs": [], "discover": True}
+            "run_dir": "/run/convgpu", "libs": [], "discover": True, "probes": True}
 
 
 class Policy(str, Enum):
@@ -87,6 +88,7 @@ def enforce(
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
     discover: bool = typer.Option(None, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers (default on)."),
+    probes: bool = typer.Option(None, "--probes/--no-probes", help="eBPF probes see every process (default on); --no-probes, where eBPF is unavailable: only processes under the preload shim are limited, from what the shim reports."),
     duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until Ctrl-C or SIGTERM)."),
     metrics_port: int = typer.Option(None, "--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port (default 0: off)."),
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
@@ -105,7 +107,7 @@ def enforce(
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
            "metrics_address": metrics_address, "run_dir": run_dir, "libs": list(lib) or None,
-           "discover": discover}
+           "discover": discover, "probes": probes}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
         raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
@@ -122,7 +124,8 @@ def enforce(
     capacity = capacity_of(s["gpu_memory"], s["reserve"], nvml)
     stopper = make_stopper(s["stall"])
     engines = EngineLookup()
-    enf = Enforcer(Tracer(libraries=tuple(s["libs"]), discover=s["discover"]), s["policy"], capacity,
+    source = Tracer(libraries=tuple(s["libs"]), discover=s["discover"]) if s["probes"] else Ledger()
+    enf = Enforcer(source, s["policy"], capacity,
                    rules_from(conf, limits, s["default_limit"]), stopper=stopper,
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
@@ -135,7 +138,11 @@ def enforce(
             except OSError as e:
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
                                   "choose a free --metrics-port") from None
-        enf.start()
+        try:
+            enf.start()
+        except PrerequisiteError as e:   # no eBPF here: say what still works
+            raise PrerequisiteError(e.problem, f"{e.fix}; or limit through the preload shim only: "
+                                               "--no-probes") from None
         enf.run(duration, on_step=common.check_stop)
     except KeyboardInterrupt:
         pass

@@ -4,21 +4,24 @@ being stopped. enforcer/shim.py speaks the socket protocol and calls these metho
 
 With probes active there is one accounting: BPF charges the shim process's bytes as for any
 other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
-held here as *pending* until the shim reports the allocation (then BPF has charged it)."""
+held here as *pending* until the shim reports the allocation (then BPF has charged it).
+Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
+ledger (probes/ledger.py), which keeps the same tables BPF would."""
 import ctypes as ct
 import logging
 from collections import defaultdict
 
+from ..probes.ledger import SHIM_MEMBER, footprint
 from ..units import format_size
 
 log = logging.getLogger(__name__)
-SHIM_MEMBER = 1 << 63   # bpf/convgpu.h
 
 
 class ShimBroker:
     def __init__(self, enf):
         self.enf = enf
         self.pending: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # pid -> dev -> bytes
+        self.ledger = None if enf.tracer.kernel else enf.tracer   # no probes: we account
 
     def _box(self, pid: int):
         enf = self.enf
@@ -33,6 +36,8 @@ class ShimBroker:
                 enf._ensure_state(box, dev)
             enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key | SHIM_MEMBER)
             enf.shimmed.add(pid)
+            if self.ledger is not None:
+                self.ledger.watch(pid)
             log.info("pid %d of %s uses the shim: it waits (or fails) instead of stopping", pid, box.name)
         return box
 
@@ -48,6 +53,7 @@ class ShimBroker:
             return {"deny": f"no GPU{dev} under the enforcer"}
         if dev not in box.assigned:
             enf._new_device(box, dev)
+        size = footprint(size)   # what it will be charged: whole device pages above 1 MiB
         need = enf._demand(box, dev) + size
         if need > box.limit:
             box.over_limits += 1
@@ -85,10 +91,19 @@ class ShimBroker:
             box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - take)
 
     def shim_alloc(self, pid: int, dev: int, addr: int, size: int):
-        self._settle(pid, dev, size)   # BPF has charged the bytes by now
+        if self.ledger is not None and addr:
+            self.ledger.alloc(pid, dev, size)
+        self._settle(pid, dev, footprint(size))   # charged by now (BPF, or the ledger just above)
 
     def shim_free(self, pid: int, dev: int, addr: int, size: int):
-        self.enf.schedule()            # BPF has taken the bytes off; room for a waiter?
+        if self.ledger is not None:
+            self.ledger.free(pid, dev, size)
+        self.enf.schedule()            # the bytes are off; room for a waiter?
+
+    def shim_context(self, pid: int, dev: int, primary: bool):
+        if self.ledger is not None:    # with probes, BPF counts contexts itself
+            self._box(pid)
+            self.ledger.context(pid, dev, primary)
 
     def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
         box = self._box(pid)

@@ -35,10 +35,11 @@ SETTINGS = {
     "run_dir": ("str", None),
     "libs": ("strs", None),
     "discover": ("bool", None),
+    "probes": ("bool", None),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
-                "libs", "discover")
+                "libs", "discover", "probes")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

@@ -152,11 +152,20 @@ class Enforcer:
                                               ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel))
         self.tracer.selftest_guard = self._pause
         self.tracer.recheck = True
-        prev = self._load_over_pins()
+        if self.tracer.kernel:
+            prev = self._load_over_pins()
+        else:
+            self.tracer.start()
+            prev = []
         self.sel.register(self.tracer.fileno(), selectors.EVENT_READ, lambda _mask: None)
         signal.signal(signal.SIGHUP, self._on_hup)
         self._adopt(prev)
         write_state(self.state_file, [], [])
+        if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
+            log.warning("no probes (--no-probes): only processes under the preload shim are limited")
+            self._control(True)
+            log.info("enforcing: policy %s, capacity %s (shim only)", self.policy, self._capacity_text())
+            return self
         # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the kernel closes descriptors in ascending order and runs the releases in
         # reverse, so the highest descriptor is released first, ahead of the perf events
         # whose uprobe detach costs ~100 ms each.
@@ -179,9 +188,11 @@ class Enforcer:
         self._save_held()
         self._control(True)
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
-        log.info("enforcing: policy %s, capacity %s", self.policy,
-                 ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items())))
+        log.info("enforcing: policy %s, capacity %s", self.policy, self._capacity_text())
         return self
+
+    def _capacity_text(self) -> str:
+        return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items()))
 
     def _load_over_pins(self) -> list[dict]:
         """Load the BPF program over the maps a crashed enforcer left pinned (and its watchdog
@@ -349,7 +360,8 @@ class Enforcer:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
             dirty |= self._measure_overhead() or any(b.waiting for b in self.boxes.values())
-            self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
+            if self.tracer.kernel:
+                self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
         if dirty:
             self.schedule()
             self._save_held()

@@ -52,6 +52,9 @@ class ShimHandler(Handler):
             if obj is not None:   # unknown addresses were not ours to count
                 self.broker.shim_free(peer.pid, obj[0], addr, obj[1])
             return DEFER
+        if op == "ctx":     # a context was made (no reply): counted here only without probes
+            self.broker.shim_context(peer.pid, _int(msg, "dev", 0, 63), bool(_int(msg, "primary", 0, 1)))
+            return DEFER
         if op == "meminfo":
             total, used = self.broker.shim_meminfo(peer.pid, _int(msg, "dev", 0, 63))
             return {"ok": True, "total": total, "used": used}

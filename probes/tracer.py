@@ -33,6 +33,8 @@ class ProcUsage:
 
 
 class Tracer:
+    kernel = True   # probes and BPF maps (probes/ledger.py is the other kind)
+
     def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
                  ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
                  sweep_every: float = 30.0, recheck: bool = False, cflags: tuple = ()):

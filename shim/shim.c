@@ -4,6 +4,7 @@
  *   {"op":"ask","dev":D,"size":N}          -> {"ok":true,"grant":true} | {"ok":true,"deny":"why"}
  *   {"op":"alloc","dev":D,"addr":A,"size":N}  after success (no reply)
  *   {"op":"free","addr":A}                 after success (no reply)
+ *   {"op":"ctx","dev":D,"primary":0|1}     after a context is made (no reply)
  *   {"op":"meminfo","dev":D}               -> {"ok":true,"total":T,"used":U}
  * A grant may take a while (the container waits for memory): one connection per thread, so only
  * the calling thread waits. A deny becomes CUDA_ERROR_OUT_OF_MEMORY (the runtime turns it into
@@ -116,20 +117,30 @@ static int send_all(int fd, const char *s, size_t n)
     return 0;
 }
 
+/* Peek, then take exactly up to the newline: never read past our reply, in two calls instead
+ * of one per byte (the reply is one short line, so this is the whole cost of reading it). */
 static int recv_line(int fd, char *buf, size_t size)
 {
     size_t n = 0;
     while (n + 1 < size) {
-        ssize_t r = recv(fd, buf + n, 1, 0);   /* one byte: never read past our reply */
+        ssize_t r = recv(fd, buf + n, size - 1 - n, MSG_PEEK);
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0)
             return -1;
-        if (buf[n] == '\n') {
-            buf[n] = 0;
+        char *nl = memchr(buf + n, '\n', (size_t)r);
+        size_t take = nl ? (size_t)(nl - (buf + n)) + 1 : (size_t)r;
+        ssize_t got;
+        do
+            got = recv(fd, buf + n, take, 0);
+        while (got < 0 && errno == EINTR);
+        if (got != (ssize_t)take)
+            return -1;
+        n += take;
+        if (nl) {
+            buf[n - 1] = 0;
             return 0;
         }
-        n++;
     }
     return -1;
 }
@@ -225,6 +236,13 @@ static void report_free(unsigned long long addr)
     request(msg, NULL, 0, 0);
 }
 
+static void report_context(int dev, int primary)
+{
+    char msg[96];
+    snprintf(msg, sizeof(msg), "{\"op\":\"ctx\",\"dev\":%d,\"primary\":%d}\n", dev, primary);
+    request(msg, NULL, 0, 0);
+}
+
 /* ---- the wrappers ---- */
 #define REAL(kind, name, params, args) static CUresult (*real_##name) params;
 SHIM_DRIVER_HOOKS(REAL)
@@ -282,19 +300,24 @@ FREE_WRAPPER(cuMemFreeAsync, (CUdeviceptr p, void *s), (p, s), p)
 FREE_WRAPPER(cuMemFreeAsync_ptsz, (CUdeviceptr p, void *s), (p, s), p)
 FREE_WRAPPER(cuMemRelease, (unsigned long long h), (h), h)
 
-#define CTX_WRAPPER(name, params, args)                                           \
+/* Hello before the call (BPF must know us before our first admitted call); after a context
+ * is made, say so: without probes the enforcer counts contexts from these reports. */
+#define CTX_WRAPPER(name, params, args, dev, primary)                             \
     EXPORT CUresult name params                                                  \
     {                                                                             \
         if (!RESOLVE(name))                                                       \
             return missing(#name);                                                \
-        connect_enforcer();   /* hello before BPF sees our first admitted call */ \
-        return real_##name args;                                                  \
+        connect_enforcer();                                                       \
+        CUresult rc = real_##name args;                                           \
+        if (rc == CUDA_SUCCESS)                                                   \
+            report_context((dev), (primary));                                     \
+        return rc;                                                                \
     }
 
-CTX_WRAPPER(cuDevicePrimaryCtxRetain, (void **ctx, int dev), (ctx, dev))
-CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev))
-CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev))
-CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev))
+CTX_WRAPPER(cuDevicePrimaryCtxRetain, (void **ctx, int dev), (ctx, dev), dev, 1)
+CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev), dev, 0)
+CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev), dev, 0)
+CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev), dev, 0)
 
 /* What the container may use, never an error: total = min(limit, the GPU's), free = total - used. */
 EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)

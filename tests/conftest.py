@@ -286,17 +286,28 @@ def wait_state(pid, want, timeout=20):
     raise AssertionError(f"pid {pid} not all {want}: {[proc_state(f'{pid}/task/{t}') for t in os.listdir(f'/proc/{pid}/task')]}")
 
 
-class Enforcing:
-    """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own."""
+# Capabilities eBPF needs (CAP_SYS_ADMIN implies the other two): a shim-only enforcer runs
+# without them, so the tests prove that nothing it does needs eBPF.
+NO_BPF = ("setpriv", "--bounding-set", "-bpf,-perfmon,-sys_admin", "--")
+CAP_BPF_BITS = (39, 38, 21)   # CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN
 
-    def __init__(self, build, *args, run_dir=None):
+
+class Enforcing:
+    """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own;
+    no_bpf: with --no-probes and without the capabilities eBPF needs."""
+
+    def __init__(self, build, *args, run_dir=None, no_bpf=False):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="convgpu-run-")
-        self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover",
-                                   "--lib", str(build / "standin" / "libcuda.so.1"),
-                                   "--run-dir", self.run_dir, *args],
+        self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
+                                   "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
+                                   "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
                                   stderr=subprocess.PIPE, text=True)
         self.log = []
         self.wait_for("enforcing:")
+
+    def capabilities(self) -> int:
+        line = next(x for x in open(f"/proc/{self.p.pid}/status") if x.startswith("CapEff:"))
+        return int(line.split()[1], 16)
 
     def ctl(self, **msg):
         from convgpu.enforcer.server import request
@@ -325,3 +336,27 @@ class Enforcing:
         self.log += rest_of(self.p.stderr)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return rc
+
+
+def shim_env(env, enf=None, **more):
+    """env for a process under the preload shim, talking to `enf` (or to no enforcer)."""
+    from convgpu.cli.shim import library
+    sock = f"{enf.run_dir}/shim/shim.sock" if enf else "/nonexistent/shim.sock"
+    return dict(env, LD_PRELOAD=library(), CONVGPU_SHIM_SOCKET=sock, CONVGPU_SHIM_LOG="2", **more)
+
+
+# How a container is limited (issue "shim": the scenarios run in every mode): stopped by the
+# probes; waiting in the shim with no probes and no CAP_BPF; the shim with the probes also on.
+MODES = ("probes", "shim-only", "shim+probes")
+WAITING = {"probes": "T", "shim-only": "S", "shim+probes": "S"}   # a waiter's process state
+
+
+def enforcing_in(mode, build, *args):
+    enf = Enforcing(build, *args, no_bpf=mode == "shim-only")
+    if mode == "shim-only":
+        assert not any(enf.capabilities() >> bit & 1 for bit in CAP_BPF_BITS)
+    return enf
+
+
+def limited_env(mode, env, enf):
+    return env if mode == "probes" else shim_env(env, enf)

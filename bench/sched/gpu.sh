@@ -1,6 +1,6 @@
 #!/bin/bash
 # The scheduling benchmarks on the GPU machine, about 4 minutes, from the repo root with the
-# git-ignored folders .bcc, .wheels and build carried along (as tests/gpu/run-on-gpu.sh):
+# git-ignored folders .bcc, .wheels and build carried along (see tests/gpu/env.sh):
 #   bash bench/sched/gpu.sh        # results in $OUT (default /tmp/convgpu-out)
 # 1. issue 3's benchmark on the real driver: exit/free -> resume latency, enforcer CPU at
 #    0/1k/10k allocations/s. Capacity 6 GiB: every process's context shows up in NVML as about
@@ -9,15 +9,7 @@
 #    under a 5 GiB virtual capacity; context charged 600 MiB so that NVML's measured ~519 MiB
 #    never pushes a container over its limit (size + 600 MiB); the simulator runs the same.
 set -u
-OUT=${OUT:-/tmp/convgpu-out}; mkdir -p "$OUT"
-source .bcc/bcc-env.sh
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc; } | tee "$OUT/sched-machine.txt"
-python3 -m venv /tmp/pipenv >/dev/null && P=/tmp/pipenv/bin/python || P=python3
-$P -m pip install -q --no-index --find-links .wheels --target /tmp/pkgs setuptools
-PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-build-isolation --upgrade --target /tmp/pkgs .
-# bench/ is not installed: put only it on the path (the repo root would shadow the package)
-mkdir -p /tmp/benchpath && ln -sfn "$PWD/bench" /tmp/benchpath/bench
-export PYTHONPATH=/tmp/pkgs:/tmp/benchpath CONVGPU_BUILD=$PWD/build
+source tests/gpu/env.sh   # set-up shared with tests/gpu/run-on-gpu.sh
 LIB=$(python3 -c 'import os; print(os.path.realpath("/usr/local/nvidia/lib64/libcuda.so.1"))')
 cd /tmp
 timeout 200 python3 -m bench.sched.resume --lib "$LIB" --capacity 6GiB --trials 100 --settle 0,0.02 \

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, proc_state, read_until, start_in, wait_state
+from conftest import (GiB, MiB, MODES, NO_BPF, WAITING, Enforcing, enforcing_in, limited_env, proc_state,
+                      read_until, start_in, wait_state)
 
 pytestmark = pytest.mark.system
 
@@ -27,17 +28,23 @@ def test_deadlock_without_enforcer_fails_one(cgroups, build, env5):
         a.wait()
 
 
-def test_deadlock_resolved_by_stalling(cgroups, build, env5):
-    enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "left=4GiB", "--limit", "right=4GiB",
-                    "--policy", "fifo")
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_resolved_by_stalling(cgroups, build, env5, mode):
+    enf = enforcing_in(mode, build, "--gpu-memory", "5GiB", "--limit", "left=4GiB", "--limit", "right=4GiB",
+                       "--policy", "fifo")
+    env = limited_env(mode, env5, enf)
     a = b = None
     try:
-        a = start_in(cgroups("left"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        a = start_in(cgroups("left"), build, env, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
         read_until(a, "ready")                       # first container: assigned its 4 GiB
         enf.wait_for("container left GPU0: assigned 4.0 GiB")
-        b = start_in(cgroups("right"), build, env5, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
+        b = start_in(cgroups("right"), build, env, "alloc", "-n", 2, "-s", 2 * GiB, "--hold")
         enf.wait_for("container right GPU0: assigned 1.0 GiB")   # what was left of 5 GiB
-        wait_state(b.pid, "T")              # stopped before its 2 GiB allocation ran
+        enf.wait_for(f"stall right pid {b.pid}")
+        wait_state(b.pid, WAITING[mode])    # stopped (or waiting in the shim) before its 2 GiB ran
+        st = enf.ctl(cmd="status")["status"]
+        used = {c["name"]: c["gpus"]["0"]["used"] for c in st["containers"]}
+        assert used == {"left": 4 * GiB, "right": 0}, used   # exact, whoever counts
         a.stdin.write("\n")
         a.stdin.flush()
         read_until(a, "exit")
@@ -51,11 +58,22 @@ def test_deadlock_resolved_by_stalling(cgroups, build, env5):
         read_until(b, "exit")
         assert b.wait(timeout=20) == 0
         assert any("grant 3.0 GiB to right on GPU0 (assigned 4.0 GiB)" in line for line in enf.log)
+        enf.wait_for("container right exited: 4.0 GiB back to the pool")
+        assert enf.ctl(cmd="status")["status"]["containers"] == []   # both gone, nothing left over
     finally:
         for p in (a, b):
             if p and p.poll() is None:
                 p.kill()
         assert enf.stop() == 0
+
+
+def test_without_cap_bpf_the_probes_refuse_and_name_the_fallback(build, tmp_path):
+    r = subprocess.run([*NO_BPF, sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "5GiB",
+                        "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"), "--run-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("convgpu: cannot load the BPF program") and \
+        last.endswith("or limit through the preload shim only: --no-probes"), r.stderr
 
 
 def test_enforcer_refuses_bad_sizes(build):
@@ -182,8 +200,9 @@ def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
         enf.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy,first", [("fifo", "c"), ("bf", "d"), ("ru", "d"), ("bfa", "c"), ("rand", None)])
-def test_figure_3_walk_through(cgroups, build, caller_env, policy, first):
+def test_figure_3_walk_through(cgroups, build, caller_env, policy, first, mode):
     """ConVGPU Fig. 3 on a 5 GiB GPU, 2 GiB limits: A and B run with their full limit, C gets the
     1 GiB left and stalls at it, D gets nothing and stalls. B exits (2 GiB free): C misses 1 GiB,
     D misses 2 GiB. FIFO serves C (oldest): its full limit, it resumes, and D gets the other
@@ -191,17 +210,19 @@ def test_figure_3_walk_through(cgroups, build, caller_env, policy, first):
     what is free), RU serves D (suspended last): D resumes, C gets nothing. Rand (seeded) picks
     either, with the same consequences.
     Then A exits and the other one gets the rest of its limit and resumes."""
-    enf = Enforcing(build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", policy, "--seed", "7")
+    enf = enforcing_in(mode, build, "--gpu-memory", "5GiB", "--default-limit", "2GiB", "--policy", policy,
+                       "--seed", "7")
+    env = limited_env(mode, caller_env, enf)
     procs = {}
     try:
         for name, assigned in (("a", "2.0 GiB"), ("b", "2.0 GiB"), ("c", "1.0 GiB"), ("d", "0 B")):
-            procs[name] = start_in(cgroups(name), build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+            procs[name] = start_in(cgroups(name), build, env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
             enf.wait_for(f"container {name} GPU0: assigned {assigned} (limit 2.0 GiB)")
             if name in "ab":
                 read_until(procs[name], "ready")
             else:
                 enf.wait_for(f"stall {name} pid {procs[name].pid}")
-                wait_state(procs[name].pid, "T")
+                wait_state(procs[name].pid, WAITING[mode])
         procs["b"].stdin.write("\n")
         procs["b"].stdin.flush()
         assert procs["b"].wait(timeout=30) == 0
@@ -219,7 +240,7 @@ def test_figure_3_walk_through(cgroups, build, caller_env, policy, first):
             enf.wait_for("resume d on GPU0")
         read_until(procs[picked], "ready")
         time.sleep(0.3)
-        assert proc_state(procs[other].pid) == "T"          # partly or not assigned: still waiting
+        assert proc_state(procs[other].pid) == WAITING[mode]   # partly or not assigned: still waiting
         assert not any("grant" in x and f"to {other}" in x and "assigned 2.0 GiB" in x for x in enf.log)
         procs["a"].stdin.write("\n")
         procs["a"].stdin.flush()

@@ -12,15 +12,9 @@ import time
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, cuda_prelude, proc_state, read_until, start_in
+from conftest import GiB, MiB, Enforcing, cuda_prelude, proc_state, read_until, shim_env, start_in
 
 pytestmark = pytest.mark.system
-
-
-def shim_env(env, enf=None, **more):
-    from convgpu.cli.shim import library
-    sock = f"{enf.run_dir}/shim/shim.sock" if enf else "/nonexistent/shim.sock"
-    return dict(env, LD_PRELOAD=library(), CONVGPU_SHIM_SOCKET=sock, CONVGPU_SHIM_LOG="2", **more)
 
 
 def test_deny_meminfo_and_wait_in_the_thread(cgroups, build, env5):

@@ -1,0 +1,201 @@
+"""What the enforcer runs on where eBPF is not available (no CAP_BPF, no uprobes, a locked-down
+kernel): `convgpu enforce --no-probes`. It has the tracer's face (tables, poll, usage) so the
+enforcer's code is the same in both modes, but its tables are Python dicts, fed by what the
+preload shims report (enforcer/broker.py): their allocations, frees and contexts. Only processes
+under the shim are seen, and nothing is ever stopped: a shim waits in the calling thread or
+gets an out-of-memory error. Exits come from pidfds, so a process that dies without a word
+leaves its container at once, as the kernel's exit probe does in BPF mode."""
+import contextlib
+import os
+import select
+import time
+from collections import namedtuple
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from .events import Event
+from .tracer import ProcUsage
+
+DEV_PAGE = 2 << 20      # as bpf/convgpu.bpf.c: device page of linear allocations
+SUBALLOC_MAX = 1 << 20  # at most this is sub-allocated inside shared pages
+SHIM_MEMBER = 1 << 63   # bpf/convgpu.h: the membership flag of processes under the shim
+
+
+def footprint(size: int) -> int:
+    """Device memory behind an allocation of `size` (bpf/convgpu.bpf.c footprint(); measured
+    on the H100: docs/gpu-runs/2026-11-22)."""
+    return (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) if size > SUBALLOC_MAX else size
+
+
+class Table(dict):
+    """A BPF hash map's face over a dict: Key and Leaf constructors, ctypes keys by value."""
+
+    def __init__(self, key_fields: tuple[str, ...], leaf_fields: tuple[str, ...]):
+        super().__init__()
+        self.Key = namedtuple("Key", key_fields) if key_fields else None
+        self.Leaf = lambda **kw: SimpleNamespace(**{**dict.fromkeys(leaf_fields, 0), **kw})
+
+    @staticmethod
+    def _k(k):
+        return getattr(k, "value", k)
+
+    def __getitem__(self, k):
+        return super().__getitem__(self._k(k))
+
+    def __setitem__(self, k, v):
+        super().__setitem__(self._k(k), v)
+
+    def __delitem__(self, k):
+        super().__delitem__(self._k(k))
+
+    def get(self, k, default=None):
+        return super().get(self._k(k), default)
+
+
+@dataclass
+class _Row:
+    live: int = 0
+    peak: int = 0
+    n_alloc: int = 0
+    n_free: int = 0
+    bytes_alloc: int = 0
+    bytes_free: int = 0
+    contexts: int = 0
+    last_ns: int = 0
+
+
+class Ledger:
+    kernel = False   # the enforcer skips what needs probes: pinned maps, the watchdog, probe fds
+
+    def __init__(self):
+        self.b = None
+        self.libraries: list = []
+        self.cflags: tuple = ()
+        self.recheck = False
+        self.selftest_guard = contextlib.nullcontext
+        self.rows: dict[int, dict[int, _Row]] = {}   # pid -> device -> counters
+        self.primary: set[tuple[int, int]] = set()   # (pid, device): primary context counted
+        self.comm: dict[int, str] = {}
+        self._fds: dict[int, int] = {}               # pidfd -> pid
+        self._ep = None
+        self._events: list[Event] = []
+
+    # --- the tracer's face ---
+    def start(self) -> "Ledger":
+        self.b = {b"control": Table((), ("heartbeat_ns", "ctx_overhead", "enforcing", "over_limit_kill",
+                                         "waiters", "owner")),
+                  b"assign": Table(("container", "dev"), ("limit", "assigned", "extra_overhead", "adopted",
+                                                          "adopted_contexts")),
+                  b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls")),
+                  b"members": Table((), ())}
+        self._ep = select.epoll()
+        return self
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        if self._ep is not None:
+            self._ep.close()
+        self.b = None
+
+    def fileno(self) -> int:
+        return self._ep.fileno()   # readable when a watched process exits
+
+    def poll(self) -> list[Event]:
+        for fd, _ in self._ep.poll(0):
+            self._exit(self._fds[fd], fd)
+        out, self._events = self._events, []
+        return out
+
+    def usage(self) -> list[ProcUsage]:
+        return [ProcUsage(pid=pid, dev=dev, gen=0, cgroup_id=0, comm=self.comm.get(pid, ""), live=r.live,
+                          peak=r.peak, n_alloc=r.n_alloc, n_free=r.n_free, bytes_alloc=r.bytes_alloc,
+                          bytes_free=r.bytes_free, n_failed=0, contexts=r.contexts, last_ns=r.last_ns)
+                for pid, devs in sorted(self.rows.items()) for dev, r in sorted(devs.items())]
+
+    def stats(self) -> dict[str, int]:
+        return {"drops": 0, "unknown_free": 0}
+
+    def rescan(self, force: bool = False) -> list:
+        return []
+
+    # --- what the shims report (enforcer/broker.py) ---
+    def watch(self, pid: int) -> None:
+        """A process said hello: follow it to its exit."""
+        if pid in self._fds.values():
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        self._fds[fd] = pid
+        self._ep.register(fd, select.EPOLLIN)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                self.comm[pid] = f.read().strip()
+        except OSError:
+            pass
+
+    def context(self, pid: int, dev: int, primary: bool) -> None:
+        """A context was made: the primary one counts once per process and device, as in BPF."""
+        if primary:
+            if (pid, dev) in self.primary:
+                return
+            self.primary.add((pid, dev))
+        self._row(pid, dev).contexts += 1
+        self._charge(pid, dev, 0, 1)
+
+    def alloc(self, pid: int, dev: int, size: int) -> None:
+        n = footprint(size)
+        r = self._row(pid, dev)
+        r.live += n
+        r.peak = max(r.peak, r.live)
+        r.n_alloc += 1
+        r.bytes_alloc += n
+        self._charge(pid, dev, n, 0)
+        self._event(pid, "alloc", dev, n, r.live)
+
+    def free(self, pid: int, dev: int, size: int) -> None:
+        n = footprint(size)
+        r = self._row(pid, dev)
+        n = min(n, r.live)
+        r.live -= n
+        r.n_free += 1
+        r.bytes_free += n
+        self._charge(pid, dev, -n, 0)
+        self._event(pid, "free", dev, n, r.live)
+
+    # --- inside ---
+    def _row(self, pid: int, dev: int) -> _Row:
+        r = self.rows.setdefault(pid, {}).setdefault(dev, _Row())
+        r.last_ns = time.monotonic_ns()
+        return r
+
+    def _charge(self, pid: int, dev: int, nbytes: int, contexts: int) -> None:
+        """The container's counters, as BPF keeps them: only once the enforcer made its entry."""
+        member = self.b[b"members"].get(pid)
+        if member is None:
+            return
+        key = getattr(member, "value", member) & ~SHIM_MEMBER
+        st = self.b[b"cgstate"].get(self.b[b"cgstate"].Key(container=key, dev=dev))
+        if st is not None:
+            st.used = max(0, st.used + nbytes)
+            st.contexts = max(0, st.contexts + contexts)
+
+    def _exit(self, pid: int, fd: int) -> None:
+        self._ep.unregister(fd)
+        os.close(fd)
+        del self._fds[fd]
+        left = 0
+        for dev, r in self.rows.pop(pid, {}).items():
+            self._charge(pid, dev, -r.live, -r.contexts)
+            left += r.live
+        self.primary = {p for p in self.primary if p[0] != pid}
+        self.b[b"members"].pop(pid, None)
+        self._event(pid, "exit", -1, left, 0)
+        self.comm.pop(pid, None)
+
+    def _event(self, pid: int, op: str, dev: int, size: int, live: int) -> None:
+        self._events.append(Event(time.monotonic_ns(), pid, pid, self.comm.get(pid, ""), 0, op, "shim", None,
+                                  dev, 0, size, live, 0, 0))

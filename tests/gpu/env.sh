@@ -1,0 +1,19 @@
+# Sourced by the scripts that run on the GPU machine (Ubuntu 24.04, no network), from the repo
+# root, with these git-ignored folders carried along:
+#   .bcc    = ../shared/gpu-bcc (bcc 0.26 + LLVM 14 + generic headers, FACTS.md)
+#   .wheels = pip download --python-version 3.12 --only-binary=:all: -d .wheels \
+#             typer rich nvidia-ml-py pyroute2 pytest setuptools
+#   build   = `make` output (stand-in driver, cgcaller, alloc_bench; glibc 2.36 binaries run there)
+# The machine's python3 has PyTorch; the package and its deps go to a --target folder on
+# PYTHONPATH, so that python3 (and the PyTorch child processes) keep their own packages;
+# python3 -P keeps the source folder convgpu/ from shadowing the installed package, and bench/
+# goes on the path alone (python3 -P -m bench.X).
+OUT=${OUT:-/tmp/convgpu-out}; mkdir -p "$OUT"
+source .bcc/bcc-env.sh
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc
+  python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'; } | tee "$OUT/machine.txt"
+python3 -m venv /tmp/pipenv >/dev/null && P=/tmp/pipenv/bin/python || P=python3
+$P -m pip install -q --no-index --find-links .wheels --target /tmp/pkgs setuptools
+PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-build-isolation --upgrade --target /tmp/pkgs '.[test]'
+mkdir -p /tmp/benchpath && ln -sfn "$PWD/bench" /tmp/benchpath/bench
+export PYTHONPATH=/tmp/pkgs:/tmp/benchpath:${PYTHONPATH:-} CONVGPU_BUILD=$PWD/build   # bcc-env.sh put bcc there
