@@ -1,6 +1,7 @@
 """The preload shim on the real driver, under the running enforcer: PyTorch under a 1 GiB limit
 gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit in mem_get_info, and still trains a
-small model; an nvcc program (static cudart) is limited through its driver calls."""
+small model; an nvcc program (static cudart) is limited through its driver calls. Both with
+the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
 import json
 import os
 import shutil
@@ -38,14 +39,15 @@ print(json.dumps({"free": free, "total": total, "oom": oom, "first": losses[0], 
 """
 
 
-@pytest.fixture
-def enforcer(root):
+@pytest.fixture(params=["probes", "shim-only"])
+def enforcer(root, request):
     from convgpu.enforcer.containers import cgroup_layout
     base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-shim-{os.getpid()}"
     run_dir = "/run/convgpu-gpu-shim"
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "16GiB",
                             "--limit", "torch=1GiB", "--limit", "nvcc64=64MiB", "--limit", "nvcc1g=1GiB",
-                            "--run-dir", run_dir], stderr=subprocess.PIPE, text=True, cwd="/")
+                            "--run-dir", run_dir, *(["--no-probes"] if request.param == "shim-only" else [])],
+                           stderr=subprocess.PIPE, text=True, cwd="/")
     log = []
     lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 120, "enforcer log")
     from convgpu.cli.shim import shim_env
