@@ -88,6 +88,7 @@ class Enforcer:
         self._next_key = 1
         self._beat = self._measured = 0.0
         self._paused = False
+        self._stuck: set[int] = set()     # devices where every container waits and none can run
         self._reload_asked = False
         self.started = time.time()
         self.run_dir = run_dir
@@ -543,11 +544,10 @@ class Enforcer:
             for box in waiting:   # a free inside the container may be enough
                 if self._demand(box, dev) <= box.assigned[dev]:
                     self._resume(box, dev, "fits its assignment")
-            for _ in range(2):   # a second pass only after a reclaim
-                if self._grant(dev, now) or not self._reclaim(dev):
-                    break
+            if not self._grant(dev, now) and self._reclaim(dev) and not self._grant(dev, now, fit_only=True):
+                self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
 
-    def _grant(self, dev: int, now: float) -> bool:
+    def _grant(self, dev: int, now: float, fit_only: bool = False) -> bool:
         """One pass of the policy over the waiters on dev; True if it resumed one."""
         cands = []
         for box in self.boxes.values():
@@ -563,7 +563,7 @@ class Enforcer:
                                          assigned=box.assigned[dev], used=demand, request=0))
         free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
         resumed = False
-        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait):
+        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only):
             box = self.boxes[g.id]
             box.assigned[dev] += g.amount
             box.grants += 1
@@ -588,6 +588,17 @@ class Enforcer:
             box.assigned[dev] = held
             self._write_assign(box, dev)
         return bool(back)
+
+    def _deadlock(self, dev: int):
+        """What waiters hold themselves (their contexts) leaves too little for any of them:
+        only an exit or more capacity ends it. Said once until someone runs again."""
+        if dev in self._stuck:
+            return
+        self._stuck.add(dev)
+        free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+        log.warning("GPU%d deadlocked: every container waits, and none can run on the %s free (the "
+                    "rest is held by the waiters themselves, their contexts): it ends when one of them "
+                    "exits", dev, format_size(free))
 
     def _held(self, box: Box, dev: int) -> int:
         """What the container holds now: its demand less the requests it is stopped at."""
@@ -621,6 +632,7 @@ class Enforcer:
         if w is None:
             return
         box.stalled_s += time.monotonic() - w.since
+        self._stuck.discard(dev)
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
             self.stopper.resume(Target(tuple(w.pids - self.shimmed)))

@@ -166,10 +166,14 @@ def pick(policy: str, waiters: Sequence[Waiter], free: int, now: float,
 
 
 def schedule(policy: str, waiters: Sequence[Waiter], free: int, now: float,
-             rng: random.Random, max_wait: float = MAX_WAIT) -> list[Grant]:
-    """Hand `free` bytes to waiters, one pick at a time, each up to its full limit."""
+             rng: random.Random, max_wait: float = MAX_WAIT, fit_only: bool = False) -> list[Grant]:
+    """Hand `free` bytes to waiters, one pick at a time, each up to its full limit.
+    fit_only, the pass after a reclaim: the policy picks only among waiters that can resume on
+    what is free, and nobody gets a partial slice (else ru would hand the reclaimed pool to a
+    waiter it cannot complete, and the deadlock would be back at once)."""
     fn = _check(policy, max_wait)
-    candidates = [w for w in waiters if w.missing > 0]
+    fits = (lambda c: c.need <= free) if fit_only else (lambda c: True)
+    candidates = [w for w in waiters if w.missing > 0 and fits(w)]
     grants: list[Grant] = []
     while free > 0 and candidates:
         w = fn(candidates, free, now, rng, max_wait)
@@ -177,7 +181,7 @@ def schedule(policy: str, waiters: Sequence[Waiter], free: int, now: float,
         grants.append(Grant(w.id, amount, resume=w.need <= amount))
         free -= amount
         # By identity: two equal waiters (same fields) are still two candidates.
-        candidates = [c for c in candidates if c is not w]
+        candidates = [c for c in candidates if c is not w and fits(c)]
     return grants
 
 

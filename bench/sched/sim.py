@@ -191,9 +191,8 @@ class _Sim:
         for box in waiting:   # a free inside the container may be enough (never here)
             if self.demand(box) <= box.assigned:
                 self.resume(now, box)
-        for _ in range(2):    # Enforcer.schedule: a second pass only after a reclaim
-            if self.grant(now) or not self.reclaim(now):
-                break
+        if not self.grant(now) and self.reclaim(now):   # Enforcer.schedule
+            self.grant(now, fit_only=True)
 
     def reclaim(self, now: float) -> bool:   # Enforcer._reclaim
         waiting = {b.job.name: (b.assigned, b.used) for b in self.boxes.values() if b.since is not None}
@@ -204,7 +203,7 @@ class _Sim:
             self.note(now, "reclaim", name)
         return bool(back)
 
-    def grant(self, now: float) -> bool:     # Enforcer._grant
+    def grant(self, now: float, fit_only: bool = False) -> bool:     # Enforcer._grant
         resumed = False
         cands = []
         for box in self.boxes.values():
@@ -215,7 +214,7 @@ class _Sim:
                                          suspended_at=box.since, limit=box.limit,
                                          assigned=box.assigned, used=self.demand(box), request=0))
         free = self.capacity - sum(b.assigned for b in self.boxes.values())
-        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait):
+        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only):
             box = self.boxes[g.id]
             box.assigned += g.amount
             self.note(now, "grant", g.id)

@@ -1,6 +1,7 @@
 """The scheduling simulator (bench/sched): hand-computed schedules per policy, determinism per
 seed, and invariants over many seeded workloads. No kernel, no root."""
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -101,6 +102,33 @@ def test_ru_partial_grants_would_deadlock_and_reclaim_breaks_it():
         r = simulate(DEAD, policy, overhead=0, capacity=4 * GiB)
         assert summary(r) == {"c00": (0.0, 20.0, 0.0), "c01": (20.0, 30.0, 15.0),
                               "c02": (30.0, 60.0, 20.0)}, policy
+
+
+# After a reclaim, ru's own pick may still not fit: 4 GiB, 512 MiB contexts. A (2 GiB) runs
+# 0-20. B (2.5 GiB) at 5 gets the 1.5 GiB left: its context runs, it waits for 2.5 GiB more.
+# C (3.5 GiB) at 10 gets nothing and waits at its context. A exits: 2.5 GiB free; ru hands them
+# to C (suspended last): its context runs, and it waits again, 1.5 GiB short. Nobody runs: the
+# reclaim leaves each its context, 3 GiB free. Another ru pass would give them to C (needs
+# 3.5) and strand them there for good; the pass after a reclaim picks only among waiters that
+# can run: B runs 20-30, then C 30-60.
+STRANDED = [Job(0, 0.0, 2 * GiB, 20.0), Job(1, 5.0, 5 * GiB // 2, 10.0), Job(2, 10.0, 7 * GiB // 2, 30.0)]
+
+
+def test_after_a_reclaim_the_pick_is_among_those_that_can_run():
+    for policy in ("ru", "fifo", "bf", "bfa"):
+        r = simulate(STRANDED, policy, overhead=GiB // 2, capacity=4 * GiB)
+        assert r.deadlocked == () and r.peak_assigned <= 4 * GiB, policy
+        assert summary(r) == {"c00": (0.0, 20.0, 0.0), "c01": (20.0, 30.0, 15.0),
+                              "c02": (30.0, 60.0, 20.0)}, policy
+
+
+def test_fit_only_picks_among_waiters_that_can_run_and_leaves_no_slice():
+    from convgpu.enforcer.policies import Waiter, schedule
+    ws = [Waiter(id="b", created=5.0, suspended_at=5.0, limit=3 * GiB, assigned=GiB // 2, used=3 * GiB, request=0),
+          Waiter(id="c", created=10.0, suspended_at=20.0, limit=4 * GiB, assigned=GiB // 2, used=4 * GiB, request=0)]
+    picks = lambda **kw: [(g.id, g.amount, g.resume) for g in schedule("ru", ws, 3 * GiB, 30.0, random.Random(0), **kw)]
+    assert picks() == [("c", 3 * GiB, False)]                      # ru: the last suspended, short
+    assert picks(fit_only=True) == [("b", 5 * GiB // 2, True)]    # the 512 MiB left stay free
 
 
 def test_reclaim_only_when_nothing_runs():
