@@ -340,9 +340,8 @@ class Enforcing:
 
 def shim_env(env, enf=None, **more):
     """env for a process under the preload shim, talking to `enf` (or to no enforcer)."""
-    from convgpu.cli.shim import library
-    sock = f"{enf.run_dir}/shim/shim.sock" if enf else "/nonexistent/shim.sock"
-    return dict(env, LD_PRELOAD=library(), CONVGPU_SHIM_SOCKET=sock, CONVGPU_SHIM_LOG="2", **more)
+    from convgpu.cli import shim
+    return dict(env, **shim.shim_env(enf.run_dir if enf else "/nonexistent"), CONVGPU_SHIM_LOG="2", **more)
 
 
 # How a container is limited (issue "shim": the scenarios run in every mode): stopped by the

@@ -69,7 +69,7 @@ def test_no_enforcer_fail_open_or_closed(build, caller_env, closed):
     env = shim_env(caller_env, **({"CONVGPU_SHIM_FAIL_CLOSED": "1"} if closed else {}))
     r = subprocess.run([str(build / "cgcaller"), "alloc", "-n", "2", "-s", str(4 * MiB)], env=env,
                        capture_output=True, text=True, timeout=60)
-    assert r.stderr.count("no enforcer on /nonexistent/shim.sock") == 1, r.stderr   # warned once
+    assert r.stderr.count("no enforcer on /nonexistent/shim/shim.sock") == 1, r.stderr   # warned once
     if closed:
         assert r.returncode == 2 and "error cuMemAlloc_v2 2" in r.stderr
     else:
