@@ -591,7 +591,7 @@ class Enforcer:
 
     def _deadlock(self, dev: int):
         """What waiters hold themselves (their contexts) leaves too little for any of them:
-        only an exit or more capacity ends it. Said once until someone runs again."""
+        only an exit ends it. Said once, until someone runs again."""
         if dev in self._stuck:
             return
         self._stuck.add(dev)

@@ -117,9 +117,6 @@ class Ledger:
     def stats(self) -> dict[str, int]:
         return {"drops": 0, "unknown_free": 0}
 
-    def rescan(self, force: bool = False) -> list:
-        return []
-
     # --- what the shims report (enforcer/broker.py) ---
     def watch(self, pid: int) -> None:
         """A process said hello: follow it to its exit."""
