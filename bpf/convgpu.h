@@ -178,6 +178,8 @@ struct cg_control {
     __u32 waiters;         /* containers waiting for memory: frees and exits wake the enforcer */
     __u32 owner;           /* the enforcer whose programs admit: during a take-over the old
                             * instance's programs, still attached, only account */
+    __u32 quiet;           /* no view attached to the enforcer: no alloc/free events, except
+                            * frees while someone waits (its numbers are in maps) */
 };
 
 /* Global counters (per-CPU array slots). */

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
+VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Enforcer:
         self._beat = self._measured = 0.0
         self._paused = False
         self._stuck: set[int] = set()     # devices where every container waits and none can run
+        self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
         self._reload_asked = False
         self.started = time.time()
         self.run_dir = run_dir
@@ -116,7 +118,10 @@ class Enforcer:
                                 enforcing=int(enforcing and not self._paused),
                                 over_limit_kill=int(self.over_limit == "kill"),
                                 waiters=sum(len(b.waiting) for b in self.boxes.values()),
-                                owner=self.owner)
+                                owner=self.owner, quiet=int(enforcing and self._quiet()))
+
+    def _quiet(self) -> bool:
+        return time.monotonic() - self._viewed > VIEW_GRACE
 
     def _write_assign(self, box: Box, dev: int):
         t = self._t("assign")
@@ -366,7 +371,9 @@ class Enforcer:
         if dirty:
             self.schedule()
             self._save_held()
-            self._control(True)   # the waiters count: frees wake us only while someone waits
+            self._control(True)   # the waiters count: frees wake us (and, quiet, go out) only while someone waits
+            if any(b.waiting for b in self.boxes.values()):
+                self.schedule()   # a free that came before BPF knew of the waiter sent no event
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status())
@@ -768,7 +775,12 @@ class Enforcer:
 
 
     def snapshot(self, pids=None, container=None) -> dict:
-        """`convgpu trace`'s view, with our state in it."""
+        """`convgpu trace`'s view, with our state in it. A view turns alloc/free events on (from
+        now: what came before was not kept) until VIEW_GRACE after its last snapshot."""
+        was_quiet = self._quiet()
+        self._viewed = time.monotonic()
+        if was_quiet:
+            self._control(True)
         snap = self.acct.snapshot(self.tracer.usage(), libraries=[str(x) for x in self.tracer.libraries],
                                   drops=self.tracer.stats()["drops"], pids=pids, container=container)
         d = snap.to_json()

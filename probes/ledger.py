@@ -83,7 +83,7 @@ class Ledger:
     # --- the tracer's face ---
     def start(self) -> "Ledger":
         self.b = {b"control": Table((), ("heartbeat_ns", "ctx_overhead", "enforcing", "over_limit_kill",
-                                         "waiters", "owner")),
+                                         "waiters", "owner", "quiet")),
                   b"assign": Table(("container", "dev"), ("limit", "assigned", "extra_overhead", "adopted",
                                                           "adopted_contexts")),
                   b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls")),

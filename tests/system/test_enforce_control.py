@@ -341,6 +341,37 @@ def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, 
         enf.close()
 
 
+def test_without_a_view_allocations_send_the_enforcer_no_events(cgroups, build, caller_env):
+    """Its numbers are in BPF maps, so while no `convgpu trace` looks, allocations and frees
+    send it no events (decoding them was most of its CPU at 10 k allocations/s); a view's first
+    snapshot turns them on, exactly one per call."""
+    enf = Enforcing(build, "--gpu-memory", "8GiB", "--default-limit", "4GiB")
+    cg = cgroups("quiet")
+
+    def run(n):
+        p = start_in(cg, build, caller_env, "alloc", "-n", n, "-s", MiB, "--hold")
+        read_until(p, "ready")
+        [c] = enf.ctl(cmd="status")["status"]["containers"]   # `status` is not a view
+        assert c["gpus"]["0"]["used"] == n * MiB
+        p.stdin.write("\n")
+        p.stdin.flush()
+        read_until(p, "exit")
+        assert p.wait(timeout=30) == 0
+        enf.wait_for("container quiet exited")
+        return p.pid
+
+    try:
+        pid = run(40)
+        events = enf.ctl(cmd="snapshot")["events"]
+        assert [e["op"] for e in events if e["pid"] == pid and e["op"] in ("alloc", "free")] == []
+        pid = run(30)
+        events = enf.ctl(cmd="snapshot")["events"]
+        ops = [e["op"] for e in events if e["pid"] == pid]
+        assert (ops.count("alloc"), ops.count("free")) == (30, 30)
+    finally:
+        enf.close()
+
+
 def test_sigterm_under_an_event_flood_stops_and_resumes(cgroups, build, env5):
     """bcc hands events to Python in a ctypes callback, which drops an exception raised there;
     a SIGTERM landing inside it once left an enforcer that ignored every later SIGTERM and
@@ -350,6 +381,7 @@ def test_sigterm_under_an_event_flood_stops_and_resumes(cgroups, build, env5):
             str(build / "cgcaller")]
     for round_ in range(3):
         enf = Enforcing(build, "--gpu-memory", "5GiB", "--limit", "small=1GiB")
+        enf.ctl(cmd="snapshot")   # a view: every allocation and free is an event
         flood = subprocess.Popen(loop, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env5)
         p = start_in(cgroups("small"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
         try:
