@@ -172,7 +172,8 @@ class Enforcer:
             self._control(True)
             log.info("enforcing: policy %s, capacity %s (shim only)", self.policy, self._capacity_text())
             return self
-        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the kernel closes descriptors in ascending order and runs the releases in
+        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the
+        # kernel closes descriptors in ascending order and runs the releases in
         # reverse, so the highest descriptor is released first, ahead of the perf events
         # whose uprobe detach costs ~100 ms each.
         r, w = os.pipe()
@@ -371,7 +372,7 @@ class Enforcer:
         if dirty:
             self.schedule()
             self._save_held()
-            self._control(True)   # the waiters count: frees wake us (and, quiet, go out) only while someone waits
+            self._control(True)   # the waiters count: frees wake us (go out, if quiet) while someone waits
             if any(b.waiting for b in self.boxes.values()):
                 self.schedule()   # a free that came before BPF knew of the waiter sent no event
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
