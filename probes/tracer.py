@@ -117,7 +117,14 @@ class Tracer:
         self._raw.append(ctypes.string_at(data, FORMAT.size))
 
     def poll(self) -> list[Event]:
-        """Everything since the last poll; also attaches new libraries and cleans up."""
+        """Everything since the last poll; also attaches new libraries and cleans up. The
+        housekeeping comes first, for what earlier polls found: an exit reaches the caller
+        (the enforcer resumes a waiter on it) without waiting for its own sweep."""
+        self.rescan()
+        now = time.monotonic()
+        if self._sweeps or now - self._last_sweep > self.sweep_every:
+            self._sweep(full=now - self._last_sweep > self.sweep_every)
+            self._last_sweep = now if now - self._last_sweep > self.sweep_every else self._last_sweep
         self.b.ring_buffer_consume()
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
@@ -125,11 +132,6 @@ class Tracer:
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
-        self.rescan()
-        now = time.monotonic()
-        if self._sweeps or now - self._last_sweep > self.sweep_every:
-            self._sweep(full=now - self._last_sweep > self.sweep_every)
-            self._last_sweep = now if now - self._last_sweep > self.sweep_every else self._last_sweep
         out, self._pending = self._pending, []
         return out
 
