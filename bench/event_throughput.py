@@ -1,6 +1,6 @@
 """Trace events per second without loss, on the CPU with the stand-in driver.
 
-    python bench/event_throughput.py [--threads 2] [--count 50000]
+    python -m bench.event_throughput [--threads 2] [--count 50000] [--json FILE]
 
 1. live: cgcaller makes THREADS x COUNT allocations and as many frees as fast as it can while
    the tracer drains the ring buffer every 100 ms (no per-event wake-ups): events received,
@@ -9,6 +9,7 @@
 2. burst: the same caller runs while nobody drains (the 16 MiB ring holds ~200 k events),
    then one poll drains everything: the consumer's own rate, decode included."""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -18,12 +19,13 @@ from convgpu.paths import build_dir
 from convgpu.probes.tracer import Tracer
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--count", type=int, default=50000)
     ap.add_argument("--size", type=int, default=4096)
-    a = ap.parse_args()
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
     b = build_dir()
     env = dict(os.environ, LD_LIBRARY_PATH=str(b / "standin"), CONVGPU_STANDIN_SHM=f"/convgpu-bench-{os.getpid()}")
     with Tracer(libraries=(str(b / "standin" / "libcuda.so.1"),), discover=False, selftest=False) as t:
@@ -50,6 +52,10 @@ def main() -> int:
         dt = time.monotonic() - start
         lost = t.stats()["drops"] - drops0 - drops
         print(f"burst: drained {n} buffered events in {dt:.3f} s: {n / dt:,.0f} events/s, {lost} lost")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"live": {"expected": expected, "received": got, "lost": drops, "seconds": elapsed},
+                       "burst": {"expected": 4 * burst, "received": n, "lost": lost, "seconds": dt}}, f)
     return 0 if drops == 0 and lost == 0 else 1
 
 

@@ -6,7 +6,8 @@ probed (the tracer attached), enforced (`convgpu enforce` running, nothing stall
                                      [--rounds 5] [--modes bare,probed,enforced,shim]
 
 The modes alternate within each round (attach, measure, detach, again), so drift of the machine
-hits all alike. Each cell is the median over rounds of the per-call median.
+hits all alike. Each cell is the median over rounds of the per-call median; the JSON also has
+the median over rounds of the per-call p99 (`p99_us`), printed below the table.
 Without --standin the real driver is used (the GPU machine); with it, build/standin."""
 import argparse
 import json
@@ -28,7 +29,7 @@ def run_bench(size: int, iters: int, env: dict) -> dict:
     return {out[i]: int(out[i + 1]) for i in range(0, len(out), 2)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--standin", action="store_true")
     ap.add_argument("--sizes", default="4K,64K,1M,2M,16M,64M")
@@ -36,7 +37,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default="bare,probed,enforced,shim")
     ap.add_argument("--json", help="write raw results here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     env = dict(os.environ)
     libs: tuple = ()
@@ -59,11 +60,14 @@ def main() -> int:
         row = {"size": s}
         for op in ("alloc", "free"):
             med = {m: statistics.median(x[f"{op}_ns"] for x in res[m][s]) / 1000 for m in modes}
-            row[op] = {m: {"us": med[m], "added_us": med[m] - med["bare"], "ratio": med[m] / med["bare"]}
-                       for m in modes}
+            p99 = {m: statistics.median(x[f"p99_{op}_ns"] for x in res[m][s]) / 1000 for m in modes}
+            row[op] = {m: {"us": med[m], "added_us": med[m] - med["bare"], "ratio": med[m] / med["bare"],
+                           "p99_us": p99[m]} for m in modes}
             print(f"{format_size(s):>10} {op:>5} {med['bare']:>9.2f} " +
                   " ".join(f"{med[m] - med['bare']:>12.2f} {med[m] / med['bare']:>6.2f}" for m in modes[1:]))
         rows.append(row)
+    print("p99 us: " + "; ".join(f"{format_size(r['size'])} {op} " + " ".join(
+        f"{m} {r[op][m]['p99_us']:.2f}" for m in modes) for r in rows for op in ("alloc", "free")))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "rows": rows},

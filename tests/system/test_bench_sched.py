@@ -1,7 +1,8 @@
-"""CI smoke of the scheduling experiment's real form (bench/sched/real.py) and of issue 3's
-resume / CPU benchmark (bench/sched/resume.py), on the stand-in driver under `convgpu
-enforce`: shapes and sanity, never machine speed. The simulator's smoke is in
-tests/unit/test_sim.py."""
+"""CI smoke of the benchmarks that need no GPU, on the stand-in driver: the scheduling
+experiment's real form (bench/sched/real.py), issue 3's resume / CPU benchmark
+(bench/sched/resume.py), the added latency (bench/probe_latency.py) and the event throughput
+(bench/event_throughput.py): shapes and sanity, never machine speed. The simulator's smoke is
+in tests/unit/test_sim.py."""
 import json
 import math
 import sys
@@ -54,3 +55,32 @@ def test_resume_benchmark_shape(root, build, tmp_path):
     idle, busy = res["cpu"]
     assert idle["allocs"] == 0 and 500 <= busy["allocs"] <= 1000   # paced: never above the rate
     assert all(math.isfinite(x["cpu_pct"]) and x["cpu_pct"] >= 0 for x in res["cpu"])
+
+
+# ---- CI smoke runs of the other experiments that need no GPU (issue 5): shape and sanity ----
+
+def test_latency_benchmark_shape(root, build, tmp_path):
+    """Experiment 1 on the stand-in: every mode measured for every size and call."""
+    from bench import probe_latency
+    out = tmp_path / "latency.json"
+    assert probe_latency.main(["--standin", "--rounds", "1", "--iters", "200", "--sizes", "4K,2M",
+                               "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["modes"] == ["bare", "probed", "enforced", "shim"] and [r["size"] for r in res["rows"]] == [4096, 2 << 20]
+    for row in res["rows"]:
+        for op in ("alloc", "free"):
+            cells = row[op]
+            assert cells["bare"]["ratio"] == 1.0 and cells["bare"]["added_us"] == 0.0
+            assert all(0 < c["us"] <= c["p99_us"] < 1e6 for c in cells.values()), cells
+
+
+def test_event_throughput_shape(root, build, tmp_path):
+    """Experiment 6 on the stand-in: nothing lost, every call an event."""
+    from bench import event_throughput
+    out = tmp_path / "events.json"
+    assert event_throughput.main(["--count", "5000", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    live, burst = res["live"], res["burst"]
+    assert live["lost"] == burst["lost"] == 0
+    assert live["received"] >= live["expected"] == 20000 and burst["received"] >= burst["expected"] == 20000
+    assert live["seconds"] > 0 and burst["seconds"] > 0
