@@ -91,6 +91,7 @@ class Enforcer:
         self._paused = False
         self._stuck: set[int] = set()     # devices where every container waits and none can run
         self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
+        self._told = 0                     # the waiters count last written to BPF
         self._reload_asked = False
         self.started = time.time()
         self.run_dir = run_dir
@@ -112,13 +113,15 @@ class Enforcer:
     def _t(self, name):
         return self.tracer.b[name.encode()]
 
-    def _control(self, enforcing: bool):
+    def _control(self, enforcing: bool) -> int:
+        """Writes the control map; returns the waiters count BPF knew before."""
         t = self._t("control")
+        told, self._told = self._told, sum(len(b.waiting) for b in self.boxes.values())
         t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), ctx_overhead=self.ctx_overhead,
                                 enforcing=int(enforcing and not self._paused),
                                 over_limit_kill=int(self.over_limit == "kill"),
-                                waiters=sum(len(b.waiting) for b in self.boxes.values()),
-                                owner=self.owner, quiet=int(enforcing and self._quiet()))
+                                waiters=self._told, owner=self.owner, quiet=int(enforcing and self._quiet()))
+        return told
 
     def _quiet(self) -> bool:
         return time.monotonic() - self._viewed > VIEW_GRACE
@@ -372,9 +375,10 @@ class Enforcer:
         if dirty:
             self.schedule()
             self._save_held()
-            self._control(True)   # the waiters count: frees wake us (go out, if quiet) while someone waits
-            if any(b.waiting for b in self.boxes.values()):
-                self.schedule()   # a free that came before BPF knew of the waiter sent no event
+            # the waiters count: frees wake us (and go out, if quiet) only while someone waits,
+            # so a free that came before BPF knew of its first waiter sent no event: look again
+            if self._control(True) == 0 and self._told:
+                self.schedule()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status())

@@ -14,15 +14,11 @@ from pathlib import Path
 import pytest
 
 from convgpu.paths import build_dir
+from convgpu.probes.ledger import footprint  # noqa: F401  (bytes an allocation takes: BPF's rule)
 
 REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def footprint(size: int) -> int:
-    """Bytes a linear allocation takes: above 1 MiB, whole 2 MiB pages (bpf/convgpu.bpf.c)."""
-    return -(-size // (2 * MiB)) * 2 * MiB if size > MiB else size
 
 
 def need(condition: bool, reason: str):
