@@ -1,9 +1,13 @@
 """Builds the preload shim (shim/shim.c) as part of the package's own install: it ships inside
 the package as convgpu/libconvgpu*.so (a plain shared library for LD_PRELOAD, not a Python
-module; `convgpu shim --print-env` finds it). Everything else is in pyproject.toml."""
+module; `convgpu shim --print-env` finds it), with convgpu/libcredit*.so, the enforcer's atomic
+operations on the shim's credit pages (shim/credit.h). Everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "convgpu.libconvgpu", sources=["shim/shim.c"], depends=["shim/hooks.h"],
-    extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall", "-Wextra"],
-    libraries=["dl", "pthread"])])
+FLAGS = ["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall", "-Wextra"]
+
+setup(ext_modules=[
+    Extension("convgpu.libconvgpu", sources=["shim/shim.c"], depends=["shim/hooks.h", "shim/credit.h"],
+              extra_compile_args=FLAGS, libraries=["dl", "pthread"]),
+    Extension("convgpu.libcredit", sources=["shim/credit.c"], depends=["shim/credit.h"],
+              extra_compile_args=FLAGS)])

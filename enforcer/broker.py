@@ -6,13 +6,19 @@ With probes active there is one accounting: BPF charges the shim process's bytes
 other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
 held here as *pending* until the shim reports the allocation (then BPF has charged it).
 Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
-ledger (probes/ledger.py), which keeps the same tables BPF would."""
+ledger (probes/ledger.py), which keeps the same tables BPF would.
+
+After a grant the process also gets *credit* (enforcer/credit.py): half of what its container
+has left on the device, which its next allocations take without asking. Credit is pending
+too (pending = credit unspent + taken but not yet reported), and every unspent byte of the
+container comes back (`revoke`) before any other request of it is decided."""
 import ctypes as ct
 import logging
 from collections import defaultdict
 
-from ..probes.ledger import SHIM_MEMBER, footprint
+from ..probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
 from ..units import format_size
+from .credit import CreditPage
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +28,8 @@ class ShimBroker:
         self.enf = enf
         self.pending: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # pid -> dev -> bytes
         self.ledger = None if enf.tracer.kernel else enf.tracer   # no probes: we account
+        self.pages: dict[int, CreditPage] = {}    # pid -> its credit page
+        self.asks = 0                              # requests that had to be decided here
 
     def _box(self, pid: int):
         enf = self.enf
@@ -41,10 +49,15 @@ class ShimBroker:
             log.info("pid %d of %s uses the shim: it waits (or fails) instead of stopping", pid, box.name)
         return box
 
-    def shim_hello(self, pid: int) -> dict:
+    def shim_hello(self, pid: int) -> tuple[dict, int]:
+        """The reply, and the process's credit page to pass with it."""
         box = self._box(pid)
-        return {"limit": box.limit,
-                "devices": {str(d): min(box.limit, cap) for d, cap in sorted(self.enf.capacity.items())}}
+        page = self.pages.get(pid)
+        if page is None:
+            page = self.pages[pid] = CreditPage(DEV_PAGE, SUBALLOC_MAX)
+        return ({"limit": box.limit, "credit": page.id,
+                 "devices": {str(d): min(box.limit, cap) for d, cap in sorted(self.enf.capacity.items())}},
+                page.fd)
 
     def shim_ask(self, pid: int, dev: int, size: int, wake):
         enf = self.enf
@@ -53,6 +66,8 @@ class ShimBroker:
             return {"deny": f"no GPU{dev} under the enforcer"}
         if dev not in box.assigned:
             enf._new_device(box, dev)
+        self.asks += 1
+        self.revoke(box, dev)
         size = footprint(size)   # what it will be charged: whole device pages above 1 MiB
         need = enf._demand(box, dev) + size
         if need > box.limit:
@@ -62,6 +77,7 @@ class ShimBroker:
             return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(box.limit)}"}
         if need <= box.assigned[dev]:
             self._hold(box, pid, dev, size)
+            self._credit(box, pid, dev)
             return {"grant": True}
         w = enf._waiter(box, dev, pid, size)
         w.wakes.append((pid, size, wake))
@@ -75,11 +91,30 @@ class ShimBroker:
         box.shim_pending[dev] = box.shim_pending.get(dev, 0) + size
         self.pending[pid][dev] += size
 
+    def _credit(self, box, pid: int, dev: int):
+        """After a grant: half of what the container has left on dev, for the next allocations."""
+        page = self.pages.get(pid)
+        extra = (box.assigned[dev] - self.enf._demand(box, dev)) // 2
+        if page is not None and dev not in box.waiting and extra > 0:
+            self._hold(box, pid, dev, extra)
+            page.give(dev, extra)
+
+    def revoke(self, box, dev: int):
+        """Takes back every unspent byte of credit of box's processes on dev."""
+        for pid in box.pids & self.pages.keys():
+            left = self.pages[pid].take_all(dev)
+            if left:
+                self._settle(pid, dev, left)   # clamped: the page is the process's to scribble on
+
+    def unspent(self, box, dev: int) -> int:
+        return sum(self.pages[pid].unspent(dev) for pid in box.pids & self.pages.keys())
+
     def granted(self, box, dev: int, wakes, answer: dict):
         """The scheduler resumed (or refused) a shim waiter."""
         for pid, size, wake in wakes:
             if answer.get("grant"):
                 self._hold(box, pid, dev, size)
+                self._credit(box, pid, dev)
             wake(answer)
 
     def _settle(self, pid: int, dev: int, size: int):
@@ -108,10 +143,13 @@ class ShimBroker:
     def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
         box = self._box(pid)
         total = min(box.limit, self.enf.capacity.get(dev, 0))
-        used = self.enf._demand(box, dev) if dev in box.assigned else 0
-        return total, min(used, total)
+        used = self.enf._demand(box, dev) - self.unspent(box, dev) if dev in box.assigned else 0
+        return total, max(0, min(used, total))
 
     def shim_gone(self, pid: int):
+        page = self.pages.pop(pid, None)
+        if page is not None:
+            page.close()
         for dev, held in self.pending.pop(pid, {}).items():
             box = self.enf.pid_box.get(pid)
             if box is not None:

@@ -488,6 +488,7 @@ class Enforcer:
             st[k] = st.Leaf()
 
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
+        self.broker.revoke(box, dev)   # credit of the container's shim processes: for the waiter
         w = box.waiting.get(dev)
         if w is None:
             w = box.waiting[dev] = Wait(time.monotonic(), set())
@@ -683,6 +684,7 @@ class Enforcer:
             return
         box.limit, box.source = limit, source
         for dev in box.assigned:
+            self.broker.revoke(box, dev)
             box.assigned[dev] = min(box.assigned[dev], max(limit, self._demand(box, dev)))
             self._write_assign(box, dev)
             if dev in box.waiting:
@@ -764,6 +766,7 @@ class Enforcer:
                     "assigned": box.assigned[dev], "used": used,
                     "context_overhead": contexts * self.ctx_overhead + box.extra.get(dev, 0),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
+                    "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
                     "waiting_pids": sorted(w.pids) if w else []}
@@ -776,7 +779,7 @@ class Enforcer:
         return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
-                "started": self.started, "gpus": gpus, "containers": rows}
+                "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows}
 
 
     def snapshot(self, pids=None, container=None) -> dict:

@@ -28,6 +28,7 @@ class Peer:
     buf: bytearray = field(default_factory=bytearray)
     out: bytearray = field(default_factory=bytearray)
     state: dict = field(default_factory=dict)   # per connection, for the handler
+    fds: list = field(default_factory=list)     # passed (SCM_RIGHTS) with the next reply
     gone: bool = False
 
 
@@ -137,7 +138,11 @@ class Server:
 
     def _flush(self, peer: Peer):
         try:
-            n = peer.conn.send(peer.out)
+            if peer.fds:
+                n = socket.send_fds(peer.conn, [peer.out], peer.fds)
+                peer.fds.clear()
+            else:
+                n = peer.conn.send(peer.out)
             del peer.out[:n]
         except (BlockingIOError, InterruptedError):
             pass

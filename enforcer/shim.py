@@ -23,7 +23,9 @@ class ShimHandler(Handler):
             if not peer.state.get("hello"):
                 peer.state["hello"] = True
                 self.conns[peer.pid] = self.conns.get(peer.pid, 0) + 1
-            return {"ok": True, **self.broker.shim_hello(peer.pid)}
+            answer, page = self.broker.shim_hello(peer.pid)
+            peer.fds.append(page)   # the credit page goes with the reply (shim/credit.h)
+            return {"ok": True, **answer}
         if not peer.state.get("hello"):
             return {"ok": False, "error": "say hello first"}
         if peer.state.get("asking"):

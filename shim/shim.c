@@ -1,6 +1,7 @@
 /* libconvgpu.so: the preload shim. LD_PRELOAD it (see `convgpu shim --print-env`) and every
  * allocating CUDA driver call asks the enforcer first, over its shim socket, in JSON lines:
- *   {"op":"hello"}                         -> {"ok":true,"limit":L}      once per connection
+ *   {"op":"hello"}                         -> {"ok":true,"limit":L,"credit":ID} once per connection,
+ *                                             with the process's credit page (an fd, SCM_RIGHTS)
  *   {"op":"ask","dev":D,"size":N}          -> {"ok":true,"grant":true} | {"ok":true,"deny":"why"}
  *   {"op":"alloc","dev":D,"addr":A,"size":N}  after success (no reply)
  *   {"op":"free","addr":A}                 after success (no reply)
@@ -9,6 +10,8 @@
  * A grant may take a while (the container waits for memory): one connection per thread, so only
  * the calling thread waits. A deny becomes CUDA_ERROR_OUT_OF_MEMORY (the runtime turns it into
  * cudaErrorMemoryAllocation; PyTorch frees its cache and retries, then raises OutOfMemoryError).
+ * An allocation that its process's credit covers (credit.h) does not ask: it takes the bytes
+ * with one compare-and-swap and only reports, so most calls never wait for the enforcer.
  * Who asks is what the kernel says (SO_PEERCRED), never what a message claims.
  * Without a reachable enforcer calls pass through with one warning (fail-open), or fail with
  * out-of-memory when CONVGPU_SHIM_FAIL_CLOSED=1. Hooks: hooks.h (one X-macro list). */
@@ -21,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -34,6 +38,7 @@ struct shim_extent { size_t width, height, depth; };
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define EXPORT __attribute__((visibility("default")))
 
+#include "credit.h"
 #include "hooks.h"
 
 /* ---- configuration: read once, at load ---- */
@@ -42,6 +47,8 @@ static struct {
     int fail_closed;
     int level;          /* 0 quiet, 1 warnings (default), 2 decisions, 3 every call */
 } cfg = {"/run/convgpu/shim/shim.sock", 0, 1};
+
+static void forget_parent(void);
 
 __attribute__((constructor)) static void shim_config(void)
 {
@@ -53,6 +60,7 @@ __attribute__((constructor)) static void shim_config(void)
     s = getenv("CONVGPU_SHIM_LOG");
     if (s && *s >= '0' && *s <= '3')
         cfg.level = *s - '0';
+    pthread_atfork(NULL, NULL, forget_parent);
 }
 
 #define LOG(lvl, ...) do { if (cfg.level >= (lvl)) shim_log(__FILE__, __LINE__, __VA_ARGS__); } while (0)
@@ -145,6 +153,85 @@ static int recv_line(int fd, char *buf, size_t size)
     return -1;
 }
 
+/* ---- credit: bytes this process may allocate without asking ---- */
+static struct credit_page *credit;   /* NULL until a hello brought one */
+
+/* The page of the enforcer that answered the hello. Another thread may still be reading the
+ * page of an enforcer that has since restarted: the old one stays mapped (one page). */
+static void take_page(int fd, uint64_t id)
+{
+    struct credit_page *c = __atomic_load_n(&credit, __ATOMIC_ACQUIRE);
+    if (fd < 0 || (c && c->id == id)) {
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    void *p = mmap(NULL, sizeof(struct credit_page), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p != MAP_FAILED && ((struct credit_page *)p)->id == id)
+        __atomic_store_n(&credit, (struct credit_page *)p, __ATOMIC_RELEASE);
+    else if (p != MAP_FAILED)
+        munmap(p, sizeof(struct credit_page));
+}
+
+/* 1: the bytes this allocation will be charged were taken from credit (it need not ask). */
+static int take_credit(int dev, size_t size)
+{
+    struct credit_page *c = __atomic_load_n(&credit, __ATOMIC_ACQUIRE);
+    if (!c || dev < 0 || dev >= CREDIT_DEVICES)
+        return 0;
+    uint64_t want = credit_footprint(c, size), have = __atomic_load_n(&c->credit[dev], __ATOMIC_RELAXED);
+    do
+        if (have < want)
+            return 0;
+    while (!__atomic_compare_exchange_n(&c->credit[dev], &have, have - want, 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED));
+    return 1;
+}
+
+/* The hello reply carries the credit page: it is the only reply on a new connection, so
+ * reading all that came is safe here (recv_line below never reads past its line). */
+static int recv_hello(int fd, char *buf, size_t size)
+{
+    size_t n = 0;
+    int page = -1;
+    while (n + 1 < size && !memchr(buf, '\n', n)) {
+        union { char b[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl;
+        struct iovec iov = {buf + n, size - 1 - n};
+        struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof(ctl.b)};
+        ssize_t r = recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+        if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS && page < 0)
+            memcpy(&page, CMSG_DATA(cm), sizeof(int));
+        n += (size_t)r;
+    }
+    buf[n] = 0;
+    if (!memchr(buf, '\n', n)) {
+        if (page >= 0)
+            close(page);
+        return -1;
+    }
+    const char *p = strstr(buf, "\"credit\":");
+    take_page(page, p ? strtoull(p + 9, NULL, 10) : 0);
+    return 0;
+}
+
+/* A forked child is another process: its own connection, its own page (at its first call). */
+static void forget_parent(void)
+{
+    if (conn_fd >= 0)
+        close(conn_fd);
+    conn_fd = -1;
+    struct credit_page *c = credit;
+    credit = NULL;
+    if (c)
+        munmap(c, sizeof(*c));
+}
+
 static void disconnect(void)
 {
     if (conn_fd >= 0)
@@ -161,7 +248,7 @@ static int connect_enforcer(void)
     memcpy(a.sun_path, cfg.socket, sizeof(a.sun_path));
     char reply[256];
     if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-        send_all(fd, "{\"op\":\"hello\"}\n", 15) < 0 || recv_line(fd, reply, sizeof(reply)) < 0 ||
+        send_all(fd, "{\"op\":\"hello\"}\n", 15) < 0 || recv_hello(fd, reply, sizeof(reply)) < 0 ||
         !strstr(reply, "\"ok\":true")) {
         if (fd >= 0)
             close(fd);
@@ -262,13 +349,15 @@ static CUresult missing(const char *name)
             return missing(#name);                                                \
         int dev = current_device();                                               \
         size_t size = (size_expr);                                                \
-        CUresult rc = ask(#name, dev, size);                                      \
-        if (rc != CUDA_SUCCESS)                                                   \
-            return rc;                                                            \
-        rc = real_##name args;                                                    \
+        if (!take_credit(dev, size)) {                                            \
+            CUresult rc = ask(#name, dev, size);                                  \
+            if (rc != CUDA_SUCCESS)                                               \
+                return rc;                                                        \
+        }                                                                         \
+        CUresult rc = real_##name args;                                           \
         if (rc == CUDA_SUCCESS)                                                   \
             report_alloc(dev, (addr_expr), size);                                 \
-        else   /* address 0: nothing was taken, the grant is released */         \
+        else   /* address 0: nothing was taken, the grant (or credit) is released */ \
             report_alloc(dev, 0, size);                                           \
         return rc;                                                                \
     }

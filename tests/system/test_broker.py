@@ -56,7 +56,9 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
     try:
         b = enf.broker
         assert joined(p.pid, cg)
-        assert b.shim_hello(p.pid) == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}}
+        hello, page = b.shim_hello(p.pid)
+        assert hello == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}, "credit": b.pages[p.pid].id}
+        assert page == b.pages[p.pid].fd
         read_until(p, "ready")
         box = enf.pid_box[p.pid]
         run_until(enf, lambda: enf._usage(box, 0)[0] == 7 * GiB // 2)
@@ -73,9 +75,11 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         read_until(p, "freed")
         run_until(enf, lambda: enf._usage(box, 0)[0] == 0 and p.pid not in enf.pid_box)
         assert enf.pid_box[s.pid] is box
-        # within the assignment: granted and held as pending until the shim reports it
+        # within the assignment: granted and held as pending until the shim reports it, with
+        # half of what is left as credit (pending too, but not "used" to the memory query)
         assert b.shim_ask(s.pid, 0, 2 * GiB, lambda a: None) == {"grant": True}
-        assert box.shim_pending == {0: 2 * GiB} and b.shim_meminfo(s.pid, 0) == (3 * GiB, 2 * GiB)
+        assert box.shim_pending == {0: 2 * GiB + GiB // 2} and b.unspent(box, 0) == GiB // 2
+        assert b.shim_meminfo(s.pid, 0) == (3 * GiB, 2 * GiB)
         # above the assignment, within the limit, while another container holds the rest: wait
         other = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cgroups("other")}/cgroup.procs && exec "$0" "$@"',
                                   str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(GiB), "--hold"],
@@ -84,6 +88,7 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         run_until(enf, lambda: other.pid in enf.pid_box and not enf.pid_box[other.pid].waiting)
         read_until(other, "ready")
         enf.set_limit("shimmed", 4 * GiB)                     # assigned stays 3 GiB: all there is
+        assert box.shim_pending == {0: 2 * GiB} and b.unspent(box, 0) == 0   # credit taken back
         answers = []
         assert b.shim_ask(s.pid, 0, GiB + GiB // 2, answers.append) is None and answers == []
         assert box.waiting[0].wakes and box.assigned[0] == 3 * GiB
@@ -91,9 +96,9 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         other.stdin.flush()
         run_until(enf, lambda: answers == [{"grant": True}])
         assert box.assigned[0] == 4 * GiB and 0 not in box.waiting
-        assert box.shim_pending == {0: 3 * GiB + GiB // 2}
+        assert box.shim_pending == {0: 3 * GiB + GiB // 2 + GiB // 4}   # 1/4 GiB: credit
         b.shim_alloc(s.pid, 0, 0x1000, 2 * GiB)               # reported: no longer pending
-        assert box.shim_pending == {0: GiB + GiB // 2}
+        assert box.shim_pending == {0: GiB + GiB // 2 + GiB // 4}
         b.shim_gone(s.pid)
         assert box.shim_pending == {0: 0} and s.pid not in enf.shimmed
         s.kill()

@@ -64,6 +64,56 @@ def test_deny_meminfo_and_wait_in_the_thread(cgroups, build, env5):
         enf.close()
 
 
+def test_credit_spares_the_asking_and_comes_back_for_a_sibling(cgroups, build, env5):
+    """Credit (enforcer/credit.py): after its first grant a process allocates without asking,
+    and is charged exactly; a sibling's request takes the unspent credit back before it is
+    decided; a forked child asks on its own connection, with a page of its own."""
+    enf = Enforcing(build, "--gpu-memory", "4GiB", "--limit", "pair=1GiB", "--ctx-overhead", "64MiB")
+    a = b = None
+    try:
+        a = start_in(cgroups("pair"), build, shim_env(env5, enf), "alloc", "-n", 100, "-s", MiB, "--hold")
+        read_until(a, "ready")
+        st = enf.ctl(cmd="status")["status"]
+        g = next(c for c in st["containers"] if c["name"] == "pair")["gpus"]["0"]
+        assert st["shim_asks"] == 1                      # the first of 100 allocations asked
+        assert (g["used"], g["context_overhead"]) == (100 * MiB, 64 * MiB)   # all charged, once
+        first = (GiB - 64 * MiB - MiB) // 2              # half of what was left after the first grant
+        assert g["shim_credit"] == first - 99 * MiB
+        # 64 + 100 (a) + 64 (b's context) + 700 MiB fits 1 GiB only once a's credit is back
+        b = start_in(cgroups("pair"), build, shim_env(env5, enf), "alloc", "-n", 1, "-s", 700 * MiB, "--hold")
+        assert f"allocated 1 {700 * MiB} pid={b.pid}" in read_until(b, "ready")
+        st = enf.ctl(cmd="status")["status"]
+        g = next(c for c in st["containers"] if c["name"] == "pair")["gpus"]["0"]
+        assert st["shim_asks"] == 2 and g["used"] == 800 * MiB
+        assert g["shim_credit"] == (GiB - 2 * 64 * MiB - 800 * MiB) // 2   # b's, after its grant
+        assert not [x for x in enf.log if "stall pair" in x or "deny pair" in x], enf.log
+        for p in (a, b):
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(timeout=30)
+        # a child forked after the parent's grant: its own hello, its own charge
+        code = cuda_prelude(str(build / "standin" / "libcuda.so.1")) + (
+            "p=ctypes.c_ulonglong()\n"
+            f"assert cu.cuMemAlloc_v2(ctypes.byref(p), {MiB}) == 0\n"
+            "k=os.fork()\n"
+            f"if k == 0: os._exit(cu.cuMemAlloc_v2(ctypes.byref(p), {3 * MiB}))\n"
+            "print(k, os.waitpid(k, 0)[1], flush=True); sys.stdin.readline()\n")
+        c = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cgroups("forks")}/cgroup.procs && exec "$0" "$@"',
+                              sys.executable, "-c", code], env=shim_env(env5, enf), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        child, status = map(int, c.stdout.readline().split())
+        assert status == 0
+        enf.wait_for(f"pid {child} of forks uses the shim")
+        assert enf.ctl(cmd="status")["status"]["shim_asks"] == 4   # parent's first, child's first
+        c.communicate("\n", timeout=30)
+    finally:
+        for p in (a, b):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+        enf.close()
+
+
 @pytest.mark.parametrize("closed", [False, True])
 def test_no_enforcer_fail_open_or_closed(build, caller_env, closed):
     env = shim_env(caller_env, **({"CONVGPU_SHIM_FAIL_CLOSED": "1"} if closed else {}))
