@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import resource
+import select
 import selectors
 import signal
 import subprocess
@@ -108,6 +109,7 @@ class Enforcer:
         self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
+        self._exits: dict[int, int] = {}   # pidfd -> pid: in exit, its files not yet closed
 
     # --- BPF maps ---
     def _t(self, name):
@@ -344,6 +346,10 @@ class Enforcer:
         events = self.tracer.poll()
         self.acct.feed(events)
         dirty = False
+        if self._exits:     # for callers of step() alone; run() wakes on them in select()
+            for fd in select.select(list(self._exits), [], [], 0)[0]:
+                self._reap(fd)
+                dirty = True
         for e in events:
             if e.op == "unknown":
                 if e.restall:
@@ -361,9 +367,11 @@ class Enforcer:
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
-            elif e.op in ("exit", "exec"):
+            elif e.op == "exec":
                 self._gone(e.pid)
                 dirty = True
+            elif e.op == "exit":
+                dirty |= self._exiting(e.pid)
             elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
         if now - self._measured >= MEASURE_EVERY:
@@ -373,16 +381,45 @@ class Enforcer:
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
         if dirty:
-            self.schedule()
-            self._save_held()
-            # the waiters count: frees wake us (and go out, if quiet) only while someone waits,
-            # so a free that came before BPF knew of its first waiter sent no event: look again
-            if self._control(True) == 0 and self._told:
-                self.schedule()
+            self._changed()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status())
         return events
+
+    def _changed(self):
+        self.schedule()
+        self._save_held()
+        # the waiters count: frees wake us (and go out, if quiet) only while someone waits,
+        # so a free that came before BPF knew of its first waiter sent no event: look again
+        if self._control(True) == 0 and self._told:
+            self.schedule()
+
+    def _exiting(self, pid: int) -> bool:
+        """The last thread of pid is in exit: its device memory is freed when the kernel closes
+        its files, after the event (do_exit: the tracepoint, then exit_files). A waiter resumed
+        on the event could find the GPU still full, so wait for the pidfd, which becomes
+        readable once the process is gone (exit_notify). True: it is gone already."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:     # reaped already
+            self._gone(pid)
+            return True
+        self._exits[fd] = pid
+        if select.select([fd], [], [], 0)[0]:
+            self._reap(fd)
+            return True
+        self.sel.register(fd, selectors.EVENT_READ, lambda _mask, fd=fd: (self._reap(fd), self._changed()))
+        return False
+
+    def _reap(self, fd: int):
+        pid = self._exits.pop(fd)
+        try:
+            self.sel.unregister(fd)
+        except KeyError:
+            pass
+        os.close(fd)
+        self._gone(pid)
 
     def _restalled(self, e, box: Box | None = None):
         if box is not None:
