@@ -78,6 +78,7 @@ def main() -> int:
         worker(a.steps, a.batch)
         return 0
     from bench.modes import running   # not in the worker: it imports bcc
+    from bench.machine import machine
     modes = a.modes.split(",")
     runs: dict = {m: [] for m in modes}
     times: dict = {}
@@ -100,7 +101,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"reps": a.reps, "steps": a.steps, "batch": a.batch, "runs": runs, "medians": med,
-                       "enforcer_start_s": times.get("enforcer_start_s", [])}, f, indent=1)
+                       "enforcer_start_s": times.get("enforcer_start_s", []), "machine": machine()}, f, indent=1)
     return 0
 
 

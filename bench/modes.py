@@ -14,7 +14,9 @@ MODES = ("bare", "probed", "enforced", "shim")
 
 @contextlib.contextmanager
 def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | None = None):
-    """Yields (environment additions, tracer or None). `times` gets the enforcer's start-up:
+    """Yields (environment additions, tracer or None). `libs` are probed besides what discovery
+    finds (only they, with `standin`): a runtime the workload will load is attached before it
+    runs, not by a rescan in the middle of the measurement. `times` gets the enforcer's start-up:
     seconds from its exec to probes attached and self-tested ("enforcing:")."""
     tracer = enf = None
     env: dict = {}
@@ -43,7 +45,7 @@ def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | No
 def start_enforcer(libs, standin: bool):
     run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
     argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
-            "60GiB", "--run-dir", run_dir] + (["--no-discover"] + [f"--lib={x}" for x in libs] if standin else [])
+            "60GiB", "--run-dir", run_dir] + (["--no-discover"] if standin else []) + [f"--lib={x}" for x in libs]
     enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     for line in enf.stderr:
         if "enforcing:" in line:

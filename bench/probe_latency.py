@@ -1,77 +1,116 @@
-"""Added latency on cuMemAlloc_v2 / cuMemFree_v2, as ratios to bare measured in one run:
+"""Experiment 1: added latency per CUDA memory call, as ratios to bare measured in one run:
 probed (the tracer attached), enforced (`convgpu enforce` running, nothing stalls) and shim
 (the preload shim under that enforcer: one round trip to it per allocation).
 
-    python -m bench.probe_latency [--standin] [--sizes 4K,64K,1M,2M,16M,64M] [--iters 2000]
-                                     [--rounds 5] [--modes bare,probed,enforced,shim]
+    python -m bench.probe_latency [--standin] [--apis cuMemAlloc_v2,cudaMalloc,...]
+        [--sizes 4K,64K,1M,16M,256M] [--iters 1000] [--rounds 3]
+        [--modes bare,probed,enforced,shim] [--cudart PATH] [--json FILE]
 
-The modes alternate within each round (attach, measure, detach, again), so drift of the machine
-hits all alike. Each cell is the median over rounds of the per-call median; the JSON also has
-the median over rounds of the per-call p99 (`p99_us`), printed below the table.
+APIs (`build/alloc_bench --list`): cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocPitch_v2,
+cuMemCreate+Map (reserve, create, map, set access; freed by unmap, release, address free),
+cuMemGetInfo_v2, and the runtime's cudaMalloc, cudaMallocManaged, cudaMallocPitch, cudaMalloc3D
+(freed by cudaFree), cudaMemGetInfo; default: every one available. The runtime is the stand-in's
+with --standin, else --cudart, else the one in this Python's NVIDIA wheels (PyTorch's), else
+whatever libcudart.so.13/.12/.11.0 the loader finds; without one the runtime APIs are reported
+unavailable. Its probes are attached explicitly in the probed and enforced modes, as discovery
+would once a process maps it.
+
+Each round runs one `build/alloc_bench` process per mode, the modes one after another (attach,
+measure, detach, again), so drift of the machine hits all alike; every cell is ITERS calls, each
+timed alone. Cells: median over rounds of the per-call median and of the per-call p99, and both
+as ratios to bare. The JSON is rewritten after every round, so a run cut short keeps its rounds.
 Without --standin the real driver is used (the GPU machine); with it, build/standin."""
 import argparse
-import json
+import glob
+import importlib.util
 import os
-import statistics
+import re
 import subprocess
 import sys
 
 from convgpu.paths import build_dir
-from convgpu.units import format_size, parse_size
+from convgpu.units import parse_size
 
-from bench.modes import running
+from bench import latency_report
+from bench.machine import machine
 
 
-def run_bench(size: int, iters: int, env: dict) -> dict:
-    iters = max(50, min(iters, (8 << 30) // size))   # all are held at once: stay under 8 GiB
-    out = subprocess.run([str(build_dir() / "alloc_bench"), str(size), str(iters)], env=env,
-                         capture_output=True, text=True, check=True).stdout.split()
-    return {out[i]: int(out[i + 1]) for i in range(0, len(out), 2)}
+def find_cudart() -> str | None:
+    """The newest libcudart of the NVIDIA wheels on this Python's path: PyTorch's own runtime
+    (nvidia/cu13/lib/libcudart.so.13 for cu130 wheels, nvidia/cuda_runtime/lib/libcudart.so.12
+    for cu12x). `nvidia` is a namespace package, so its spec lists every folder of it."""
+    spec = importlib.util.find_spec("nvidia")
+    folders = (spec.submodule_search_locations or []) if spec else []
+    found = [p for d in folders for p in glob.glob(os.path.join(d, "*", "lib", "libcudart.so.*"))]
+    return max(found, key=lambda p: [int(x) for x in re.findall(r"\d+", p.rsplit(".so.", 1)[1])], default=None)
+
+
+def alloc_bench(args: list[str], env: dict) -> list[list[str]]:
+    out = subprocess.run([str(build_dir() / "alloc_bench"), *args], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"alloc_bench {' '.join(args[:3])}... failed ({out.returncode}): {out.stderr.strip()}")
+    return [line.split() for line in out.stdout.splitlines()]
+
+
+def parse_cell(words: list[str]) -> dict:
+    """`cell API SIZE key value...` -> {"api", "size", key: int...}."""
+    return {"api": words[1], "size": int(words[2]), **{k: int(v) for k, v in zip(words[3::2], words[4::2])}}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--standin", action="store_true")
-    ap.add_argument("--sizes", default="4K,64K,1M,2M,16M,64M")
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--apis", help="comma-separated (default: every one available)")
+    ap.add_argument("--sizes", default="4K,64K,1M,16M,256M")
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="bare,probed,enforced,shim")
-    ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--cudart", help="the libcudart to time (default: see above)")
+    ap.add_argument("--json", help="write results here")
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    modes = a.modes.split(",")
+    if "bare" not in modes:
+        raise SystemExit("--modes must include bare: every cell is a ratio to it")
     env = dict(os.environ)
-    libs: tuple = ()
+    libs = []
     if a.standin:
         env["LD_LIBRARY_PATH"] = str(build_dir() / "standin")
-        libs = (str(build_dir() / "standin" / "libcuda.so.1"),)
-    modes = a.modes.split(",")
-    res: dict = {m: {s: [] for s in sizes} for m in modes}
+        libs.append(str(build_dir() / "standin" / "libcuda.so.1"))
+    cudart = a.cudart or (str(build_dir() / "standin" / "libcudart.so.13") if a.standin else find_cudart())
+    if cudart:
+        env["CONVGPU_CUDART"] = cudart
+    listing = alloc_bench(["--list"], env)
+    listed = {w[1]: w[2:] for w in listing if w[0] == "api"}   # [kind, "ok"] or [kind, "unavailable", why]
+    runtime = next((w[1] for w in listing if w[0] == "runtime"), None)
+    apis = a.apis.split(",") if a.apis else list(listed)
+    if unknown := [x for x in apis if x not in listed]:
+        raise SystemExit(f"unknown API {', '.join(unknown)}: use {', '.join(listed)}")
+    unavailable = {x: " ".join(listed[x][2:]) for x in apis if listed[x][1] != "ok"}
+    for api, why in unavailable.items():
+        print(f"{api}: unavailable ({why})", file=sys.stderr)
+    apis = [x for x in apis if x not in unavailable]
+    if not apis:
+        raise SystemExit("nothing to measure: every API asked for is unavailable")
+    if runtime and any(x.startswith("cuda") for x in apis):
+        libs.append(os.path.realpath(runtime))   # probed, as discovery would once a process maps it
+    cells = [f"{api}:{s}" for api in apis for s in (sizes if listed[api][0] == "alloc" else [0])]
+    from bench.modes import running   # here, not at the top: it imports bcc, which the helpers above need not
+    raw: dict = {m: [] for m in modes}   # per mode, per round: the cells as alloc_bench printed them
+    meta = {"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "apis": apis,
+            "sizes": sizes, "cudart": runtime, "unavailable": unavailable,
+            "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
     for r in range(a.rounds):
         for mode in modes:
-            with running(mode, libs, a.standin) as (extra, tracer):
-                for s in sizes:
-                    res[mode][s].append(run_bench(s, a.iters, {**env, **extra}))
-                    if tracer:
-                        tracer.poll()
+            with running(mode, tuple(libs), a.standin) as (extra, tracer):
+                raw[mode].append([parse_cell(w) for w in alloc_bench([str(a.iters), *cells], {**env, **extra})])
+                if tracer:
+                    tracer.poll()
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-    rows = []
-    print(f"{'size':>10} {'op':>5} {'bare us':>9} " + " ".join(f"{m + ' +us':>12} {'x':>6}" for m in modes[1:]))
-    for s in sizes:
-        row = {"size": s}
-        for op in ("alloc", "free"):
-            med = {m: statistics.median(x[f"{op}_ns"] for x in res[m][s]) / 1000 for m in modes}
-            p99 = {m: statistics.median(x[f"p99_{op}_ns"] for x in res[m][s]) / 1000 for m in modes}
-            row[op] = {m: {"us": med[m], "added_us": med[m] - med["bare"], "ratio": med[m] / med["bare"],
-                           "p99_us": p99[m]} for m in modes}
-            print(f"{format_size(s):>10} {op:>5} {med['bare']:>9.2f} " +
-                  " ".join(f"{med[m] - med['bare']:>12.2f} {med[m] / med['bare']:>6.2f}" for m in modes[1:]))
-        rows.append(row)
-    print("p99 us: " + "; ".join(f"{format_size(r['size'])} {op} " + " ".join(
-        f"{m} {r[op][m]['p99_us']:.2f}" for m in modes) for r in rows for op in ("alloc", "free")))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "rows": rows},
-                      f, indent=1)
+        result = latency_report.summarize(meta, raw)
+        if a.json:
+            latency_report.write(a.json, result)
+    print(latency_report.table(result))
     return 0
 
 

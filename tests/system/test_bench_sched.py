@@ -59,19 +59,57 @@ def test_resume_benchmark_shape(root, build, tmp_path):
 
 # ---- CI smoke runs of the other experiments that need no GPU (issue 5): shape and sanity ----
 
+LATENCY_APIS = ["cuMemAlloc_v2", "cuMemCreate+Map", "cuMemGetInfo_v2", "cudaMalloc", "cudaMemGetInfo"]
+
+
+def latency_cells(apis, sizes):
+    """The cells probe_latency must report, in order: per API, per size, alloc then free; an info
+    API once, as one call of size 0."""
+    return [(a, s, op) for a in apis for s in ([0] if "GetInfo" in a else sizes)
+            for op in (["call"] if "GetInfo" in a else ["alloc", "free"])]
+
+
 def test_latency_benchmark_shape(root, build, tmp_path):
-    """Experiment 1 on the stand-in: every mode measured for every size and call."""
+    """Experiment 1 on the stand-in: every mode measured for every API (driver, runtime, VMM,
+    info), size and operation, in every round, with exact call counts; then plotted."""
+    from bench import plots, probe_latency
+    out = tmp_path / "latency.json"
+    assert probe_latency.main(["--standin", "--rounds", "2", "--iters", "60", "--sizes", "4K,3M",
+                               "--apis", ",".join(LATENCY_APIS), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    modes = ["bare", "probed", "enforced", "shim"]
+    assert res["modes"] == modes and res["apis"] == LATENCY_APIS and res["unavailable"] == {}
+    assert res["rounds_done"] == 2 and res["cudart"].endswith("standin/libcudart.so.13")
+    cells = res["cells"]
+    assert [(c["api"], c["size"], c["op"]) for c in cells] == latency_cells(LATENCY_APIS, [4096, 3 << 20])
+    for c in cells:
+        assert c["n"] == 60 and set(c["modes"]) == set(modes), c
+        # VMM asks for whole granules (the stand-in's: 2 MiB, like the H100's); others what was asked
+        want = -(-c["size"] // (2 << 20)) * (2 << 20) if c["api"] == "cuMemCreate+Map" else c["size"]
+        assert c["bytes"] == want, c
+        for m, v in c["modes"].items():
+            assert len(v["rounds"]) == 2 and all(0 < med <= p99 < 1e6 for med, p99 in v["rounds"]), (m, c)
+            assert 0 < v["median_us"] <= v["p99_us"] < 1e6, (m, c)
+            assert v["ratio"] > 0 and v["p99_ratio"] > 0
+            assert math.isclose(v["added_us"], v["median_us"] - c["modes"]["bare"]["median_us"])
+        assert c["modes"]["bare"]["ratio"] == 1.0 and c["modes"]["bare"]["added_us"] == 0.0
+    png = plots.plot_latency(res, out, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latency_without_runtime_reports_it_unavailable(build, tmp_path):
+    """No libcudart: the runtime APIs are named unavailable and measured nowhere, never stood in
+    for by the driver's; the driver's are measured as usual (bare only: no probes needed)."""
     from bench import probe_latency
     out = tmp_path / "latency.json"
-    assert probe_latency.main(["--standin", "--rounds", "1", "--iters", "200", "--sizes", "4K,2M",
-                               "--json", str(out)]) == 0
+    assert probe_latency.main(["--standin", "--modes", "bare", "--rounds", "1", "--iters", "20",
+                               "--sizes", "64K", "--apis", "cuMemAlloc_v2,cudaMalloc,cudaMemGetInfo",
+                               "--cudart", str(tmp_path / "none.so"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["modes"] == ["bare", "probed", "enforced", "shim"] and [r["size"] for r in res["rows"]] == [4096, 2 << 20]
-    for row in res["rows"]:
-        for op in ("alloc", "free"):
-            cells = row[op]
-            assert cells["bare"]["ratio"] == 1.0 and cells["bare"]["added_us"] == 0.0
-            assert all(0 < c["us"] <= c["p99_us"] < 1e6 for c in cells.values()), cells
+    assert set(res["unavailable"]) == {"cudaMalloc", "cudaMemGetInfo"} and res["apis"] == ["cuMemAlloc_v2"]
+    assert all("no-libcudart" in why for why in res["unavailable"].values())
+    assert [(c["api"], c["op"], c["n"]) for c in res["cells"]] == [("cuMemAlloc_v2", "alloc", 20),
+                                                                  ("cuMemAlloc_v2", "free", 20)]
 
 
 def test_event_throughput_shape(root, build, tmp_path):

@@ -1,0 +1,106 @@
+"""Experiment 1's reporting (bench/latency_report.py), the runtime it finds (bench/probe_latency.py),
+captions (bench/machine.py) and the plots (bench/plots.py), from made-up and from recorded runs:
+no root, no kernel, no GPU. The measurement itself is smoke-tested in
+tests/system/test_bench_sched.py."""
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import need
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))   # bench/ lives at the repo root
+from bench import latency_report, machine, probe_latency  # noqa: E402
+
+RUN = REPO / "docs" / "gpu-runs" / "2026-11-23"   # the H100 run the committed plots come from
+
+
+def cell(api, size, **ns):
+    """A line of alloc_bench, parsed."""
+    return probe_latency.parse_cell(["cell", api, str(size), "bytes", str(size), "n", "10",
+                                     *(x for k, v in ns.items() for x in (k, str(v)))])
+
+
+def made_up_run() -> dict:
+    """Two modes, three rounds, one allocating API at one size and one info API."""
+    raw = {m: [[cell("cudaMalloc", 4096, alloc_ns=a, alloc_p99_ns=2 * a, free_ns=f, free_p99_ns=3 * f),
+                cell("cudaMemGetInfo", 0, call_ns=c, call_p99_ns=c + 100)]
+               for a, f, c in rounds]
+           for m, rounds in {"bare": [(1000, 500, 300), (3000, 700, 100), (2000, 600, 200)],
+                             "shim": [(9000, 900, 800), (7000, 1100, 400), (8000, 1000, 600)]}.items()}
+    meta = {"iters": 10, "rounds": 3, "standin": True, "modes": ["bare", "shim"],
+            "apis": ["cudaMalloc", "cudaMemGetInfo"], "sizes": [4096], "cudart": None, "unavailable": {}, "argv": [],
+            "machine": {"date": "2026-11-24 09:00 UTC", "kernel": "6.18", "cpus": 2, "gpu": None, "driver": None}}
+    return latency_report.summarize(meta, raw)
+
+
+def test_cells_are_medians_over_rounds_and_ratios_to_bare():
+    res = made_up_run()
+    assert [(c["api"], c["op"], c["n"]) for c in res["cells"]] == [
+        ("cudaMalloc", "alloc", 10), ("cudaMalloc", "free", 10), ("cudaMemGetInfo", "call", 10)]
+    alloc, free, call = res["cells"]
+    assert alloc["modes"]["bare"] == {"median_us": 2.0, "p99_us": 4.0, "rounds": [[1.0, 2.0], [3.0, 6.0], [2.0, 4.0]],
+                                      "added_us": 0.0, "ratio": 1.0, "p99_ratio": 1.0}
+    shim = alloc["modes"]["shim"]
+    assert (shim["median_us"], shim["p99_us"], shim["added_us"]) == (8.0, 16.0, 6.0)
+    assert (shim["ratio"], shim["p99_ratio"]) == (4.0, 4.0)
+    assert free["modes"]["shim"]["ratio"] == pytest.approx(1.0 / 0.6)
+    assert call["size"] == 0 and call["modes"]["shim"]["median_us"] == 0.6 and call["modes"]["shim"]["p99_us"] == 0.7
+    table = latency_report.table(res).splitlines()
+    assert len(table) == 2 + 3 and table[2].startswith("| cudaMalloc | 4.0 KiB | alloc | 2.00 | 4.00 | 4.00 | 4.00 |")
+    assert table[4].startswith("| cudaMemGetInfo | - | call |")
+
+
+def test_version_1_runs_read_as_cells():
+    """The 2026-11-23 H100 run (cuMemAlloc_v2 only, no p99 yet) reads as version 2 cells."""
+    data = json.loads((RUN / "latency.json").read_text())
+    cells = latency_report.cells_of(data)
+    assert [(c["size"], c["op"]) for c in cells] == [(s, op) for s in (4096, 65536, 1 << 20, 16 << 20)
+                                                     for op in ("alloc", "free")]
+    first = cells[0]["modes"]
+    assert first["bare"]["median_us"] == 1.653 and first["shim"]["ratio"] == pytest.approx(42.40, abs=0.01)
+    assert first["shim"]["p99_ratio"] is None
+
+
+def test_captions_name_machine_driver_and_date():
+    data = json.loads((RUN / "latency.json").read_text())
+    assert machine.describe(data, RUN / "latency.json") == (
+        "NVIDIA H100 80GB HBM3, driver 580.159.04, kernel 6.18.44-fc-v657-gpu, 2026-11-23 02:49 UTC")
+    assert machine.describe(made_up_run(), Path("/nowhere/x.json")) == (
+        "stand-in driver on a 2-CPU machine, kernel 6.18, 2026-11-24 09:00 UTC")
+
+
+def test_find_cudart_takes_the_newest_wheel_runtime(tmp_path, monkeypatch):
+    for sub, name in (("cuda_runtime", "libcudart.so.12"), ("cu13", "libcudart.so.13"),
+                      ("cu13", "libcudart.so.13.0.9")):
+        (tmp_path / "nvidia" / sub / "lib").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "nvidia" / sub / "lib" / name).write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    importlib.invalidate_caches()
+    assert probe_latency.find_cudart() == str(tmp_path / "nvidia" / "cu13" / "lib" / "libcudart.so.13.0.9")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])   # IHDR: width, height
+
+
+def test_plots_make_pngs(tmp_path):
+    need(importlib.util.find_spec("matplotlib") is not None, "matplotlib not installed: pip install -e '.[bench]'")
+    from bench import plots
+    made = tmp_path / "made-up.json"
+    latency_report.write(str(made), made_up_run())
+    assert plots.main(["--latency", str(made), "--out", str(tmp_path / "a")]) == 0
+    w, h = png_size(tmp_path / "a" / "latency.png")
+    assert w >= 800 and h >= 300   # three panels: cudaMalloc, cudaFree, cudaMemGetInfo
+    assert plots.main(["--latency", str(RUN / "latency.json"), "--e2e", str(RUN / "e2e" / "e2e.json"),
+                       "--out", str(tmp_path / "b")]) == 0
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["e2e.png", "latency.png", "startup.png"]
+    for p in (tmp_path / "b").iterdir():
+        assert min(png_size(p)) >= 300, p
