@@ -5,7 +5,7 @@ JSON (version 2): the run's parameters, `machine`, and `cells`: one per (api, si
 "alloc", "free" or "call" (info APIs, size 0), each with `n` (calls timed per round), `bytes`
 (asked of the driver per call) and per mode `median_us` / `p99_us` (medians over rounds of the
 per-call median and p99), `added_us`, `ratio` / `p99_ratio` (to bare's) and `rounds` (the
-per-round [median, p99] in us). Version 1 (runs before 2026-11-24): `rows` of cuMemAlloc_v2 /
+per-round [median, p99] in us). Version 1 (the runs of 2026-11-22 and -23): `rows` of cuMemAlloc_v2 /
 cuMemFree_v2 only, without p99 at first; `cells_of` reads both."""
 import json
 import statistics
