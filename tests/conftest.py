@@ -292,12 +292,12 @@ class Enforcing:
     """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own;
     no_bpf: with --no-probes and without the capabilities eBPF needs."""
 
-    def __init__(self, build, *args, run_dir=None, no_bpf=False):
+    def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="convgpu-run-")
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
-                                  stderr=subprocess.PIPE, text=True)
+                                  stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self.wait_for("enforcing:")
 

@@ -87,7 +87,10 @@ def test_enforcer_refuses_bad_sizes(build):
 
 
 def test_kill_9_of_the_enforcer_resumes_10_stalled_within_2s(cgroups, build, caller_env):
-    enf = Enforcing(build, "--gpu-memory", "80GiB", "--default-limit", "1GiB")
+    # no successor comes: the watchdog keeps the probes 1 s for one (not 10 minutes of every
+    # later test's stand-in calls)
+    enf = Enforcing(build, "--gpu-memory", "80GiB", "--default-limit", "1GiB",
+                    env=dict(os.environ, CONVGPU_HANDOVER_S="1"))
     cg = cgroups("many")
     procs = []
     try:
