@@ -1,6 +1,7 @@
-"""The four ways a workload runs in the benchmarks, one at a time: bare; probed (the tracer's
+"""The ways a workload runs in the benchmarks, one at a time: bare; probed (the tracer's
 probes attached, as `convgpu trace`); enforced (`convgpu enforce` with room for everything, so
-its cost and not its stalls is measured); shim (the preload shim under that enforcer)."""
+its cost and not its stalls is measured); shim (the preload shim under that enforcer);
+shim-only (the shim under `convgpu enforce --no-probes`: the shim's own cost, no probes)."""
 import contextlib
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 from convgpu.probes.tracer import Tracer
 
-MODES = ("bare", "probed", "enforced", "shim")
+MODES = ("bare", "probed", "enforced", "shim", "shim-only")
 
 
 @contextlib.contextmanager
@@ -23,12 +24,12 @@ def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | No
     try:
         if mode == "probed":
             tracer = Tracer(libraries=libs, discover=not standin, selftest=False).start()
-        elif mode in ("enforced", "shim"):
+        elif mode in ("enforced", "shim", "shim-only"):
             t0 = time.monotonic()
-            enf, run_dir = start_enforcer(libs, standin)
+            enf, run_dir = start_enforcer(libs, standin, probes=mode != "shim-only")
             if times is not None:
                 times.setdefault("enforcer_start_s", []).append(time.monotonic() - t0)
-            if mode == "shim":
+            if mode.startswith("shim"):
                 from convgpu.cli.shim import shim_env
                 env = shim_env(run_dir)
         elif mode != "bare":
@@ -42,10 +43,10 @@ def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | No
             enf.wait(timeout=120)
 
 
-def start_enforcer(libs, standin: bool):
+def start_enforcer(libs, standin: bool, probes: bool = True):
     run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
     argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
-            "60GiB", "--run-dir", run_dir] + (["--no-discover"] if standin else []) + [f"--lib={x}" for x in libs]
+            "60GiB", "--run-dir", run_dir] + (["--no-discover"] if standin else []) + [f"--lib={x}" for x in libs] + ([] if probes else ["--no-probes"])
     enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     for line in enf.stderr:
         if "enforcing:" in line:

@@ -28,7 +28,7 @@ from convgpu.units import format_size  # noqa: E402
 from bench.latency_report import cells_of  # noqa: E402
 from bench.machine import describe  # noqa: E402
 
-COLORS = {"bare": "black", "probed": "tab:blue", "enforced": "tab:orange", "shim": "tab:red"}
+COLORS = {"bare": "black", "probed": "tab:blue", "enforced": "tab:orange", "shim": "tab:red", "shim-only": "tab:purple"}
 
 
 def title(fig, text: str, fontsize: float) -> None:

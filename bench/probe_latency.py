@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="4K,64K,1M,16M,256M")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--modes", default="bare,probed,enforced,shim")
+    ap.add_argument("--modes", default="bare,probed,enforced,shim,shim-only")
     ap.add_argument("--cudart", help="the libcudart to time (default: see above)")
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args(argv)

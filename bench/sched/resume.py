@@ -4,13 +4,20 @@ enforcer's loop costs in CPU under allocation load.
     .venv/bin/python -m bench.sched.resume [--trials 200] [--seconds 10] [--lib LIBCUDA]
 
 resume latency, two cases (each trial: a waiter is stopped by BPF before its allocation ran,
-then memory is returned; latency = CLOCK_MONOTONIC after the waiter's allocation returned
-minus CLOCK_MONOTONIC just before the returning call, both taken in the processes themselves):
+then memory is returned). Times are CLOCK_MONOTONIC, taken in the processes themselves; the
+waiter's is after its allocation returned, less that allocation's own duration on this driver
+(the same call again, unstalled: "alloc_ms"), so that a slow real allocation is not counted:
   exit  container A (limit 3C/4 of the capacity C, 1 GiB) holds C/2; container B (new: C/4
         assigned, room for its context, which a real driver's NVML shows as ~519 MiB) asks C/2
         and stops; A's only process exits -> once its files are closed (the driver frees its
         memory then), A's assignment goes back to the pool -> B is granted and resumed.
-  free  one container (limit C), two processes: P1 holds 3C/4, P2 asks C/2 and stops; P1 frees -> P2's demand fits the container's assignment -> resumed.
+        resume_ms: from just before A's exit. after_gone_ms: from when A's pidfd became readable
+        here (the kernel closed its files; this process's own wake-up after that is not
+        counted, so it errs low by that). teardown_ms: the kernel's and driver's share between.
+  free  one container (limit C), two processes: P1 holds 3C/4, P2 asks C/2 and stops; P1 frees
+        -> P2's demand fits the container's assignment -> resumed. resume_ms: from just before
+        P1's free; after_return_ms: from its return (negative when the waiter ran first: BPF
+        settles a free at its entry).
 enforcer CPU: utime + stime of the enforcer's pid (/proc/PID/stat) while one process in a
 container allocates and frees 4 KiB at 0, 1 k and 10 k allocations a second (paced every
 10 ms), as % of one core.
@@ -108,13 +115,14 @@ def settle(log, name: str, pid: int, count: int, seconds: float):
         time.sleep(seconds)
 
 
-def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, task) -> list[float]:
+def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, task) -> list[dict]:
     out = []
     for i in range(trials):
-        ws = []
+        ws, fd = [], -1
         try:
             a = Worker(cgs["rexa"], lib, env)
             ws.append(a)
+            fd = os.pidfd_open(a.p.pid)
             a.send(f"a {cap // 2}")
             a.stamp()
             b = Worker(cgs["rexb"], lib, env)
@@ -124,19 +132,28 @@ def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, 
             settle(log, "rexb", b.p.pid, 1, wait)
             a.send("x")
             t0 = a.stamp()
-            out.append((b.stamp() - t0) / 1e6)
+            if not select.select([fd], [], [], 20)[0]:
+                raise TimeoutError(f"worker {a.p.pid} did not end")
+            gone = time.monotonic_ns()
+            t1 = b.stamp()
+            b.send("r")
+            d = int(b.expect("d ").split()[1])
+            out.append({"resume_ms": (t1 - d - t0) / 1e6, "after_gone_ms": (t1 - d - gone) / 1e6,
+                        "teardown_ms": (gone - t0) / 1e6, "alloc_ms": d / 1e6})
             b.send("x")
             b.stamp()
         finally:
             for w in ws:
                 w.kill()
+            if fd >= 0:
+                os.close(fd)
         wait_for(log, "container rexb exited", i + 1)   # both gone: a clean slate
         wait_for(log, "container rexa exited", i + 1)
         progress.advance(task)
     return out
 
 
-def free_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, task) -> list[float]:
+def free_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, task) -> list[dict]:
     out = []
     p1 = p2 = None
     try:
@@ -150,8 +167,12 @@ def free_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, 
             settle(log, "rfree", p2.p.pid, i + 1, wait)
             p1.send("f")
             t0 = p1.stamp()
-            p1.expect("ok")
-            out.append((p2.stamp() - t0) / 1e6)
+            returned = int(p1.expect("ok").split()[1])
+            t1 = p2.stamp()
+            p2.send("r")
+            d = int(p2.expect("d ").split()[1])
+            out.append({"resume_ms": (t1 - d - t0) / 1e6, "after_return_ms": (t1 - d - returned) / 1e6,
+                        "alloc_ms": d / 1e6})
             p2.send("f")
             p2.stamp()
             p2.expect("ok")
@@ -190,11 +211,15 @@ def cpu_case(cgs, lib, env, enf_pid: int, rates, seconds: float, progress, task)
     return rows
 
 
-def summary(ms: list[float]) -> dict:
-    s = sorted(ms)
-    q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else s * 99
-    return {"n": len(s), "p50_ms": statistics.median(s), "p99_ms": q[98], "max_ms": s[-1],
-            "mean_ms": statistics.fmean(s)}
+def summary(rows: list[dict]) -> dict:
+    """Per measure: n, p50, p99, max, mean (ms)."""
+    out = {}
+    for key in rows[0]:
+        s = sorted(r[key] for r in rows)
+        q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else s * 99
+        out[key] = {"n": len(s), "p50": statistics.median(s), "p99": q[98], "max": s[-1],
+                    "mean": statistics.fmean(s)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -235,9 +260,9 @@ def main(argv=None) -> int:
                    "cpus": os.cpu_count(), "kernel": platform.release(),
                    "command": "python -m bench.sched.resume " + " ".join(argv if argv is not None else sys.argv[1:])}
     for case in [k for k in res if "@" in k]:
-        r = res[case]
-        print(f"{case:10} -> resume: p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-              f"max {r['max_ms']:.3f} ms  ({r['n']} trials)")
+        for key, r in res[case].items():
+            print(f"{case:10} {key:16} p50 {r['p50']:8.3f} ms  p99 {r['p99']:8.3f} ms  "
+                  f"max {r['max']:8.3f} ms  ({r['n']} trials)")
     for r in res["cpu"]:
         print(f"enforcer CPU at {r['rate']:8.0f} allocs/s: {r['cpu_pct']:5.2f} % of one core "
               f"({r['cpu_s']:.2f} s in {r['wall_s']:.1f} s)")

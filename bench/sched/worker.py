@@ -1,7 +1,10 @@
 """A CUDA process for bench/sched/resume.py, driven by stdin lines (one command a line):
 
     a SIZE       allocate SIZE bytes; then print "t NS" (CLOCK_MONOTONIC, after the call returned)
-    f            print "t NS" (before the call), then free the last allocation; print "ok"
+    f            print "t NS" (before the call), then free the last allocation; print "ok NS"
+                 (after it returned)
+    r            free the last allocation, allocate its size again, timed: print "d NS" (how
+                 long the allocation itself takes on this driver, with nothing in its way)
     x            print "t NS", then exit at once (os._exit: the process ends right there)
     l RATE SECS SIZE   allocate+free RATE times a second for SECS s, paced every 10 ms;
                  print "done ALLOCS SECONDS"
@@ -39,11 +42,18 @@ for line in sys.stdin:
         p = ctypes.c_uint64()
         ck("cuMemAlloc_v2", alloc(ctypes.byref(p), int(cmd[1])))
         print(f"t {time.monotonic_ns()}", flush=True)
-        held.append(p.value)
+        held.append((p.value, int(cmd[1])))
     elif cmd[0] == "f":
         print(f"t {time.monotonic_ns()}", flush=True)
-        ck("cuMemFree_v2", free(held.pop()))
-        print("ok", flush=True)
+        ck("cuMemFree_v2", free(held.pop()[0]))
+        print(f"ok {time.monotonic_ns()}", flush=True)
+    elif cmd[0] == "r":
+        p, (addr, size) = ctypes.c_uint64(), held.pop()
+        ck("cuMemFree_v2", free(addr))
+        t = time.monotonic_ns()
+        ck("cuMemAlloc_v2", alloc(ctypes.byref(p), size))
+        print(f"d {time.monotonic_ns() - t}", flush=True)
+        held.append((p.value, size))
     elif cmd[0] == "x":
         print(f"t {time.monotonic_ns()}", flush=True)
         os._exit(0)

@@ -49,9 +49,16 @@ def test_resume_benchmark_shape(root, build, tmp_path):
     assert resume.main(["--trials", "5", "--seconds", "1", "--rates", "0,1000", "--settle", "0.02",
                         "--json", str(out), "--tag", "sched-ci-resume"]) == 0
     res = json.loads(out.read_text())
-    for case in ("exit@0.02", "free@0.02"):
-        r = res[case]
-        assert r["n"] == 5 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] < 10_000
+    measures = {"exit@0.02": ["resume_ms", "after_gone_ms", "teardown_ms", "alloc_ms"],
+                "free@0.02": ["resume_ms", "after_return_ms", "alloc_ms"]}
+    for case, keys in measures.items():
+        assert list(res[case]) == keys
+        for key in keys:
+            r = res[case][key]
+            assert r["n"] == 5 and r["p50"] <= r["p99"] <= r["max"] < 10_000, (case, key, r)
+        assert 0 < res[case]["resume_ms"]["p50"] and 0 < res[case]["alloc_ms"]["p50"]
+    gone = res["exit@0.02"]   # the exit's parts add up: teardown, then the enforcer's share
+    assert gone["teardown_ms"]["p50"] > 0 and gone["after_gone_ms"]["p50"] < gone["resume_ms"]["p50"]
     idle, busy = res["cpu"]
     assert idle["allocs"] == 0 and 500 <= busy["allocs"] <= 1000   # paced: never above the rate
     assert all(math.isfinite(x["cpu_pct"]) and x["cpu_pct"] >= 0 for x in res["cpu"])
@@ -77,7 +84,7 @@ def test_latency_benchmark_shape(root, build, tmp_path):
     assert probe_latency.main(["--standin", "--rounds", "2", "--iters", "60", "--sizes", "4K,3M",
                                "--apis", ",".join(LATENCY_APIS), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    modes = ["bare", "probed", "enforced", "shim"]
+    modes = ["bare", "probed", "enforced", "shim", "shim-only"]
     assert res["modes"] == modes and res["apis"] == LATENCY_APIS and res["unavailable"] == {}
     assert res["rounds_done"] == 2 and res["cudart"].endswith("standin/libcudart.so.13")
     cells = res["cells"]
