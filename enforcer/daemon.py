@@ -400,6 +400,7 @@ class Enforcer:
         its files, after the event (do_exit: the tracepoint, then exit_files). A waiter resumed
         on the event could find the GPU still full, so wait for the pidfd, which becomes
         readable once the process is gone (exit_notify). True: it is gone already."""
+        log.debug("pid %d exiting (t=%d)", pid, time.monotonic_ns())   # the timeline: bench.sched.resume
         try:
             fd = os.pidfd_open(pid)
         except OSError:     # reaped already
@@ -419,6 +420,7 @@ class Enforcer:
         except KeyError:
             pass
         os.close(fd)
+        log.debug("pid %d gone (t=%d)", pid, time.monotonic_ns())
         self._gone(pid)
 
     def _restalled(self, e, box: Box | None = None):
@@ -689,6 +691,7 @@ class Enforcer:
         else:
             self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
             self._signal(box.pids, signal.SIGCONT)
+        log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
         log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)
 
     @staticmethod

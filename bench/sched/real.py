@@ -86,14 +86,16 @@ def stand_in_env(shm: str, overhead: int, lib: Path) -> dict:
 
 
 @contextmanager
-def enforcer(lib: Path, limits: dict[str, int], *args: str, capacity: int = CAPACITY, tag: str = "sched"):
+def enforcer(lib: Path, limits: dict[str, int], *args: str, capacity: int = CAPACITY, tag: str = "sched",
+             debug: bool = False):
     """`convgpu enforce` on `lib` only (--no-discover), one --limit per container, a run dir of
-    its own; yields (process, log). Stopped (a clean exit resumes whatever it holds) at the end."""
+    its own; yields (process, log). Stopped (a clean exit resumes whatever it holds) at the end.
+    debug: its debug lines too (the exit path's timeline)."""
     # on tmpfs like /run on a systemd host: the enforcer rewrites its state file (write + rename)
     # after every decision, and on a disk file system (this VM's /tmp and /run are ext4) a rename
     # over a fresh file can wait for writeback and hold its loop for hundreds of ms
     run_dir = tempfile.mkdtemp(prefix=f"{tag}-run-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    argv = [sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover", "--lib", str(lib),
+    argv = [sys.executable, "-m", "convgpu.cli.main", *(["--debug"] if debug else []), "enforce", "--no-discover", "--lib", str(lib),
             "--run-dir", run_dir, "--gpu-memory", str(capacity), *args]
     for name, size in limits.items():
         argv += ["--limit", f"{name}={size}"]

@@ -18,6 +18,10 @@ waiter's is after its allocation returned, less that allocation's own duration o
         -> P2's demand fits the container's assignment -> resumed. resume_ms: from just before
         P1's free; after_return_ms: from its return (negative when the waiter ran first: BPF
         settles a free at its entry).
+The enforcer runs with --debug, whose lines stamp the exit path in the same clock; each trial
+splits the time with them: exit event_ms (A's exit -> the enforcer handles BPF's exit event),
+enforcer_ms (A gone, as the enforcer's pidfd says -> SIGCONT sent), waiter_ms (SIGCONT -> the
+waiter's allocation returned, less alloc_ms); free enforcer_ms (the free's start -> SIGCONT).
 enforcer CPU: utime + stime of the enforcer's pid (/proc/PID/stat) while one process in a
 container allocates and frees 4 KiB at 0, 1 k and 10 k allocations a second (paced every
 10 ms), as % of one core.
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import select
 import statistics
 import subprocess
@@ -67,7 +72,7 @@ class Worker:
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.p.stdout], [], [], left)[0]:
-                raise TimeoutError(f"worker {self.p.pid}: no line in {timeout} s")
+                raise TimeoutError(f"worker {self.p.pid} ({proc_state(self.p.pid)}): no line in {timeout} s")
             chunk = os.read(self.p.stdout.fileno(), 4096)
             if not chunk:
                 raise EOFError(f"worker {self.p.pid} ended (rc {self.p.wait()})")
@@ -115,6 +120,17 @@ def settle(log, name: str, pid: int, count: int, seconds: float):
         time.sleep(seconds)
 
 
+def stamp_of(log, pattern: str) -> int:
+    """t= of the enforcer's last debug line matching pattern (bench.sched.real logs with --debug)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for _, line in reversed(log.lines):
+            if m := re.search(pattern + r".*\(t=(\d+)\)", line):
+                return int(m.group(1))
+        time.sleep(0.002)
+    raise TimeoutError(f"the enforcer never logged {pattern!r}")
+
+
 def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, task) -> list[dict]:
     out = []
     for i in range(trials):
@@ -138,8 +154,13 @@ def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, 
             t1 = b.stamp()
             b.send("r")
             d = int(b.expect("d ").split()[1])
+            seen = stamp_of(log, f"pid {a.p.pid} exiting")
+            reaped = stamp_of(log, f"pid {a.p.pid} gone")
+            resumed = stamp_of(log, rf"resumed rexb pids \[{b.p.pid}\]")
             out.append({"resume_ms": (t1 - d - t0) / 1e6, "after_gone_ms": (t1 - d - gone) / 1e6,
-                        "teardown_ms": (gone - t0) / 1e6, "alloc_ms": d / 1e6})
+                        "teardown_ms": (gone - t0) / 1e6, "alloc_ms": d / 1e6,
+                        "event_ms": (seen - t0) / 1e6, "enforcer_ms": (resumed - reaped) / 1e6,
+                        "waiter_ms": (t1 - d - resumed) / 1e6})
             b.send("x")
             b.stamp()
         finally:
@@ -171,8 +192,10 @@ def free_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, 
             t1 = p2.stamp()
             p2.send("r")
             d = int(p2.expect("d ").split()[1])
+            resumed = stamp_of(log, rf"resumed rfree pids \[{p2.p.pid}\]")
             out.append({"resume_ms": (t1 - d - t0) / 1e6, "after_return_ms": (t1 - d - returned) / 1e6,
-                        "alloc_ms": d / 1e6})
+                        "alloc_ms": d / 1e6, "enforcer_ms": (resumed - t0) / 1e6,
+                        "waiter_ms": (t1 - d - resumed) / 1e6})
             p2.send("f")
             p2.stamp()
             p2.expect("ok")
@@ -245,16 +268,20 @@ def main(argv=None) -> int:
     settles = [float(x) for x in a.settle.split(",")]
     res: dict = {}
     with cgroup_dirs(f"{a.tag}-{os.getpid()}", limits) as cgs, \
-            enforcer(lib, limits, "--policy", a.policy, capacity=cap, tag=a.tag) as (enf, log), \
+            enforcer(lib, limits, "--policy", a.policy, capacity=cap, tag=a.tag, debug=True) as (enf, log), \
             Progress() as progress:
-        for wait in settles:
-            t = progress.add_task(f"exit -> resume, settle {wait:g} s", total=a.trials)
-            res[f"exit@{wait:g}"] = summary(exit_case(cgs, lib, env, log, cap, a.trials, wait, progress, t))
-        for wait in settles:
-            t = progress.add_task(f"free -> resume, settle {wait:g} s", total=a.trials)
-            res[f"free@{wait:g}"] = summary(free_case(cgs, lib, env, log, cap, a.trials, wait, progress, t))
-        t = progress.add_task("enforcer CPU", total=len(rates))
-        res["cpu"] = cpu_case(cgs, lib, env, enf.pid, rates, a.seconds, progress, t)
+        try:
+            for wait in settles:
+                t = progress.add_task(f"exit -> resume, settle {wait:g} s", total=a.trials)
+                res[f"exit@{wait:g}"] = summary(exit_case(cgs, lib, env, log, cap, a.trials, wait, progress, t))
+            for wait in settles:
+                t = progress.add_task(f"free -> resume, settle {wait:g} s", total=a.trials)
+                res[f"free@{wait:g}"] = summary(free_case(cgs, lib, env, log, cap, a.trials, wait, progress, t))
+            t = progress.add_task("enforcer CPU", total=len(rates))
+            res["cpu"] = cpu_case(cgs, lib, env, enf.pid, rates, a.seconds, progress, t)
+        except (TimeoutError, EOFError, RuntimeError):
+            print("the enforcer's last words:", *(x for _, x in log.lines[-25:]), sep="\n  ", file=sys.stderr)
+            raise
     unlink_stand_in(lib, env)
     res["meta"] = {"date": time.strftime("%Y-%m-%d"), "lib": str(lib), "host": platform.node(),
                    "cpus": os.cpu_count(), "kernel": platform.release(),
