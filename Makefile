@@ -39,7 +39,8 @@ LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
 LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
 	cudaFree cudaMemGetInfo cudaSetDevice cudaDeviceSynchronize
 
-TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so \
+NVML_OUT := $(BUILD)/standin-nvml
+TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so $(NVML_OUT)/libnvidia-ml.so.1 \
 	$(OUT)/libcudart.so.13 $(OUT)/libcudart.so \
 	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/alloc_bench
 
@@ -54,6 +55,11 @@ $(OUT):
 $(OUT)/libcuda.so.1: $(LIBCUDA_SRCS) $(LIBCUDA_HDRS) | $(OUT)
 	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libcuda.so.1 \
 		-o $@ $(LIBCUDA_SRCS) -ldl -lrt
+
+# Apart from the driver (see the file): only the shim's NVML test puts it on a library path.
+$(NVML_OUT)/libnvidia-ml.so.1: $(SI)/libnvidia-ml.c $(SI)/standin_shm.h
+	mkdir -p $(NVML_OUT)
+	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SI)/libnvidia-ml.c
 
 $(OUT)/libcuda.so: | $(OUT)
 	ln -sf libcuda.so.1 $@

@@ -5,7 +5,8 @@
  *   CTX:   a context is made: say hello first, so the enforcer knows this process waits in the
  *          shim (and BPF never stops it) before its first admitted call;
  *   RT:    runtime calls of the paper's Table II: named (they reach the driver calls above,
- *          directly or through cuGetProcAddress), never asked twice.
+ *          directly or through cuGetProcAddress), never asked twice;
+ *   NVML:  NVML's memory queries (nvidia-smi, pynvml): the container's limit, as INFO.
  * Every entry is exported (LD_PRELOAD interposes it) and returned by dlsym / cuGetProcAddress. */
 #define SHIM_DRIVER_HOOKS(X) \
     X(ALLOC, cuMemAlloc_v2, (CUdeviceptr *p, size_t n), (p, n)) \
@@ -33,3 +34,7 @@
     X(RT, cudaMalloc3D, (void *pitched, struct shim_extent e), (pitched, e)) \
     X(RT, cudaFree, (void *p), (p)) \
     X(RT, cudaMemGetInfo, (size_t *free_b, size_t *total_b), (free_b, total_b))
+
+#define SHIM_NVML_HOOKS(X) \
+    X(NVML, nvmlDeviceGetMemoryInfo, (void *device, struct nvml_memory *m), (device, m)) \
+    X(NVML, nvmlDeviceGetMemoryInfo_v2, (void *device, struct nvml_memory_v2 *m), (device, m))

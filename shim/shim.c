@@ -34,6 +34,8 @@ typedef int CUresult;
 typedef int cudaError_t;
 typedef unsigned long long CUdeviceptr;
 struct shim_extent { size_t width, height, depth; };
+struct nvml_memory { unsigned long long total, free, used; };                      /* nvml.h */
+struct nvml_memory_v2 { unsigned int version; unsigned long long total, reserved, free, used; };
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define EXPORT __attribute__((visibility("default")))
@@ -97,6 +99,15 @@ static void *driver_sym(const char *name)
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (!h)
         h = dlopen("libcuda.so.1", RTLD_NOW);
+    return h ? real_dlsym(h, name) : NULL;
+}
+
+static void *nvml_sym(const char *name)
+{
+    find_dlsym();
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
     return h ? real_dlsym(h, name) : NULL;
 }
 
@@ -408,7 +419,28 @@ CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev), de
 CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev), dev, 0)
 CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev), dev, 0)
 
-/* What the container may use, never an error: total = min(limit, the GPU's), free = total - used. */
+/* What the container may see of GPU dev: total = min(limit, the GPU's), used = its own use,
+ * free = what is left of that (never more than the GPU has free). Never an error: without an
+ * answer from the enforcer the driver's numbers stay. used may be NULL (CUDA has none). */
+static void container_view(int dev, unsigned long long *total, unsigned long long *free_b,
+                           unsigned long long *used)
+{
+    char msg[64], reply[256];
+    snprintf(msg, sizeof(msg), "{\"op\":\"meminfo\",\"dev\":%d}\n", dev);
+    if (dev < 0 || request(msg, reply, sizeof(reply), 1) < 0)
+        return;
+    long long limit = json_num(reply, "\"total\":"), mine = json_num(reply, "\"used\":");
+    if (limit < 0 || mine < 0)
+        return;
+    if ((unsigned long long)limit < *total)
+        *total = (unsigned long long)limit;
+    unsigned long long u = (unsigned long long)mine < *total ? (unsigned long long)mine : *total;
+    if (*total - u < *free_b)
+        *free_b = *total - u;
+    if (used)
+        *used = u;
+}
+
 EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
     if (!RESOLVE(cuMemGetInfo_v2))
@@ -416,20 +448,44 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
     CUresult rc = real_cuMemGetInfo_v2(free_b, total_b);
     if (rc != CUDA_SUCCESS || !free_b || !total_b)
         return rc;
-    char msg[64], reply[256];
-    snprintf(msg, sizeof(msg), "{\"op\":\"meminfo\",\"dev\":%d}\n", current_device());
-    if (request(msg, reply, sizeof(reply), 1) < 0)
-        return rc;
-    long long total = json_num(reply, "\"total\":"), used = json_num(reply, "\"used\":");
-    if (total < 0 || used < 0)
-        return rc;
-    if ((size_t)total < *total_b)
-        *total_b = (size_t)total;
-    size_t left = (size_t)used < *total_b ? *total_b - (size_t)used : 0;
-    if (left < *free_b)
-        *free_b = left;
+    unsigned long long total = *total_b, free_left = *free_b;
+    container_view(current_device(), &total, &free_left, NULL);
+    *total_b = (size_t)total;
+    *free_b = (size_t)free_left;
     return rc;
 }
+
+/* ---- NVML's memory queries: nvidia-smi in the container shows the limit too. NVML numbers
+ * GPUs as CUDA does on a host whose order is the PCI order (CUDA_DEVICE_ORDER=PCI_BUS_ID);
+ * the enforcer's GPU numbers are CUDA's. ---- */
+static int nvml_index(void *device)
+{
+    static int (*get)(void *, unsigned *);
+    if (!get)
+        get = (int (*)(void *, unsigned *))nvml_sym("nvmlDeviceGetIndex");
+    unsigned i = 0;
+    return get && get(device, &i) == 0 ? (int)i : -1;
+}
+
+#define NVML_WRAPPER(name, type, reserved)                                        \
+    EXPORT int name(void *device, type *m)                                      \
+    {                                                                             \
+        static int (*real)(void *, type *);                                       \
+        if (!real)                                                                \
+            real = (int (*)(void *, type *))nvml_sym(#name);                      \
+        if (!real)                                                                \
+            return 13;   /* NVML_ERROR_FUNCTION_NOT_FOUND */                      \
+        int rc = real(device, m);                                                 \
+        if (rc == 0 && m) {                                                       \
+            container_view(nvml_index(device), &m->total, &m->free, &m->used);    \
+            reserved;                                                             \
+        }                                                                         \
+        return rc;                                                                \
+    }
+
+NVML_WRAPPER(nvmlDeviceGetMemoryInfo, struct nvml_memory, (void)0)
+/* v2 splits the driver's reservation out of used: the container's view has none */
+NVML_WRAPPER(nvmlDeviceGetMemoryInfo_v2, struct nvml_memory_v2, m->reserved = 0)
 
 /* ---- runtime calls: named, then the driver wrappers above do the asking ---- */
 #define RT_WRAPPER(kind, name, params, args)                                      \
@@ -451,7 +507,7 @@ SHIM_RUNTIME_HOOKS(RT_WRAPPER)
 /* ---- lookups return the wrappers ---- */
 struct hook { const char *name; void *wrapper; };
 #define ENTRY(kind, name, params, args) {#name, (void *)name},
-static const struct hook hooks[] = { SHIM_DRIVER_HOOKS(ENTRY) SHIM_RUNTIME_HOOKS(ENTRY) };
+static const struct hook hooks[] = { SHIM_DRIVER_HOOKS(ENTRY) SHIM_RUNTIME_HOOKS(ENTRY) SHIM_NVML_HOOKS(ENTRY) };
 #undef ENTRY
 
 static void *wrapper_of(const char *name)

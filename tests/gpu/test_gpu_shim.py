@@ -1,7 +1,7 @@
 """The preload shim on the real driver, under the running enforcer: PyTorch under a 1 GiB limit
 gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit in mem_get_info, and still trains a
-small model; an nvcc program (static cudart) is limited through its driver calls. Both with
-the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
+small model; an nvcc program (static cudart) is limited through its driver calls; nvidia-smi and
+pynvml show the limit as the GPU's memory. Both with the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
 import json
 import os
 import shutil
@@ -84,3 +84,19 @@ def test_nvcc_static_program_limited_through_driver_calls(enforcer, tmp_path):
     assert denied.returncode == 2 and "denied" in denied.stderr, denied.stderr
     allowed = enforcer("nvcc1g", ["/bin/sh", "-c", f"echo | {exe}"])
     assert allowed.returncode == 0 and "allocated 1 128974848" in allowed.stdout, allowed.stderr
+
+
+def test_nvidia_smi_and_pynvml_show_the_limit(enforcer):
+    """NVML's memory queries inside a limited container: the limit, not the card's 80 GiB."""
+    smi = shutil.which("nvidia-smi")
+    assert smi, "nvidia-smi is on every GPU host this runs on"
+    r = enforcer("torch", [smi, "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits", "-i", "0"])
+    assert r.returncode == 0, r.stderr
+    print(r.stdout.strip())
+    assert [int(x) for x in r.stdout.split(",")] == [1024, 0]     # MiB: the 1 GiB limit, nothing used
+    r = enforcer("torch", [sys.executable, "-c", "import pynvml; pynvml.nvmlInit(); "
+                           "h = pynvml.nvmlDeviceGetHandleByIndex(0); m = pynvml.nvmlDeviceGetMemoryInfo(h); "
+                           "v = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2); "
+                           "print(m.total, m.used, v.total, v.used)"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(GiB), "0", str(GiB), "0"]

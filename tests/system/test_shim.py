@@ -114,6 +114,33 @@ def test_credit_spares_the_asking_and_comes_back_for_a_sibling(cgroups, build, e
         enf.close()
 
 
+def test_nvml_memory_queries_show_the_limit(cgroups, build, env5):
+    """pynvml (as nvidia-smi) under the shim, on the stand-in NVML: total is the container's
+    limit, used its own 256 MiB, free the rest, for both versions of the query."""
+    enf = Enforcing(build, "--gpu-memory", "4GiB", "--limit", "smi=2GiB")
+    try:
+        code = cuda_prelude(str(build / "standin" / "libcuda.so.1")) + (
+            "import pynvml; p=ctypes.c_ulonglong()\n"
+            f"assert cu.cuMemAlloc_v2(ctypes.byref(p), {256 * MiB}) == 0\n"
+            "pynvml.nvmlInit(); h=pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+            "m=pynvml.nvmlDeviceGetMemoryInfo(h); v=pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)\n"
+            "print(m.total, m.used, m.free, v.total, v.used, v.free, v.reserved)\n")
+        env = shim_env(env5, enf, LD_LIBRARY_PATH=f"{build}/standin-nvml:{env5['LD_LIBRARY_PATH']}")
+        r = subprocess.run(["/bin/sh", "-c", f'echo $$ > {cgroups("smi")}/cgroup.procs && exec "$0" "$@"',
+                            sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        view = [2 * GiB, 256 * MiB, 2 * GiB - 256 * MiB]
+        assert list(map(int, r.stdout.split())) == view + view + [0]
+        # without the shim the stand-in says what the whole GPU has
+        bare = subprocess.run([sys.executable, "-c", "import pynvml; pynvml.nvmlInit(); "
+                               "m=pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)); "
+                               "print(m.total, m.used)"], env=dict(env5, LD_LIBRARY_PATH=f"{build}/standin-nvml"),
+                              capture_output=True, text=True, timeout=60)
+        assert bare.stdout.split() == [str(5 * GiB), "0"], bare.stderr
+    finally:
+        enf.close()
+
+
 @pytest.mark.parametrize("closed", [False, True])
 def test_no_enforcer_fail_open_or_closed(build, caller_env, closed):
     env = shim_env(caller_env, **({"CONVGPU_SHIM_FAIL_CLOSED": "1"} if closed else {}))
