@@ -39,7 +39,7 @@ def title(fig, text: str, fontsize: float) -> None:
 
 def free_name(api: str) -> str:
     if api == "cuMemCreate+Map":
-        return "cuMemUnmap+Release+AddressFree"
+        return "cuMemUnmap+Release"
     return "cudaFree" if api.startswith("cuda") else "cuMemFree_v2"
 
 
@@ -77,7 +77,7 @@ def plot_latency(data: dict, src: Path, out: Path) -> Path:
           "bare's median)\n"
           f"build/alloc_bench via bench.probe_latency: {data['rounds']} rounds x {data['iters']} calls per "
           "cell, the modes interleaved in each round; medians over rounds\n" + describe(data, src), 10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / fig.get_figheight()))   # below the four-line caption
     path = out / "latency.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
