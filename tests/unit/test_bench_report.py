@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))   # bench/ lives at the repo root
 from bench import latency_report, machine, probe_latency  # noqa: E402
 
-RUN = REPO / "docs" / "gpu-runs" / "2026-11-23"   # the H100 run the committed plots come from
+RUN = REPO / "docs" / "gpu-runs" / "2026-11-23"   # an H100 run in the older format (the start-up and e2e plots come from it)
 
 
 def cell(api, size, **ns):
