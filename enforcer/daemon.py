@@ -110,6 +110,7 @@ class Enforcer:
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
         self._exits: dict[int, int] = {}   # pidfd -> pid: in exit, its files not yet closed
+        self.sampler = None                # NVML's per-process memory, sampled in a thread
 
     # --- BPF maps ---
     def _t(self, name):
@@ -146,6 +147,9 @@ class Enforcer:
     def start(self) -> "Enforcer":
         from .control import ControlHandler
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
+        if self.nvml is not None and self.nvml.ok:
+            from ..probes.nvml import Sampler
+            self.sampler = Sampler(self.nvml, MEASURE_EVERY).start()
         # the control socket first: a second enforcer on the same run dir fails here, before
         # its probes could stall anything
         if _answers(self.control_path):
@@ -305,6 +309,8 @@ class Enforcer:
         self.servers.clear()
         if self.metrics is not None:
             self.metrics.close()
+        if self.sampler is not None:
+            self.sampler.close()
         self.tracer.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             self.watchdog.kill()
@@ -770,9 +776,9 @@ class Enforcer:
         """NVML's per-process memory minus the bytes the probes track is each process's real
         context overhead (FACTS.md: ~519 MiB on the H100); what exceeds the per-context charge
         of --ctx-overhead is added to the container's usage at admission."""
-        if self.nvml is None or not self.nvml.ok or not self.boxes:
+        nv = self.sampler.take() if self.sampler is not None else None
+        if nv is None or not self.boxes:
             return False
-        nv = self.nvml.process_memory()
         live = {(u.pid, u.dev): (u.live, u.contexts) for u in self.tracer.usage()}
         changed = False
         for box in self.boxes.values():

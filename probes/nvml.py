@@ -1,6 +1,7 @@
 """GPU facts from NVML (nvidia-ml-py): names, totals, used memory, and per-process used memory,
 which is what lets convgpu *measure* each process's context overhead instead of guessing it."""
 import logging
+import threading
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -73,3 +74,36 @@ class Nvml:
 
 def _s(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class Sampler:
+    """process_memory() every `every` s in a thread of its own: on the H100 one sample takes
+    milliseconds, which the enforcer's loop would otherwise spend before a pending resume.
+    NVML is thread-safe, and ctypes lets go of the GIL during its calls."""
+
+    def __init__(self, nvml: "Nvml", every: float):
+        self.nvml, self.every = nvml, every
+        self._latest: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self._latest = self.nvml.process_memory()
+            except Exception as e:   # a driver hiccup: the next sample may do
+                log.debug("process_memory: %s", e)
+            self._stop.wait(self.every)
+
+    def take(self) -> dict | None:
+        """The newest sample not taken yet, else None."""
+        latest, self._latest = self._latest, None
+        return latest
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)

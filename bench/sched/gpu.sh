@@ -12,7 +12,7 @@ set -u
 source tests/gpu/env.sh   # set-up shared with tests/gpu/run-on-gpu.sh
 LIB=$(python3 -c 'import os; print(os.path.realpath("/usr/local/nvidia/lib64/libcuda.so.1"))')
 cd /tmp
-timeout 200 python3 -m bench.sched.resume --lib "$LIB" --capacity 6GiB --trials 100 --settle 0,0.02 \
+timeout 300 python3 -m bench.sched.resume --lib "$LIB" --capacity 6GiB --trials 50 --settle 0,0.02 --seconds 5 \
   --json "$OUT/sched-resume-h100.json" 2>&1 | grep -v '━' | tee "$OUT/sched-resume-h100.txt"
 timeout 150 python3 -m bench.sched.real --lib "$LIB" --overhead 600MiB --n 6 --seed 24 --out "$OUT" \
   2>&1 | tee "$OUT/sched-real-h100.txt"
