@@ -32,6 +32,7 @@ MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
+EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Enforcer:
         self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
-        self._exits: dict[int, int] = {}   # pidfd -> pid: in exit, its files not yet closed
+        self._exits: dict[int, tuple[int, float]] = {}   # pidfd -> (pid, give up at): in exit
         self.sampler = None                # NVML's per-process memory, sampled in a thread
 
     # --- BPF maps ---
@@ -353,7 +354,8 @@ class Enforcer:
         self.acct.feed(events)
         dirty = False
         if self._exits:     # for callers of step() alone; run() wakes on them in select()
-            for fd in select.select(list(self._exits), [], [], 0)[0]:
+            late = [fd for fd, (_, until) in self._exits.items() if now > until]
+            for fd in set(select.select(list(self._exits), [], [], 0)[0] + late):
                 self._reap(fd)
                 dirty = True
         for e in events:
@@ -412,7 +414,7 @@ class Enforcer:
         except OSError:     # reaped already
             self._gone(pid)
             return True
-        self._exits[fd] = pid
+        self._exits[fd] = (pid, time.monotonic() + EXIT_WAIT)
         if select.select([fd], [], [], 0)[0]:
             self._reap(fd)
             return True
@@ -420,7 +422,7 @@ class Enforcer:
         return False
 
     def _reap(self, fd: int):
-        pid = self._exits.pop(fd)
+        pid, _ = self._exits.pop(fd)
         try:
             self.sel.unregister(fd)
         except KeyError:
