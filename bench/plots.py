@@ -31,6 +31,14 @@ from bench.machine import describe  # noqa: E402
 COLORS = {"bare": "black", "probed": "tab:blue", "enforced": "tab:orange", "shim": "tab:red", "shim-only": "tab:purple"}
 
 
+def save(fig, path: Path, top: float = 0.0) -> Path:
+    """Lay out (leaving `top` inches for a caption), write at 90 dpi, free the figure."""
+    fig.tight_layout(rect=(0, 0, 1, 1 - top / fig.get_figheight()))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def title(fig, text: str, fontsize: float) -> None:
     """The caption above the panels, each line wrapped to the figure's width."""
     width = int(fig.get_figwidth() * 72 / (fontsize * 0.55))
@@ -77,11 +85,7 @@ def plot_latency(data: dict, src: Path, out: Path) -> Path:
           "bare's median)\n"
           f"build/alloc_bench via bench.probe_latency: {data['rounds']} rounds x {data['iters']} calls per "
           "cell, the modes interleaved in each round; medians over rounds\n" + describe(data, src), 10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / fig.get_figheight()))   # below the four-line caption
-    path = out / "latency.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, out / "latency.png", top=0.9)   # below the four-line caption
 
 
 def _strip(ax, groups: dict, unit: str) -> None:
@@ -117,11 +121,7 @@ def plot_e2e(data: dict, src: Path, out: Path) -> list[Path]:
         _strip(ax, groups, "s")
         ax.set_ylabel("seconds")
         title(fig, f"{caption}\n{how}\n{where}", 9)
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        files.append(path)
+        files.append(save(fig, out / f"{name}.png"))
     return files
 
 

@@ -92,24 +92,19 @@ static void find_dlsym(void)
         real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
 }
 
-/* The driver may be loaded RTLD_LOCAL (static cudart dlopens it): ask it by handle. */
-static void *driver_sym(const char *name)
+/* The driver (and NVML) may be loaded RTLD_LOCAL (static cudart dlopens it; pynvml too): ask
+ * the library by handle. */
+static void *lib_sym(const char *lib, const char *name)
 {
     find_dlsym();
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    void *h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
     if (!h)
-        h = dlopen("libcuda.so.1", RTLD_NOW);
+        h = dlopen(lib, RTLD_NOW);
     return h ? real_dlsym(h, name) : NULL;
 }
 
-static void *nvml_sym(const char *name)
-{
-    find_dlsym();
-    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (!h)
-        h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
-    return h ? real_dlsym(h, name) : NULL;
-}
+static void *driver_sym(const char *name) { return lib_sym("libcuda.so.1", name); }
+static void *nvml_sym(const char *name) { return lib_sym("libnvidia-ml.so.1", name); }
 
 static void *runtime_sym(const char *name)
 {

@@ -10,6 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from convgpu.units import format_size  # noqa: E402
 
+from bench.plots import save  # noqa: E402
+
 MAX_DEADLOCKED = 0.1   # a point is drawn while at most this share of its runs deadlocked
 PANELS = (("makespan", "makespan (s)"), ("mean_suspended", "mean suspended time (s)"),
           ("p95_suspended", "p95 suspended time (s)"), ("deadlocks", "runs deadlocked (%)"))
@@ -45,9 +47,5 @@ def plot_simulation(results: dict, meta: dict, out: Path) -> list[Path]:
                      f"({oname}), {meta['seeds']} seeds per point, {meta['date']}\n"
                      f"means of the runs that finished, drawn while at most "
                      f"{MAX_DEADLOCKED:.0%} deadlocked; shaded: 95 % CI")
-        fig.tight_layout()
-        path = out / f"sim-{oname}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        files.append(path)
+        files.append(save(fig, out / f"sim-{oname}.png"))
     return files
