@@ -939,21 +939,24 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p)
         return;
-    u64 freed = 0;
+    u64 freed = 0, contexts = 0;
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
         struct cg_usage *u = usage.lookup(&k);
         if (u) {
             freed += u->live;
+            if (u->contexts > 0)
+                contexts += u->contexts;
             cg_charge(tgid, d, -(s64)u->live, -u->contexts);
             usage.delete(&k);
         }
     }
     members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
-    // above are already exact, and a reused pid gets a new generation.
+    // above are already exact, and a reused pid gets a new generation. The driver frees the
+    // bytes later (when the files close): the enforcer holds them until then.
     u64 id = ((u64)tgid << 32) | tgid;
-    emit_flags(id, api, op, 0, -1, p->gen, freed, 0, 0, wake_if_waiting());
+    emit_flags(id, api, op, 0, -1, p->gen, freed, contexts, 0, wake_if_waiting());
     procs.delete(&tgid);
 }
 

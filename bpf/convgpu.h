@@ -86,7 +86,7 @@ struct cg_event {
     __u64 cgroup_id;  /* cgroup v2 id of the calling task */
     __u64 addr;       /* device pointer, VMM handle, array handle or context */
     __u64 size;       /* bytes allocated or freed (0 when none) */
-    __u64 live;       /* the process's live bytes on this device after the event */
+    __u64 live;       /* the process's live bytes on this device after the event (exit, exec: its contexts) */
     __u32 tgid;
     __u32 tid;
     __s32 dev;        /* device ordinal, -1 unknown */

@@ -57,7 +57,12 @@ def capacity_of(gpu_memory: int | None, reserve: int, nvml: Nvml) -> dict[int, i
     if not nvml.ok:
         raise PrerequisiteError(f"cannot read the GPUs' memory from NVML ({nvml.error})",
                                 "give the capacity with --gpu-memory SIZE")
-    return {g.index: max(0, g.total - reserve) for g in nvml.gpus()}
+    return physical_of(reserve, nvml)
+
+
+def physical_of(reserve: int, nvml: Nvml) -> dict[int, int] | None:
+    """The card's memory per GPU that convgpu may count on: NVML's total minus --reserve."""
+    return {g.index: max(0, g.total - reserve) for g in nvml.gpus()} if nvml.ok else None
 
 
 def settings_from(config: cfg.Config | None, cli: dict) -> dict:
@@ -80,7 +85,7 @@ def enforce(
     limit: list[str] = typer.Option([], "--limit", help="NAME_OR_ID=SIZE for one container (repeatable)."),
     default_limit: str = typer.Option(None, "--default-limit", help="Limit of containers no other source sets (default 1GiB, the paper's)."),
     gpu_memory: str = typer.Option(None, "--gpu-memory", help="Capacity per GPU to share, a virtual size (default: NVML's total minus --reserve)."),
-    reserve: str = typer.Option(None, "--reserve", help="Kept free per GPU when the capacity comes from NVML (default 512MiB)."),
+    reserve: str = typer.Option(None, "--reserve", help="Kept free per GPU (default 512MiB): out of the capacity taken from NVML, and out of the room an exiting process's memory may still hold while a smaller --gpu-memory is handed on."),
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context at admission (default 0); with NVML the measured overhead is added."),
@@ -129,7 +134,7 @@ def enforce(
                    rules_from(conf, limits, s["default_limit"]), stopper=stopper,
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
-                   reload=reload if path else None)
+                   reload=reload if path else None, physical=physical_of(s["reserve"], nvml))
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

@@ -72,9 +72,12 @@ class Enforcer:
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
-                 reload=None):
+                 reload=None, physical: dict[int, int] | None = None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
+        # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
+        # capacity: then an exit's memory returns to the pool only once the driver freed it
+        self.physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
         self.stopper = stopper or SignalStopper()
         self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
         self.rng = random.Random(seed)
@@ -110,8 +113,9 @@ class Enforcer:
         self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
-        self._exits: dict[int, tuple[int, float]] = {}   # pidfd -> (pid, give up at): in exit
+        self._exits: dict[int, tuple[int, float, dict]] = {}   # pidfd -> (pid, give up at, {dev: bytes held})
         self.sampler = None                # NVML's per-process memory, sampled in a thread
+        self.excess: dict[tuple[int, int], int] = {}   # (pid, dev) -> its last measured excess
 
     # --- BPF maps ---
     def _t(self, name):
@@ -150,7 +154,7 @@ class Enforcer:
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         if self.nvml is not None and self.nvml.ok:
             from ..probes.nvml import Sampler
-            self.sampler = Sampler(self.nvml, MEASURE_EVERY).start()
+            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight).start()
         # the control socket first: a second enforcer on the same run dir fails here, before
         # its probes could stall anything
         if _answers(self.control_path):
@@ -344,9 +348,6 @@ class Enforcer:
     # --- the loop ---
     def step(self):
         now = time.monotonic()
-        if now - self._beat >= HEARTBEAT_EVERY:
-            self._control(True)
-            self._beat = now
         if self._reload_asked:
             self._reload_asked = False
             self.reload()
@@ -354,7 +355,7 @@ class Enforcer:
         self.acct.feed(events)
         dirty = False
         if self._exits:     # for callers of step() alone; run() wakes on them in select()
-            late = [fd for fd, (_, until) in self._exits.items() if now > until]
+            late = [fd for fd, (_, until, _) in self._exits.items() if now > until]
             for fd in set(select.select(list(self._exits), [], [], 0)[0] + late):
                 self._reap(fd)
                 dirty = True
@@ -379,17 +380,23 @@ class Enforcer:
                 self._gone(e.pid)
                 dirty = True
             elif e.op == "exit":
-                dirty |= self._exiting(e.pid)
+                self._exiting(e.pid, e.size + e.live * self.ctx_overhead, e.ts_ns)
+                dirty = True
             elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
+        if dirty:   # a resume first: the periodic work below can wait for it
+            self._changed()
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
-            dirty |= self._measure_overhead() or any(b.waiting for b in self.boxes.values())
+            if self._measure_overhead() or any(b.waiting for b in self.boxes.values()):
+                self._changed()
+                dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
-        if dirty:
-            self._changed()
+        if now - self._beat >= HEARTBEAT_EVERY:
+            self._control(True)
+            self._beat = now
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status())
@@ -403,33 +410,57 @@ class Enforcer:
         if self._control(True) == 0 and self._told:
             self.schedule()
 
-    def _exiting(self, pid: int) -> bool:
-        """The last thread of pid is in exit: its device memory is freed when the kernel closes
-        its files, after the event (do_exit: the tracepoint, then exit_files). A waiter resumed
-        on the event could find the GPU still full, so wait for the pidfd, which becomes
-        readable once the process is gone (exit_notify). True: it is gone already."""
-        log.debug("pid %d exiting (t=%d)", pid, time.monotonic_ns())   # the timeline: bench.sched.resume
+    def _exiting(self, pid: int, tracked: int = 0, at: int = 0):
+        """The last thread of pid is in exit: it leaves its container now, but the driver frees
+        its device memory only when the kernel closes its files, after the event (do_exit: the
+        tracepoint, exit_mm, exit_files), 55 ms later on the H100. Until its pidfd becomes
+        readable (exit_notify) those bytes are held against the card's physical room (see
+        _room), so a waiter resumes at once where the card has room for both, and only
+        once they are back where it has not. tracked: its live bytes and context charges;
+        at: the exit tracepoint's time (CLOCK_MONOTONIC ns), for the timeline."""
+        t = time.monotonic_ns()
+        box = self.pid_box.get(pid)
+        devs = sorted(box.assigned) if box else []
+        # on every device of its container: the event gives one total (where, BPF has forgotten)
+        held = tracked + sum(self.excess.get((pid, d), 0) for d in devs)
+        log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
+        self._gone(pid)
+        if not held or not devs:
+            return
         try:
             fd = os.pidfd_open(pid)
         except OSError:     # reaped already
-            self._gone(pid)
-            return True
-        self._exits[fd] = (pid, time.monotonic() + EXIT_WAIT)
+            return
+        self._exits[fd] = (pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs})
         if select.select([fd], [], [], 0)[0]:
             self._reap(fd)
-            return True
+            return
         self.sel.register(fd, selectors.EVENT_READ, lambda _mask, fd=fd: (self._reap(fd), self._changed()))
-        return False
 
     def _reap(self, fd: int):
-        pid, _ = self._exits.pop(fd)
+        pid, _, _ = self._exits.pop(fd)
         try:
             self.sel.unregister(fd)
         except KeyError:
             pass
         os.close(fd)
         log.debug("pid %d gone (t=%d)", pid, time.monotonic_ns())
-        self._gone(pid)
+
+    def _tearing(self, dev: int) -> int:
+        """Bytes of exited processes that the driver has not freed yet."""
+        return sum(held.get(dev, 0) for _, _, held in self._exits.values())
+
+    def _assigned(self, dev: int) -> int:
+        return sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+
+    def _room(self, dev: int) -> int:
+        """The card's physical room once every container fills its assignment, with what
+        exiting processes still hold: a resume needs it >= 0 (a grant, too, after it)."""
+        return self.physical.get(dev, 0) - self._assigned(dev) - self._tearing(dev)
+
+    def _free(self, dev: int) -> int:
+        """What may be assigned on dev: the capacity's unassigned memory, within the room."""
+        return max(0, min(self.capacity.get(dev, 0) - self._assigned(dev), self._room(dev)))
 
     def _restalled(self, e, box: Box | None = None):
         if box is not None:
@@ -510,7 +541,7 @@ class Enforcer:
 
     def _new_device(self, box: Box, dev: int):
         """First context of a container on a device: A_c = min(L_c, unassigned)."""
-        free = self.capacity.get(dev, 0) - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+        free = self._free(dev)
         box.assigned[dev] = policies.assign_new(box.limit, free)
         self._ensure_state(box, dev)
         self._write_assign(box, dev)
@@ -600,11 +631,14 @@ class Enforcer:
     def schedule(self):
         now = time.monotonic()
         for dev in sorted(self.capacity):
+            if self._room(dev) < 0:   # an exit's memory is still in the driver and the card is full
+                continue              # of assignments: any resume could fail there; its pidfd wakes us
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
                 if self._demand(box, dev) <= box.assigned[dev]:
                     self._resume(box, dev, "fits its assignment")
-            if not self._grant(dev, now) and self._reclaim(dev) and not self._grant(dev, now, fit_only=True):
+            if (not self._grant(dev, now) and not self._tearing(dev) and self._reclaim(dev)
+                    and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
 
     def _grant(self, dev: int, now: float, fit_only: bool = False) -> bool:
@@ -621,7 +655,7 @@ class Enforcer:
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
                                          suspended_at=w.since, limit=box.limit,
                                          assigned=box.assigned[dev], used=demand, request=0))
-        free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+        free = self._free(dev)
         resumed = False
         for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only):
             box = self.boxes[g.id]
@@ -655,7 +689,7 @@ class Enforcer:
         if dev in self._stuck:
             return
         self._stuck.add(dev)
-        free = self.capacity[dev] - sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+        free = self._free(dev)
         log.warning("GPU%d deadlocked: every container waits, and none can run on the %s free (the "
                     "rest is held by the waiters themselves, their contexts): it ends when one of them "
                     "exits", dev, format_size(free))
@@ -775,35 +809,35 @@ class Enforcer:
 
     # --- measured context overhead ---
     def _measure_overhead(self) -> bool:
-        """NVML's per-process memory minus the bytes the probes track is each process's real
+        """NVML's per-process memory beyond the bytes the probes track is each process's real
         context overhead (FACTS.md: ~519 MiB on the H100); what exceeds the per-context charge
         of --ctx-overhead is added to the container's usage at admission."""
         nv = self.sampler.take() if self.sampler is not None else None
-        if nv is None or not self.boxes:
+        if nv is None:
             return False
-        live = {(u.pid, u.dev): (u.live, u.contexts) for u in self.tracer.usage()}
+        self.excess = nv
         changed = False
         for box in self.boxes.values():
             for dev in box.assigned:
-                extra = 0
-                for pid in box.pids:
-                    used = nv.get((pid, dev))
-                    tracked, contexts = live.get((pid, dev), (0, 0))
-                    if used is not None:
-                        extra += max(0, used - tracked - max(contexts, 0) * self.ctx_overhead)
+                extra = sum(nv.get((pid, dev), 0) for pid in box.pids)
                 if extra != box.extra.get(dev, 0):
                     box.extra[dev] = extra
                     self._write_assign(box, dev)
                     changed = True
         return changed
 
+    def _tracked(self) -> dict[tuple[int, int], int]:
+        """(pid, dev) -> what the probes track: live bytes and the per-context charge."""
+        return {(u.pid, u.dev): u.live + max(u.contexts, 0) * self.ctx_overhead for u in self.tracer.usage()}
+
     # --- what `convgpu status`, metrics and trace show ---
     def status(self) -> dict:
         now = time.monotonic()
         gpus = {}
         for dev, cap in sorted(self.capacity.items()):
-            assigned = sum(b.assigned.get(dev, 0) for b in self.boxes.values())
-            gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned}
+            assigned = self._assigned(dev)
+            gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned,
+                              "physical": self.physical[dev], "tearing_down": self._tearing(dev)}
         rows = []
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}

@@ -117,6 +117,9 @@ class Ledger:
     def stats(self) -> dict[str, int]:
         return {"drops": 0, "unknown_free": 0}
 
+    def calls_in_flight(self) -> set[int]:
+        return set()   # the shims report a call once it returned
+
     # --- what the shims report (enforcer/broker.py) ---
     def watch(self, pid: int) -> None:
         """A process said hello: follow it to its exit."""
@@ -184,13 +187,14 @@ class Ledger:
         self._ep.unregister(fd)
         os.close(fd)
         del self._fds[fd]
-        left = 0
+        left = contexts = 0
         for dev, r in self.rows.pop(pid, {}).items():
             self._charge(pid, dev, -r.live, -r.contexts)
             left += r.live
+            contexts += max(r.contexts, 0)
         self.primary = {p for p in self.primary if p[0] != pid}
         self.b[b"members"].pop(pid, None)
-        self._event(pid, "exit", -1, left, 0)
+        self._event(pid, "exit", -1, left, contexts)   # as BPF's exit event
         self.comm.pop(pid, None)
 
     def _event(self, pid: int, op: str, dev: int, size: int, live: int) -> None:

@@ -77,12 +77,23 @@ def _s(x) -> str:
 
 
 class Sampler:
-    """process_memory() every `every` s in a thread of its own: on the H100 one sample takes
-    milliseconds, which the enforcer's loop would otherwise spend before a pending resume.
-    NVML is thread-safe, and ctypes lets go of the GIL during its calls."""
+    """Each process's memory beyond what the probes track (its context, as the driver counts
+    it), from process_memory() every `every` s in a thread of its own: on the H100 one sample
+    takes milliseconds, which the enforcer's loop would otherwise spend before a pending resume.
+    NVML is thread-safe, and ctypes lets go of the GIL during its calls.
 
-    def __init__(self, nvml: "Nvml", every: float):
-        self.nvml, self.every = nvml, every
+    The probes are read around each NVML sample, so the two never come from different moments:
+    a sample a second old against bytes read now counted a process's freed gigabytes as its
+    context until the next sample, which held its container's waiter for that second. A
+    process whose tracked bytes moved, or that had a driver call in flight (an allocation the
+    driver may show before it returns), keeps its last value. One transient remains, and it
+    reads high: a free the probes settle at its entry while the driver still holds the memory.
+    Hence a process's excess is the smaller of its last two clean samples."""
+
+    def __init__(self, nvml: "Nvml", every: float, tracked, busy=lambda: set()):
+        self.nvml, self.every, self.tracked, self.busy = nvml, every, tracked, busy
+        self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
+        self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
@@ -94,10 +105,34 @@ class Sampler:
     def _run(self):
         while not self._stop.is_set():
             try:
-                self._latest = self.nvml.process_memory()
+                self._latest = self.sample()
             except Exception as e:   # a driver hiccup: the next sample may do
                 log.debug("process_memory: %s", e)
             self._stop.wait(self.every)
+
+    def sample(self) -> dict[tuple[int, int], int]:
+        """(pid, dev) -> bytes NVML counts beyond the tracked ones. tracked(): (pid, dev) ->
+        the bytes the probes know of (allocations and the per-context charge); busy(): the
+        pids with a driver call in flight. Read in this order, any call that overlaps the
+        NVML sample is in flight at one read or moves the tracked bytes between them."""
+        before = self.tracked()
+        moving = self.busy()
+        used = self.nvml.process_memory()
+        moving |= self.busy()
+        after = self.tracked()
+        out, seen = {}, {}
+        for k, nbytes in used.items():
+            if k[0] in moving or before.get(k, 0) != after.get(k, 0):
+                if k in self._out:
+                    out[k] = self._out[k]
+                if k in self._seen:
+                    seen[k] = self._seen[k]
+                continue
+            now = max(0, nbytes - after.get(k, 0))
+            out[k] = min(now, self._seen.get(k, now))
+            seen[k] = now
+        self._seen, self._out = seen, out   # processes NVML no longer lists are forgotten
+        return out
 
     def take(self) -> dict | None:
         """The newest sample not taken yet, else None."""

@@ -168,6 +168,10 @@ class Tracer:
                 last_ns=u.last_ns))
         return sorted(rows, key=lambda r: (r.pid, r.dev))
 
+    def calls_in_flight(self) -> set[int]:
+        """Pids with a driver call between its entry and its return probe."""
+        return {k.value >> 32 for k, t in self.b[b"threads"].items() if t.call.api}
+
     def stats(self) -> dict[str, int]:
         names = ("drops", "unknown_free")   # enum cg_stat
         return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b[b"stats"].items(), key=lambda kv: kv[0].value))}

@@ -10,7 +10,9 @@ waiter's is after its allocation returned, less that allocation's own duration o
   exit  container A (limit 3C/4 of the capacity C, 1 GiB) holds C/2; container B (new: C/4
         assigned, room for its context, which a real driver's NVML shows as ~519 MiB) asks C/2
         and stops; A's only process exits -> once its files are closed (the driver frees its
-        memory then), A's assignment goes back to the pool -> B is granted and resumed.
+        memory then), A's assignment goes back to the pool -> B is granted and resumed; on the
+        exit event already where the card has room for A's memory and B's grant together (a
+        real GPU larger than the capacity: "during_teardown" counts those trials).
         resume_ms: from just before A's exit. after_gone_ms: from when A's pidfd became readable
         here (the kernel closed its files; this process's own wake-up after that is not
         counted, so it errs low by that). teardown_ms: the kernel's and driver's share between.
@@ -20,7 +22,11 @@ waiter's is after its allocation returned, less that allocation's own duration o
         settles a free at its entry).
 The enforcer runs with --debug, whose lines stamp the exit path in the same clock; each trial
 splits the time with them: exit event_ms (A's exit -> the enforcer handles BPF's exit event),
-enforcer_ms (A gone, as the enforcer's pidfd says -> SIGCONT sent), waiter_ms (SIGCONT -> the
+sigcont_ms (A's exit -> SIGCONT sent: all of convgpu's part, the kernel's exit event included),
+room_ms (the kernel's exit tracepoint, where the exit makes room, as BPF stamps its event ->
+SIGCONT sent),
+enforcer_ms (the enforcer's cue -> SIGCONT sent; the cue is A gone, as its pidfd says, or the
+exit event where B resumed during the teardown), waiter_ms (SIGCONT -> the
 waiter's allocation returned, less alloc_ms); free enforcer_ms (the free's start -> SIGCONT).
 enforcer CPU: utime + stime of the enforcer's pid (/proc/PID/stat) while one process in a
 container allocates and frees 4 KiB at 0, 1 k and 10 k allocations a second (paced every
@@ -120,12 +126,12 @@ def settle(log, name: str, pid: int, count: int, seconds: float):
         time.sleep(seconds)
 
 
-def stamp_of(log, pattern: str) -> int:
+def stamp_of(log, pattern: str, stamp: str = r".*\(t=(\d+)\)") -> int:
     """t= of the enforcer's last debug line matching pattern (bench.sched.real logs with --debug)."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for _, line in reversed(log.lines):
-            if m := re.search(pattern + r".*\(t=(\d+)\)", line):
+            if m := re.search(pattern + stamp, line):
                 return int(m.group(1))
         time.sleep(0.002)
     raise TimeoutError(f"the enforcer never logged {pattern!r}")
@@ -155,12 +161,18 @@ def exit_case(cgs, lib, env, log, cap: int, trials: int, wait: float, progress, 
             b.send("r")
             d = int(b.expect("d ").split()[1])
             seen = stamp_of(log, f"pid {a.p.pid} exiting")
+            kernel = stamp_of(log, f"pid {a.p.pid} exiting", r".*\(kernel t=(\d+)\)")
             reaped = stamp_of(log, f"pid {a.p.pid} gone")
             resumed = stamp_of(log, rf"resumed rexb pids \[{b.p.pid}\]")
+            # the enforcer acts on the exit event where the card has room for the exiting
+            # process's memory and the grant together, else once its pidfd fires
+            early = resumed < reaped
             out.append({"resume_ms": (t1 - d - t0) / 1e6, "after_gone_ms": (t1 - d - gone) / 1e6,
                         "teardown_ms": (gone - t0) / 1e6, "alloc_ms": d / 1e6,
-                        "event_ms": (seen - t0) / 1e6, "enforcer_ms": (resumed - reaped) / 1e6,
-                        "waiter_ms": (t1 - d - resumed) / 1e6})
+                        "event_ms": (seen - t0) / 1e6, "sigcont_ms": (resumed - t0) / 1e6,
+                        "room_ms": (resumed - kernel) / 1e6,
+                        "enforcer_ms": (resumed - (seen if early else reaped)) / 1e6,
+                        "waiter_ms": (t1 - d - resumed) / 1e6, "during_teardown": early})
             b.send("x")
             b.stamp()
         finally:
@@ -235,13 +247,15 @@ def cpu_case(cgs, lib, env, enf_pid: int, rates, seconds: float, progress, task)
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per measure: n, p50, p99, max, mean (ms)."""
+    """Per measure: n, p50, p99, max, mean (ms); and how many trials resumed during teardown."""
     out = {}
-    for key in rows[0]:
+    for key in [k for k in rows[0] if k.endswith("_ms")]:
         s = sorted(r[key] for r in rows)
         q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else s * 99
         out[key] = {"n": len(s), "p50": statistics.median(s), "p99": q[98], "max": s[-1],
                     "mean": statistics.fmean(s)}
+    if "during_teardown" in rows[0]:
+        out["during_teardown"] = sum(r["during_teardown"] for r in rows)
     return out
 
 
@@ -287,7 +301,12 @@ def main(argv=None) -> int:
                    "cpus": os.cpu_count(), "kernel": platform.release(),
                    "command": "python -m bench.sched.resume " + " ".join(argv if argv is not None else sys.argv[1:])}
     for case in [k for k in res if "@" in k]:
+        if "during_teardown" in res[case]:
+            print(f"{case:10} resumed during the exiting process's teardown in "
+                  f"{res[case]['during_teardown']} of {a.trials} trials")
         for key, r in res[case].items():
+            if key == "during_teardown":
+                continue
             print(f"{case:10} {key:16} p50 {r['p50']:8.3f} ms  p99 {r['p99']:8.3f} ms  "
                   f"max {r['max']:8.3f} ms  ({r['n']} trials)")
     for r in res["cpu"]:

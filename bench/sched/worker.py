@@ -6,6 +6,8 @@
     r            free the last allocation, allocate its size again, timed: print "d NS" (how
                  long the allocation itself takes on this driver, with nothing in its way)
     x            print "t NS", then exit at once (os._exit: the process ends right there)
+    h SIZE       hold SIZE bytes of host memory, every page touched (its exit then takes longer:
+                 the kernel unmaps it before it closes the files, where the driver frees); "ok"
     l RATE SECS SIZE   allocate+free RATE times a second for SECS s, paced every 10 ms;
                  print "done ALLOCS SECONDS"
 
@@ -54,6 +56,9 @@ for line in sys.stdin:
         ck("cuMemAlloc_v2", alloc(ctypes.byref(p), size))
         print(f"d {time.monotonic_ns() - t}", flush=True)
         held.append((p.value, size))
+    elif cmd[0] == "h":
+        host = bytearray(b"\1" * int(cmd[1]))
+        print("ok", flush=True)
     elif cmd[0] == "x":
         print(f"t {time.monotonic_ns()}", flush=True)
         os._exit(0)

@@ -132,3 +132,20 @@ def test_sigcont_from_outside_is_stopped_again_on_the_real_driver(root, build):
                 os.rmdir(base / n)
             except OSError:
                 pass
+
+
+@pytest.mark.parametrize("room", [False, True], ids=["card-full-after-teardown", "card-has-room-during-teardown"])
+def test_an_exit_resumes_the_waiter_as_soon_as_the_card_has_room_on_the_real_driver(root, cgroups, caplog, room):
+    """tests/system/test_exit.py on the H100: the driver frees the exiting process's memory
+    ~55 ms after its exit event (docs/SCHEDULING.md); under a 4 GiB --gpu-memory the card has
+    room for it and the grant together, so the waiter resumes during that teardown, and only
+    after it where the card is taken as the capacity."""
+    from convgpu.cli.enforce import physical_of
+    from convgpu.probes.libs import system_drivers
+    from convgpu.probes.nvml import Nvml
+    from system.test_exit import CTX, exit_scenario
+    nvml = Nvml()
+    need(nvml.ok, f"no NVML: {nvml.error}")
+    held = exit_scenario(Path(system_drivers()[0]), dict(os.environ), cgroups, caplog,
+                         physical_of(512 << 20, nvml) if room else None, room, nvml=nvml)
+    assert held >= 2 * GiB + CTX     # and its context as NVML measured it, once sampled

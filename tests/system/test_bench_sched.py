@@ -50,8 +50,10 @@ def test_resume_benchmark_shape(root, build, tmp_path):
                         "--json", str(out), "--tag", "sched-ci-resume"]) == 0
     res = json.loads(out.read_text())
     measures = {"exit@0.02": ["resume_ms", "after_gone_ms", "teardown_ms", "alloc_ms", "event_ms",
-                              "enforcer_ms", "waiter_ms"],
+                              "sigcont_ms", "room_ms", "enforcer_ms", "waiter_ms"],
                 "free@0.02": ["resume_ms", "after_return_ms", "alloc_ms", "enforcer_ms", "waiter_ms"]}
+    # where A's 512 MiB and B's grant fit the capacity together, B may resume before A is gone
+    assert 0 <= res["exit@0.02"].pop("during_teardown") <= 5
     for case, keys in measures.items():
         assert list(res[case]) == keys
         for key in keys:
@@ -60,7 +62,9 @@ def test_resume_benchmark_shape(root, build, tmp_path):
         assert 0 < res[case]["resume_ms"]["p50"] and 0 < res[case]["alloc_ms"]["p50"]
     gone = res["exit@0.02"]   # the exit's parts add up: teardown, then the enforcer's share
     assert gone["teardown_ms"]["p50"] > 0 and gone["after_gone_ms"]["p50"] < gone["resume_ms"]["p50"]
-    assert 0 < gone["event_ms"]["p50"] < gone["resume_ms"]["p50"] and gone["enforcer_ms"]["p50"] > 0
+    assert 0 < gone["event_ms"]["p50"] < gone["sigcont_ms"]["p50"] < gone["resume_ms"]["p50"]
+    assert 0 < gone["room_ms"]["p50"] < gone["sigcont_ms"]["p50"]   # the tracepoint comes after _exit
+    assert gone["enforcer_ms"]["p50"] > 0
     idle, busy = res["cpu"]
     assert idle["allocs"] == 0 and 500 <= busy["allocs"] <= 1000   # paced: never above the rate
     assert all(math.isfinite(x["cpu_pct"]) and x["cpu_pct"] >= 0 for x in res["cpu"])

@@ -111,21 +111,23 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
 
 
 def test_an_exit_whose_pidfd_never_fires_is_given_up(enforcer, cgroups, monkeypatch):
-    """An exit waits for the process's pidfd (its files closed, its device memory freed); a pid
-    reused in between never fires it, so the wait ends after EXIT_WAIT all the same."""
+    """An exit's bytes are held against the card until the process's pidfd fires (its files
+    closed, its device memory freed); a pid reused in between never fires it, so the hold ends
+    after EXIT_WAIT all the same. It leaves its container at once."""
     from convgpu.enforcer import daemon
     monkeypatch.setattr(daemon, "EXIT_WAIT", 0.2)
     enf, cg = enforcer, cgroups("reused")
     s = subprocess.Popen(["/bin/sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec sleep 60"])
     try:
         assert joined(s.pid, cg)
-        enf.broker.shim_hello(s.pid)                  # placed: a member of its container
-        assert not enf._exiting(s.pid)                # alive (as a reused pid would be): waits
+        enf._join(enf._box_for(s.pid), s.pid, 0)      # placed: a member of its container on GPU0
+        enf._exiting(s.pid, GiB)                      # alive (as a reused pid would be): held
+        assert s.pid not in enf.pid_box and enf._tearing(0) == GiB
         enf.step()
-        assert s.pid in enf.pid_box
+        assert enf._tearing(0) == GiB
         time.sleep(0.3)
         enf.step()
-        assert s.pid not in enf.pid_box and not enf._exits
+        assert enf._tearing(0) == 0 and not enf._exits
     finally:
         s.kill()
         s.wait()

@@ -89,7 +89,8 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"capacity": 5 * GiB, "assigned": GiB,
-                                                              "unassigned": 4 * GiB}
+                                                              "unassigned": 4 * GiB, "physical": 5 * GiB,
+                                                              "tearing_down": 0}
         [c] = st["containers"]
         g = c["gpus"]["0"]
         assert (c["name"], c["limit"], c["source"], c["pids"]) == ("small", GiB, "--limit small", [p.pid])

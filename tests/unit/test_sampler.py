@@ -1,0 +1,78 @@
+"""probes.nvml.Sampler: each process's memory beyond what the probes track, with NVML and the
+probes read around each sample, and the transients that read high (an allocation the driver
+shows before it returns, a free settled at its entry but still in the driver) filtered out. No NVML, no thread: the
+sample() the thread runs, on scripted reads."""
+from convgpu.probes.nvml import Sampler
+
+MiB = 1 << 20
+K = (100, 0)
+
+
+class Script:
+    """nvml.process_memory() and tracked() answering from lists, one read each call."""
+    def __init__(self, nvml, tracked):
+        self.nvml, self.tracked = list(nvml), list(tracked)
+
+    def process_memory(self):
+        return self.nvml.pop(0)
+
+    def track(self):
+        return self.tracked.pop(0)
+
+
+def sampler(nvml, tracked, busy=None):
+    s = Script(nvml, tracked)
+    busy = list(busy or [])
+    return Sampler(s, 1.0, s.track, lambda: busy.pop(0) if busy else set())
+
+
+def test_excess_is_nvml_less_tracked_read_together():
+    s = sampler([{K: 4600 * MiB}], [{K: 4096 * MiB}, {K: 4096 * MiB}])
+    assert s.sample() == {K: 504 * MiB}
+
+
+def test_a_free_still_in_the_driver_reads_high_once_and_is_filtered():
+    # sample 1: steady (context 519 MiB); sample 2: the probes settled a 4 GiB free at its
+    # entry, the driver still holds it; sample 3: steady again
+    s = sampler([{K: 4615 * MiB}, {K: 4615 * MiB}, {K: 519 * MiB}],
+                [{K: 4096 * MiB}] * 2 + [{K: 0}] * 4)
+    assert s.sample() == {K: 519 * MiB}
+    assert s.sample() == {K: 519 * MiB}          # min(4615, 519): not 4.5 GiB of "context"
+    assert s.sample() == {K: 519 * MiB}
+
+
+def test_a_real_rise_shows_one_sample_later():
+    s = sampler([{K: 519 * MiB}, {K: 1031 * MiB}, {K: 1031 * MiB}], [{K: 0}] * 6)
+    assert [s.sample()[K] for _ in range(3)] == [519 * MiB, 519 * MiB, 1031 * MiB]
+
+
+def test_a_process_whose_bytes_moved_during_the_sample_keeps_its_last_value():
+    s = sampler([{K: 519 * MiB}, {K: 2567 * MiB}, {K: 2567 * MiB}],
+                [{K: 0}, {K: 0}, {K: 0}, {K: 2048 * MiB}, {K: 2048 * MiB}, {K: 2048 * MiB}])
+    assert s.sample() == {K: 519 * MiB}
+    assert s.sample() == {K: 519 * MiB}          # an allocation returned during it: not 2567
+    assert s.sample() == {K: 519 * MiB}
+
+
+def test_moving_with_nothing_before_is_left_out_and_gone_processes_are_forgotten():
+    s = sampler([{K: 600 * MiB}, {}, {K: 700 * MiB}], [{K: 0}, {K: MiB}, {}, {}, {K: 0}, {K: 0}])
+    assert s.sample() == {}
+    assert s.sample() == {}
+    assert s.sample() == {K: 700 * MiB}          # no memory of before it left NVML's list
+
+
+def test_a_call_in_flight_keeps_the_last_value_even_with_no_bytes_moved():
+    # a new process's first sample lands inside its 3 GiB allocation: NVML shows it, the
+    # probes settle it at the return: left out, not 3.5 GiB of context
+    s = sampler([{K: 3591 * MiB}, {K: 3591 * MiB}], [{K: 0}] * 2 + [{K: 3072 * MiB}] * 2,
+                busy=[{100}, set(), set(), set()])
+    assert s.sample() == {}
+    assert s.sample() == {K: 519 * MiB}
+
+
+def test_moving_after_a_transient_gives_out_the_filtered_value():
+    s = sampler([{K: 519 * MiB}, {K: 4615 * MiB}, {K: 4615 * MiB}],
+                [{K: 0}, {K: 0}, {K: 0}, {K: 0}, {K: 0}, {K: 4096 * MiB}])
+    assert s.sample() == {K: 519 * MiB}
+    assert s.sample() == {K: 519 * MiB}          # the free still in the driver: filtered
+    assert s.sample() == {K: 519 * MiB}          # moving: what was given out, not the raw 4615
