@@ -32,6 +32,7 @@ MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
+HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)
 
 
@@ -98,6 +99,7 @@ class Enforcer:
         self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
         self._told = 0                     # the waiters count last written to BPF
         self._reload_asked = False
+        self._held_due = 0.0               # when the state file became due (0: written)
         self.started = time.time()
         self.run_dir = run_dir
         self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
@@ -177,7 +179,8 @@ class Enforcer:
         else:
             self.tracer.start()
             prev = []
-        self.sel.register(self.tracer.fileno(), selectors.EVENT_READ, lambda _mask: None)
+        self._wake_fd = self.tracer.fileno()
+        self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
         signal.signal(signal.SIGHUP, self._on_hup)
         self._adopt(prev)
         write_state(self.state_file, [], [])
@@ -397,6 +400,7 @@ class Enforcer:
         if now - self._beat >= HEARTBEAT_EVERY:
             self._control(True)
             self._beat = now
+        self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status())
@@ -404,11 +408,22 @@ class Enforcer:
 
     def _changed(self):
         self.schedule()
-        self._save_held()
         # the waiters count: frees wake us (and go out, if quiet) only while someone waits,
         # so a free that came before BPF knew of its first waiter sent no event: look again
         if self._control(True) == 0 and self._told:
             self.schedule()
+        self._held_due = self._held_due or time.monotonic()
+
+    def _save_held_unless_woken(self):
+        """The state file (what the watchdog resumes if we die) is written at the end of the
+        step, but after the events that woke us meanwhile: an exit or free right behind a stall
+        then waits for no file write (the write: 0.1-0.5 ms). At most HELD_DEFER late."""
+        if not self._held_due:
+            return
+        if time.monotonic() - self._held_due < HELD_DEFER and select.select([self._wake_fd], [], [], 0)[0]:
+            return
+        self._held_due = 0.0
+        self._save_held()
 
     def _exiting(self, pid: int, tracked: int = 0, at: int = 0):
         """The last thread of pid is in exit: it leaves its container now, but the driver frees

@@ -62,8 +62,10 @@ def test_resume_benchmark_shape(root, build, tmp_path):
         assert 0 < res[case]["resume_ms"]["p50"] and 0 < res[case]["alloc_ms"]["p50"]
     gone = res["exit@0.02"]   # the exit's parts add up: teardown, then the enforcer's share
     assert gone["teardown_ms"]["p50"] > 0 and gone["after_gone_ms"]["p50"] < gone["resume_ms"]["p50"]
-    assert 0 < gone["event_ms"]["p50"] < gone["sigcont_ms"]["p50"] < gone["resume_ms"]["p50"]
-    assert 0 < gone["room_ms"]["p50"] < gone["sigcont_ms"]["p50"]   # the tracepoint comes after _exit
+    # in every trial: the exit, then the kernel's tracepoint, the enforcer's event, SIGCONT
+    # (the waiter's share is not: it is less the allocation timed again, and may be negative)
+    assert 0 < gone["room_ms"]["p50"] < gone["sigcont_ms"]["p50"]
+    assert 0 < gone["event_ms"]["p50"] < gone["sigcont_ms"]["p50"]
     assert gone["enforcer_ms"]["p50"] > 0
     idle, busy = res["cpu"]
     assert idle["allocs"] == 0 and 500 <= busy["allocs"] <= 1000   # paced: never above the rate
