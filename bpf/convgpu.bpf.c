@@ -299,6 +299,18 @@ static __always_inline void release(struct cg_call *c)
     c->reserved = 0;
 }
 
+// The stop is sent before the event that tells the enforcer, never after: the enforcer may
+// answer an event at once (a first context is placed and resumed within a millisecond) on
+// another CPU, and a SIGCONT sent before the SIGSTOP is generated would be lost, leaving the
+// process stopped for good. Sent first, the SIGSTOP is pending or taken when the event can be
+// read, and the enforcer's SIGCONT discards or undoes it.
+static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 key,
+                                           u64 size, u64 total, struct cg_control *ctl)
+{
+    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
+}
+
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
 static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 size,
                                   int is_ctx)
@@ -319,8 +331,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     t->call.wdev = dev;
     if (!a) {                       // not placed yet: wait for the enforcer to place it
         t->call.stalled = 1;
-        emit_flags(id, api, OP_UNKNOWN, 0, dev, key, size, 0, 0, BPF_RB_FORCE_WAKEUP);
-        bpf_send_signal(SIGSTOP);
+        stop_then_tell(id, api, OP_UNKNOWN, 0, dev, key, size, 0, ctl);
         return;
     }
     u64 r = __sync_fetch_and_add(&s->reserved, size) + size;
@@ -333,8 +344,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     __sync_fetch_and_add(&s->stalls, 1);
     t->call.stalled = 1;
     u8 op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
-    emit_flags(id, api, op, 0, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
-    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    stop_then_tell(id, api, op, 0, dev, key, size, total, ctl);
 }
 
 // The second instruction of every admitted call. A call stopped at entry gets here once the
@@ -374,9 +384,7 @@ int recheck(struct pt_regs *ctx)
         }
         op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
     }
-    emit_flags(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, 0,
-               BPF_RB_FORCE_WAKEUP);
-    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    stop_then_tell(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, ctl);
     return 0;
 }
 

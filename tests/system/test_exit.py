@@ -6,8 +6,10 @@ it), the waiter resumes during the teardown; where it has not, only after. The s
 frees at the same point (its per-process lock drops when the files close), and a 1 GiB host
 buffer in the exiting process makes its exit_mm long enough to tell the two apart.
 In-process enforcer (in a thread) on the stand-in, real probes, real cgroups."""
+import ctypes as ct
 import logging
 import re
+import struct
 import sys
 import tempfile
 import threading
@@ -47,9 +49,63 @@ def test_an_exit_resumes_the_waiter_as_soon_as_the_card_has_room(root, build, cg
     assert held == 2 * GiB + CTX     # exact: its 2 GiB and one context's charge
 
 
+SIGNALS = r"""
+BPF_RINGBUF_OUTPUT(sent, 64);
+TRACEPOINT_PROBE(signal, signal_generate) {
+    if (args->sig != 19 && args->sig != 18)
+        return 0;
+    u64 *r = sent.ringbuf_reserve(3 * sizeof(u64));
+    if (!r)
+        return 0;
+    r[0] = bpf_ktime_get_ns();
+    r[1] = args->sig;
+    r[2] = ((u64)args->pid << 32) | (bpf_get_current_pid_tgid() >> 32);   // target thread, sender
+    sent.ringbuf_submit(r, 0);
+    return 0;
+}
+"""
+
+
+class Signals:
+    """Every SIGSTOP and SIGCONT the kernel generates (signal:signal_generate), stamped like
+    BPF's events: to check that BPF stops a process before it tells the enforcer."""
+
+    def __init__(self):
+        import bcc
+        self.b = bcc.BPF(text=SIGNALS.encode())
+        self.seen = []      # (ns, sig, target tid, sender tgid)
+        self.b[b"sent"].open_ring_buffer(
+            lambda _c, data, _n: self.seen.append(self._decode(ct.string_at(data, 24))))
+
+    @staticmethod
+    def _decode(raw: bytes):
+        ns, sig, who = struct.unpack("<QQQ", raw)
+        return ns, sig, who >> 32, who & 0xFFFFFFFF
+
+    def read(self) -> list:
+        self.b.ring_buffer_consume()
+        return self.seen
+
+    def close(self):
+        self.b.cleanup()
+
+
+def stopped_then_told(signals: list, told: list, pid: int):
+    """Each stop event of pid (unknown, stall) came after the SIGSTOP its own BPF program sent,
+    and before the next one: stop, event, stop, event... A SIGCONT that answered an event can
+    therefore never come before the SIGSTOP it undoes. And the last signal it got is a SIGCONT."""
+    stops = [ns for ns, sig, tid, by in signals if sig == 19 and tid == pid and by == pid]
+    events = [e.ts_ns for e in told if e.tid == pid]
+    assert events and len(stops) == len(events), (pid, stops, events)
+    for i, (s, e) in enumerate(zip(stops, events)):
+        assert s < e and (i == 0 or events[i - 1] < s), (pid, i, stops, events)
+    assert [sig for _, sig, tid, _ in signals if tid == pid][-1] == 18, (pid, signals)
+
+
 def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int:
     """A (container exita, a 1 GiB host buffer) holds 2 GiB; B (exitb) is stopped before its
-    2 GiB; A exits. Asserts when B resumes against A's teardown; returns the bytes held for A."""
+    2 GiB; A exits. Asserts when B resumes against A's teardown, and that each stop reached the
+    kernel before its event reached the enforcer; returns the bytes held for A."""
     from convgpu.enforcer.daemon import Enforcer
     from convgpu.enforcer.limits import LimitRules
     from convgpu.probes.tracer import Tracer
@@ -60,10 +116,16 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
                    run_dir=tempfile.mkdtemp(prefix="convgpu-exit-"))
     enf.start()
     done = threading.Event()
+    signals, told = Signals(), []
+
+    def step(events):
+        told.extend(e for e in events if e.op in ("unknown", "stall", "over_limit"))
+        if done.is_set():
+            sys.exit()
 
     def serve():
         try:
-            enf.run(60, on_step=lambda _: done.is_set() and sys.exit())
+            enf.run(60, on_step=step)
         except SystemExit:
             pass
     loop = threading.Thread(target=serve, daemon=True)
@@ -95,6 +157,10 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         assert enf._tearing(0) == 0 and not enf._exits
         st = enf.status()["gpus"]["0"]
         assert st["physical"] == (physical or {0: 4 * GiB})[0] and st["tearing_down"] == 0
+        seen = signals.read()
+        stopped_then_told(seen, told, a.p.pid)      # its first context
+        stopped_then_told(seen, told, b.p.pid)      # its first context, then its 2 GiB
+        assert [e.op for e in told if e.tid == b.p.pid] == ["unknown", "stall"]
         return int(m.group(1))
     finally:
         for w in ws:
@@ -102,3 +168,4 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         done.set()
         loop.join(timeout=10)
         enf.close()
+        signals.close()
