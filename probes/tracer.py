@@ -169,8 +169,10 @@ class Tracer:
         return sorted(rows, key=lambda r: (r.pid, r.dev))
 
     def calls_in_flight(self) -> set[int]:
-        """Pids with a driver call between its entry and its return probe."""
-        return {k.value >> 32 for k, t in self.b[b"threads"].items() if t.call.api}
+        """Pids with a driver call running: between its entry and its return probe, and not
+        stalled at its entry (a process the enforcer holds there is stopped before the call's
+        body, so what the driver counts for it does not move)."""
+        return {k.value >> 32 for k, t in self.b[b"threads"].items() if t.call.api and not t.call.stalled}
 
     def stats(self) -> dict[str, int]:
         names = ("drops", "unknown_free")   # enum cg_stat

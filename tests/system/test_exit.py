@@ -8,12 +8,15 @@ buffer in the exiting process makes its exit_mm long enough to tell the two apar
 In-process enforcer (in a thread) on the stand-in, real probes, real cgroups."""
 import ctypes as ct
 import logging
+import mmap
+import os
 import re
 import struct
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,42 @@ def test_an_exit_resumes_the_waiter_as_soon_as_the_card_has_room(root, build, cg
     held = exit_scenario(build / "standin" / "libcuda.so.1", dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB)),
                          cgroups, caplog, {0: physical} if physical else None, during)
     assert held == 2 * GiB + CTX     # exact: its 2 GiB and one context's charge
+
+
+@contextmanager
+def standin_lock(shm: str):
+    """Holds the stand-in driver's process-shared lock (struct si_seg, offset 288): every
+    allocation then waits inside the driver, between its entry and its return probe."""
+    libc = ct.CDLL(None, use_errno=True)
+    fd = os.open(f"/dev/shm/{shm.lstrip('/')}", os.O_RDWR)
+    seg = mmap.mmap(fd, 4096)
+    mutex = ct.addressof(ct.c_char.from_buffer(seg, 288))
+    assert libc.pthread_mutex_lock(ct.c_void_p(mutex)) == 0
+    try:
+        yield
+    finally:
+        libc.pthread_mutex_unlock(ct.c_void_p(mutex))
+        os.close(fd)    # the mapping goes with the process (a live export keeps mmap open)
+
+
+def test_a_call_running_in_the_driver_is_in_flight(root, build, cgroups, caller_env, tracer):
+    """NVML's sampler skips a process whose driver call runs (the driver may count its bytes
+    before the call returns): in flight while in the body, not after it returned."""
+    lib = build / "standin" / "libcuda.so.1"
+    w = Worker(cgroups("inflight"), lib, caller_env)
+    try:
+        with standin_lock(caller_env["CONVGPU_STANDIN_SHM"]):
+            w.send(f"a {GiB}")
+            deadline = time.monotonic() + 5
+            while w.p.pid not in tracer.calls_in_flight():
+                assert time.monotonic() < deadline, "the blocked allocation never showed as in flight"
+                time.sleep(0.005)
+            time.sleep(0.1)
+            assert w.p.pid in tracer.calls_in_flight() and w.buf == b""   # still inside it
+        w.stamp()
+        assert w.p.pid not in tracer.calls_in_flight()
+    finally:
+        w.kill()
 
 
 SIGNALS = r"""
@@ -142,8 +181,9 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         ws.append(b)
         b.send(f"a {2 * GiB}")       # 2 GiB + its context > its 1 GiB: stopped before the call
         b.wait_stopped()
-        # its call is in flight (stopped between entry and return): NVML's sampler skips it
-        assert b.p.pid in enf.tracer.calls_in_flight() and a.p.pid not in enf.tracer.calls_in_flight()
+        # stopped at its call's entry, before the body: what the driver counts for it stays put,
+        # so NVML's sampler reads it (a waiter whose last value was off is re-read, not frozen)
+        assert b.p.pid not in enf.tracer.calls_in_flight()
         a.send("x")
         a.stamp()
         b.stamp()                    # B's allocation returned
