@@ -6,8 +6,9 @@ overhead, so a count that trails a free reads as overhead.
 
 A worker (bench/sched/worker.py, no probes) allocates and frees SIZE; after each call returns,
 NVML is read back to back until the process's count has moved by at least half of SIZE.
-Printed: per direction, the lag from the call's return to the first moved read (p50 / max),
-and how long one NVML read takes."""
+Printed: per direction, the time from the call's return (the worker's clock) to the start of the
+first read that shows it (p50 / max; where that is the first read of all, the lag is at most
+this: the time to hear from the worker), and how long one NVML read takes."""
 import argparse
 import json
 import statistics
@@ -64,11 +65,12 @@ def main() -> int:
         time.sleep(0.5)
         base = sum(v for (p, _), v in nvml.process_memory().items() if p == w.pid)
         for _ in range(a.rounds):
-            ask(f"a {size}", "t ")
-            up, _, r1 = lag_after(nvml, w.pid, time.monotonic_ns(), lambda u: u >= base + size // 2)
+            got = ask(f"a {size}", "t ")     # the worker's clock, right after the call returned
+            up, _, r1 = lag_after(nvml, w.pid, got, lambda u: u >= base + size // 2)
             freed = ask("f", "ok ")
             down, left, r2 = lag_after(nvml, w.pid, freed, lambda u: u <= base + size // 2)
-            rows.append({"alloc_lag_ms": up, "free_lag_ms": down, "left_after_free": left})
+            rows.append({"alloc_lag_ms": up, "free_lag_ms": down, "left_after_free": left,
+                         "reads": [len(r1), len(r2)]})
             reads += r1 + r2
             time.sleep(0.2)
     finally:
@@ -80,8 +82,8 @@ def main() -> int:
         v = [r[k] for r in rows if r[k] is not None]
         never = sum(r[k] is None for r in rows)
         out[k] = {"p50": statistics.median(v) if v else None, "max": max(v) if v else None, "never": never}
-        print(f"{k:14s} p50 {out[k]['p50']:8.3f} ms  max {out[k]['max']:8.3f} ms  "
-              f"({len(v)} rounds, {never} never within 5 s)")
+        p50, top = (f"{out[k][q]:8.3f}" if v else "       -" for q in ("p50", "max"))
+        print(f"{k:14s} p50 {p50} ms  max {top} ms  ({len(v)} rounds, {never} never within 5 s)")
     print(f"one NVML read  p50 {out['read_ms']['p50']:.3f} ms  max {out['read_ms']['max']:.3f} ms  "
           f"({len(reads)} reads); process's base {base / 2**20:.0f} MiB")
     if a.json:
