@@ -65,7 +65,7 @@ def standin_lock(shm: str):
         yield
     finally:
         libc.pthread_mutex_unlock(ct.c_void_p(mutex))
-        os.close(fd)    # the mapping goes with the process (a live export keeps mmap open)
+        os.close(fd)    # seg stays mapped while ctypes holds a view of it; it goes with the test process
 
 
 def test_a_call_running_in_the_driver_is_in_flight(root, build, cgroups, caller_env, tracer):
