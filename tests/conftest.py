@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,30 @@ def enforcing_in(mode, build, *args):
 
 def limited_env(mode, env, enf):
     return env if mode == "probes" else shim_env(env, enf)
+
+
+@contextmanager
+def serving(enf, on_events=lambda events: None, seconds: float = 120):
+    """An in-process enforcer (real probes, real cgroups) started and its loop run in a thread
+    for the with-block; on_events sees each step's events. Stopped and closed after."""
+    enf.start()
+    done = threading.Event()
+
+    def step(events):
+        on_events(events)
+        if done.is_set():
+            sys.exit()
+
+    def serve():
+        try:
+            enf.run(seconds, on_step=step)
+        except SystemExit:
+            pass
+    loop = threading.Thread(target=serve, daemon=True)
+    loop.start()
+    try:
+        yield enf
+    finally:
+        done.set()
+        loop.join(timeout=10)
+        enf.close()

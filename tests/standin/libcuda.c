@@ -27,6 +27,7 @@ int g_inited;
 int g_ndev = 1;
 static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
 uint64_t g_capacity = SI_DEFAULT_CAPACITY;
+uint64_t g_free_ms;
 static uint64_t g_ctx_overhead;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -185,6 +186,7 @@ API CUresult cuInit(unsigned int Flags)
         g_ndev = (int)(n > SI_MAX_DEV ? SI_MAX_DEV : n);
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
+        g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
         if (g_ndev == 0) {
             rc = CUDA_ERROR_NO_DEVICE;
         } else if (si_open(&g_shm, 1) != 0) {

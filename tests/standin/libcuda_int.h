@@ -26,6 +26,7 @@ extern int g_inited;
 
 extern int g_ndev;          /* CONVGPU_STANDIN_DEVICES */
 extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
+extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 keeps the bytes */
 
 #define VMM_GRANULARITY (2ull << 20)
 

@@ -9,8 +9,10 @@
  * `push %rbp` (checked by `make check-prologue`).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include "libcuda_int.h"
 #include "standin_shm.h"
@@ -60,6 +62,11 @@ static CUresult do_free(CUdeviceptr dptr)
     tab_unlock();
     if (!o)
         return CUDA_ERROR_INVALID_VALUE;
+    if (g_free_ms) {    /* a large free on the H100 runs for milliseconds, the memory still counted */
+        struct timespec ts = {.tv_sec = g_free_ms / 1000, .tv_nsec = (g_free_ms % 1000) * 1000000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
     munmap((void *)o->key, o->size);
     acct_uncharge(o->dev, o->size);
     free(o);

@@ -14,14 +14,13 @@ import re
 import struct
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB
+from conftest import GiB, MiB, serving
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root (last: the
 #                                                             installed convgpu wins over the source folder)
@@ -125,7 +124,10 @@ class Signals:
         self.b.ring_buffer_consume()
         return self.seen
 
-    def close(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
         self.b.cleanup()
 
 
@@ -153,24 +155,11 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
     enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
                    LimitRules({}, 3 * GiB), ctx_overhead=CTX, physical=physical, nvml=nvml,
                    run_dir=tempfile.mkdtemp(prefix="convgpu-exit-"))
-    enf.start()
-    done = threading.Event()
-    signals, told = Signals(), []
-
-    def step(events):
-        told.extend(e for e in events if e.op in ("unknown", "stall", "over_limit"))
-        if done.is_set():
-            sys.exit()
-
-    def serve():
-        try:
-            enf.run(60, on_step=step)
-        except SystemExit:
-            pass
-    loop = threading.Thread(target=serve, daemon=True)
-    loop.start()
-    ws = []
-    try:
+    with ExitStack() as stack:      # unwound in reverse: workers killed, enforcer closed, signals
+        signals, told, ws = stack.enter_context(Signals()), [], []
+        stack.enter_context(serving(enf, lambda events: told.extend(
+            e for e in events if e.op in ("unknown", "stall", "over_limit"))))
+        stack.callback(lambda: [w.kill() for w in ws])
         a = Worker(cgroups("exita"), lib, env)
         ws.append(a)
         a.send("h %d" % GiB)
@@ -202,10 +191,3 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         stopped_then_told(seen, told, b.p.pid)      # its first context, then its 2 GiB
         assert [e.op for e in told if e.tid == b.p.pid] == ["unknown", "stall"]
         return int(m.group(1))
-    finally:
-        for w in ws:
-            w.kill()
-        done.set()
-        loop.join(timeout=10)
-        enf.close()
-        signals.close()

@@ -1,0 +1,98 @@
+"""The NVML sampler against real probes: the stand-in driver's per-process slots play NVML's
+per-process memory (the driver's own count: allocations and each context's overhead, which the
+probes do not see), and CONVGPU_STANDIN_FREE_MS makes cuMemFree_v2 keep its bytes for a while,
+as a large free does on the H100 while BPF has already settled it at its entry.
+In-process enforcer on the stand-in, real cgroups."""
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GiB, MiB, serving
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+from bench.sched.resume import Worker  # noqa: E402
+
+pytestmark = pytest.mark.system
+CTX = 64 * MiB          # what the stand-in driver counts per context; the enforcer charges 0
+FREE_MS = 4500          # a free spanning four samples (one a second)
+
+
+class StandinNvml:
+    """process_memory() as NVML answers it, from the stand-in's shared segment: slot i at
+    352 + 144 i holds (i32 pid, u32, u64 start time, u64 used[16]) (tests/standin/standin_shm.h)."""
+
+    ok = True
+
+    def __init__(self, shm: str):
+        fd = os.open(f"/dev/shm/{shm.lstrip('/')}", os.O_RDONLY)
+        self.seg = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        os.close(fd)
+
+    def process_memory(self) -> dict[tuple[int, int], int]:
+        nslots, hiwater = struct.unpack_from("<I4xI", self.seg, 12)
+        out = {}
+        for i in range(min(nslots, hiwater)):
+            pid, = struct.unpack_from("<i", self.seg, 352 + 144 * i)
+            used = struct.unpack_from("<16Q", self.seg, 352 + 144 * i + 16)
+            for dev, n in enumerate(used):
+                if pid > 0 and n:
+                    out[(pid, dev)] = n
+        return out
+
+    def gpus(self) -> list:
+        return []       # totals come from --gpu-memory here
+
+
+def overhead(enf) -> int:
+    return enf.status()["containers"][0]["gpus"]["0"]["context_overhead"]
+
+
+def until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_waiter_held_by_a_high_reading_is_read_again_and_resumes(root, build, cgroups, caller_env):
+    """The H100 case (docs/SCHEDULING.md, "Two stalls that never ended"): samples taken during
+    a process's own long free read its freed bytes as context; its next allocation is then
+    stalled over its limit. Stopped at that call's entry it is read again (not "in flight"),
+    and the next sample gives it back its real context: it resumes within two samples. (With
+    stalled calls counted as in flight it stayed stopped for good.)"""
+    from convgpu.enforcer.daemon import Enforcer
+    from convgpu.enforcer.limits import LimitRules
+    from convgpu.probes.tracer import Tracer
+    lib = build / "standin" / "libcuda.so.1"
+    env = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB), CONVGPU_STANDIN_CTX_OVERHEAD=str(CTX),
+               CONVGPU_STANDIN_FREE_MS=str(FREE_MS))
+    w = Worker(cgroups("sampled"), lib, env)      # before the enforcer: the segment exists
+    try:
+        enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
+                       LimitRules({}, 3 * GiB), ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]),
+                       run_dir=tempfile.mkdtemp(prefix="convgpu-sampler-"))
+        told = []
+        with serving(enf, lambda events: told.extend(e for e in events if e.pid == w.p.pid)):
+            w.send(f"a {2 * GiB}")          # the enforcer places the process at this first call
+            w.stamp()
+            until(lambda: enf.status()["containers"] and overhead(enf) == CTX, 5,
+                  "the sampler never measured the context")
+            # free the 2 GiB (the stand-in keeps them FREE_MS) and allocate them again at once
+            w.send("r")
+            until(lambda: overhead(enf) == 2 * GiB + CTX, FREE_MS / 1000,
+                  "no two samples in a row read the free in progress: the case is not made")
+            # its allocation: 2 GiB on top of 2 GiB + CTX of "context" > its 3 GiB limit
+            d = w.line(timeout=FREE_MS / 1000 + 3)
+            assert d.startswith("d "), d
+            over = [e for e in told if e.op == "over_limit"]
+            assert len(over) == 1 and over[0].live == 4 * GiB + CTX and over[0].size == 2 * GiB, over
+            assert overhead(enf) == CTX       # exact again
+            assert [e.op for e in told if e.op in ("unknown", "stall", "over_limit")] == ["unknown", "over_limit"]
+    finally:
+        w.kill()
