@@ -30,6 +30,8 @@ from .watchdog import write_state
 log = logging.getLogger(__name__)
 MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
+HEARTBEAT_FAIL_OPEN = 2.0   # s: HEARTBEAT_NS in bpf/convgpu.bpf.c
+HEARTBEAT_LATE = 1.0     # s between two heartbeats that gets a warning
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
@@ -399,6 +401,9 @@ class Enforcer:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
         if now - self._beat >= HEARTBEAT_EVERY:
             self._control(True)
+            if self._beat and now - self._beat > HEARTBEAT_LATE:   # said, so a log explains it
+                log.warning("heartbeat %.2f s late (the loop was held): BPF admits everything, "
+                            "unchecked, after %.0f s without one", now - self._beat, HEARTBEAT_FAIL_OPEN)
             self._beat = now
         self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):

@@ -289,12 +289,19 @@ NO_BPF = ("setpriv", "--bounding-set", "-bpf,-perfmon,-sys_admin", "--")
 CAP_BPF_BITS = (39, 38, 21)   # CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN
 
 
+def run_dir_for(tag: str) -> str:
+    """A fresh run dir on tmpfs, as /run is on a systemd host: on this VM's ext4 /tmp a state
+    file's write + rename can hold the enforcer's loop for hundreds of ms under load, and
+    after 2 s without a heartbeat BPF admits everything unchecked."""
+    return tempfile.mkdtemp(prefix=f"convgpu-{tag}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 class Enforcing:
     """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own;
     no_bpf: with --no-probes and without the capabilities eBPF needs."""
 
     def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None):
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix="convgpu-run-")
+        self.run_dir = run_dir or run_dir_for("run")
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],

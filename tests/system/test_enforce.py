@@ -165,7 +165,7 @@ def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, ca
         assert all(p.wait(timeout=60) == 0 for p in procs.values())
         usage = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
                                           capture_output=True, text=True, check=True).stdout)
-        assert 496 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB
+        assert 496 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB, (usage, enf.log[-80:])
         assert enf.stop() == 0
         waited = {line.split("stall ")[1].split()[0] for line in enf.log if "daemon: stall race" in line}
         assert waited == later, enf.log

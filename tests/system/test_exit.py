@@ -13,14 +13,13 @@ import os
 import re
 import struct
 import sys
-import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, serving
+from conftest import GiB, MiB, run_dir_for, serving
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root (last: the
 #                                                             installed convgpu wins over the source folder)
@@ -154,7 +153,7 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
     # capacity 4 GiB, limits 3 GiB: A is assigned 3 GiB, B the 1 GiB left
     enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
                    LimitRules({}, 3 * GiB), ctx_overhead=CTX, physical=physical, nvml=nvml,
-                   run_dir=tempfile.mkdtemp(prefix="convgpu-exit-"))
+                   run_dir=run_dir_for("exit"))
     with ExitStack() as stack:      # unwound in reverse: workers killed, enforcer closed, signals
         signals, told, ws = stack.enter_context(Signals()), [], []
         stack.enter_context(serving(enf, lambda events: told.extend(

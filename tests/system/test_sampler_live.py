@@ -7,13 +7,12 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, serving
+from conftest import GiB, MiB, run_dir_for, serving
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.sched.resume import Worker  # noqa: E402
@@ -76,7 +75,7 @@ def test_a_waiter_held_by_a_high_reading_is_read_again_and_resumes(root, build, 
     try:
         enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
                        LimitRules({}, 3 * GiB), ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]),
-                       run_dir=tempfile.mkdtemp(prefix="convgpu-sampler-"))
+                       run_dir=run_dir_for("sampler"))
         told = []
         with serving(enf, lambda events: told.extend(e for e in events if e.pid == w.p.pid)):
             w.send(f"a {2 * GiB}")          # the enforcer places the process at this first call
