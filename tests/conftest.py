@@ -289,6 +289,14 @@ NO_BPF = ("setpriv", "--bounding-set", "-bpf,-perfmon,-sys_admin", "--")
 CAP_BPF_BITS = (39, 38, 21)   # CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN
 
 
+def until(cond, timeout: float, what: str):
+    """Polls cond() until it holds; fails with `what` after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def run_dir_for(tag: str) -> str:
     """A fresh run dir on tmpfs, as /run is on a systemd host: on this VM's ext4 /tmp a state
     file's write + rename can hold the enforcer's loop for hundreds of ms under load, and

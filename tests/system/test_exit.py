@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, run_dir_for, serving
+from conftest import GiB, MiB, run_dir_for, serving, until
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root (last: the
 #                                                             installed convgpu wins over the source folder)
@@ -74,10 +74,7 @@ def test_a_call_running_in_the_driver_is_in_flight(root, build, cgroups, caller_
     try:
         with standin_lock(caller_env["CONVGPU_STANDIN_SHM"]):
             w.send(f"a {GiB}")
-            deadline = time.monotonic() + 5
-            while w.p.pid not in tracer.calls_in_flight():
-                assert time.monotonic() < deadline, "the blocked allocation never showed as in flight"
-                time.sleep(0.005)
+            until(lambda: w.p.pid in tracer.calls_in_flight(), 5, "the blocked allocation never showed as in flight")
             time.sleep(0.1)
             assert w.p.pid in tracer.calls_in_flight() and w.buf == b""   # still inside it
         w.stamp()

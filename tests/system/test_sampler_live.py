@@ -7,12 +7,11 @@ import mmap
 import os
 import struct
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, run_dir_for, serving
+from conftest import GiB, MiB, run_dir_for, serving, until
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.sched.resume import Worker  # noqa: E402
@@ -50,13 +49,6 @@ class StandinNvml:
 
 def overhead(enf) -> int:
     return enf.status()["containers"][0]["gpus"]["0"]["context_overhead"]
-
-
-def until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_a_waiter_held_by_a_high_reading_is_read_again_and_resumes(root, build, cgroups, caller_env):
