@@ -24,6 +24,7 @@ from conftest import GiB, MiB, run_dir_for, serving, until
 sys.path.append(str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root (last: the
 #                                                             installed convgpu wins over the source folder)
 from bench.sched.resume import Worker  # noqa: E402
+from convgpu.probes.tracer import SETTLE_NS  # noqa: E402
 
 pytestmark = pytest.mark.system
 CTX = 64 * MiB
@@ -68,7 +69,8 @@ def standin_lock(shm: str):
 
 def test_a_call_running_in_the_driver_is_in_flight(root, build, cgroups, caller_env, tracer):
     """NVML's sampler skips a process whose driver call runs (the driver may count its bytes
-    before the call returns): in flight while in the body, not after it returned."""
+    before the call returns): in flight while in the body, not after it returned, except for
+    SETTLE_NS after its bytes changed (frees have no return probe)."""
     lib = build / "standin" / "libcuda.so.1"
     w = Worker(cgroups("inflight"), lib, caller_env)
     try:
@@ -78,6 +80,9 @@ def test_a_call_running_in_the_driver_is_in_flight(root, build, cgroups, caller_
             time.sleep(0.1)
             assert w.p.pid in tracer.calls_in_flight() and w.buf == b""   # still inside it
         w.stamp()
+        assert w.p.pid not in tracer.calls_in_flight(settle_ns=0)
+        assert w.p.pid in tracer.calls_in_flight()      # its bytes just changed (a free might run)
+        time.sleep(SETTLE_NS / 1e9)
         assert w.p.pid not in tracer.calls_in_flight()
     finally:
         w.kill()
@@ -168,7 +173,7 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         b.wait_stopped()
         # stopped at its call's entry, before the body: what the driver counts for it stays put,
         # so NVML's sampler reads it (a waiter whose last value was off is re-read, not frozen)
-        assert b.p.pid not in enf.tracer.calls_in_flight()
+        assert b.p.pid not in enf.tracer.calls_in_flight(settle_ns=0)
         a.send("x")
         a.stamp()
         b.stamp()                    # B's allocation returned

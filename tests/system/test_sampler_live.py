@@ -18,7 +18,7 @@ from bench.sched.resume import Worker  # noqa: E402
 
 pytestmark = pytest.mark.system
 CTX = 64 * MiB          # what the stand-in driver counts per context; the enforcer charges 0
-FREE_MS = 4500          # a free spanning four samples (one a second)
+FREE_MS = 4500          # a free spanning four samples (one a second), and longer than SETTLE_NS
 
 
 class StandinNvml:
@@ -47,6 +47,21 @@ class StandinNvml:
         return []       # totals come from --gpu-memory here
 
 
+def standin_env(caller_env: dict, free_ms: int) -> dict:
+    return dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB), CONVGPU_STANDIN_CTX_OVERHEAD=str(CTX),
+                CONVGPU_STANDIN_FREE_MS=str(free_ms))
+
+
+def enforcer(lib, env):
+    """Capacity 4 GiB, limits 3 GiB, no per-context charge: a context is what NVML measures."""
+    from convgpu.enforcer.daemon import Enforcer
+    from convgpu.enforcer.limits import LimitRules
+    from convgpu.probes.tracer import Tracer
+    return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
+                    LimitRules({}, 3 * GiB), ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]),
+                    run_dir=run_dir_for("sampler"))
+
+
 def overhead(enf) -> int:
     return enf.status()["containers"][0]["gpus"]["0"]["context_overhead"]
 
@@ -57,17 +72,11 @@ def test_a_waiter_held_by_a_high_reading_is_read_again_and_resumes(root, build, 
     stalled over its limit. Stopped at that call's entry it is read again (not "in flight"),
     and the next sample gives it back its real context: it resumes within two samples. (With
     stalled calls counted as in flight it stayed stopped for good.)"""
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
     lib = build / "standin" / "libcuda.so.1"
-    env = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB), CONVGPU_STANDIN_CTX_OVERHEAD=str(CTX),
-               CONVGPU_STANDIN_FREE_MS=str(FREE_MS))
+    env = standin_env(caller_env, FREE_MS)
     w = Worker(cgroups("sampled"), lib, env)      # before the enforcer: the segment exists
     try:
-        enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
-                       LimitRules({}, 3 * GiB), ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]),
-                       run_dir=run_dir_for("sampler"))
+        enf = enforcer(lib, env)
         told = []
         with serving(enf, lambda events: told.extend(e for e in events if e.pid == w.p.pid)):
             w.send(f"a {2 * GiB}")          # the enforcer places the process at this first call
@@ -85,5 +94,32 @@ def test_a_waiter_held_by_a_high_reading_is_read_again_and_resumes(root, build, 
             assert len(over) == 1 and over[0].live == 4 * GiB + CTX and over[0].size == 2 * GiB, over
             assert overhead(enf) == CTX       # exact again
             assert [e.op for e in told if e.op in ("unknown", "stall", "over_limit")] == ["unknown", "over_limit"]
+    finally:
+        w.kill()
+
+
+def test_samples_during_frees_still_in_the_driver_are_not_taken_as_context(root, build, cgroups, caller_env):
+    """A process frees and allocates 2 GiB back to back, each free 300 ms inside the driver
+    after BPF settled it at its entry. Every sample lands within SETTLE_NS of its last change,
+    so none is taken, and its context stays exactly what it is (read while it was quiet).
+    Without the settle window the samples in its frees read 2 GiB of context."""
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin_env(caller_env, 300)
+    w = Worker(cgroups("freeing"), lib, env)
+    try:
+        enf = enforcer(lib, env)
+        with serving(enf):
+            given, sample = [], enf.sampler.sample     # every value the sampler gives out
+            enf.sampler.sample = lambda: given.append(sample()) or given[-1]
+            w.send(f"a {2 * GiB}")
+            w.stamp()
+            until(lambda: enf.status()["containers"] and overhead(enf) == CTX, 5,
+                  "the sampler never measured the context")
+            n = len(given)
+            for _ in range(24):              # about 7 s: seven samples, nearly all inside a free
+                w.send("r")
+                assert w.line(timeout=5).startswith("d ")
+            out = [g.get((w.p.pid, 0)) for g in given[n:]]
+            assert len(out) >= 5 and set(out) == {CTX}, out
     finally:
         w.kill()
