@@ -100,8 +100,10 @@ CUresult acct_charge(int dev, uint64_t bytes)
     s->slots[g_slot].used[dev] += bytes;
     used += bytes;
     __atomic_store_n(&s->used[dev], used, __ATOMIC_RELAXED);
-    if (used > s->peak[dev])
+    if (used > s->peak[dev]) {
         __atomic_store_n(&s->peak[dev], used, __ATOMIC_RELAXED);
+        memcpy(s->at_peak, s->slots, s->slot_hiwater * sizeof s->slots[0]);
+    }
     si_unlock(&g_shm);
     return CUDA_SUCCESS;
 }

@@ -11,9 +11,11 @@
  * Text output, one line per device then one per live process:
  *   dev=0 used=BYTES peak=BYTES capacity=BYTES
  *   proc pid=PID used=BYTES_DEV0,BYTES_DEV1,...
+ *   at_peak pid=PID used=...    (who held what when a peak last rose)
  * --json: {"shm":..., "exists":true, "capacity":C,
  *          "devices":[{"dev":0,"used":U,"peak":P}],
- *          "procs":[{"pid":PID,"start_time":T,"used":[...]}]}
+ *          "procs":[{"pid":PID,"start_time":T,"used":[...]}],
+ *          "at_peak":[{"pid":PID,"start_time":T,"used":[...]}]}
  * --reset-peak: after reaping, peak := used on every device.
  * --unlink: remove the segment (the next cuInit creates a fresh one).
  * A missing segment reads as all zeros ("exists":false).  Exit 0, or 1 if
@@ -35,6 +37,31 @@ static uint64_t env_u64(const char *name, uint64_t dflt)
         return dflt;
     unsigned long long x = strtoull(v, &end, 0);
     return *end ? dflt : (uint64_t)x;
+}
+
+/* The non-empty slots of `slots`, as the JSON member `key` or text lines `word pid=...`. */
+static void print_slots(const struct si_slot *slots, const char *key, const char *word, int json,
+                        int ndev)
+{
+    if (json)
+        printf(",\"%s\":[", key);
+    int first = 1;
+    for (int i = 0; i < SI_NSLOTS; i++) {
+        const struct si_slot *s = &slots[i];
+        if (s->pid == 0)
+            continue;
+        if (json)
+            printf("%s{\"pid\":%d,\"start_time\":%llu,\"used\":[", first ? "" : ",", s->pid,
+                   (unsigned long long)s->start_time);
+        else
+            printf("%s pid=%d used=", word, s->pid);
+        for (int d = 0; d < ndev; d++)
+            printf("%s%llu", d ? "," : "", (unsigned long long)s->used[d]);
+        printf(json ? "]}" : "\n");
+        first = 0;
+    }
+    if (json)
+        printf("]");
 }
 
 int main(int argc, char **argv)
@@ -80,9 +107,11 @@ int main(int argc, char **argv)
             return 1;
         }
         si_reap(&h, -1);
-        if (reset)
+        if (reset) {
             for (int d = 0; d < SI_MAX_DEV; d++)
                 h.seg->peak[d] = h.seg->used[d];
+            memcpy(h.seg->at_peak, h.seg->slots, sizeof h.seg->slots);
+        }
         memcpy(&snap, h.seg, sizeof snap);
         si_unlock(&h);
     }
@@ -100,23 +129,10 @@ int main(int argc, char **argv)
                    (unsigned long long)cap);
     }
     if (json)
-        printf("],\"procs\":[");
-    int first = 1;
-    for (int i = 0; i < SI_NSLOTS; i++) {
-        const struct si_slot *s = &snap.slots[i];
-        if (s->pid == 0)
-            continue;
-        if (json)
-            printf("%s{\"pid\":%d,\"start_time\":%llu,\"used\":[", first ? "" : ",", s->pid,
-                   (unsigned long long)s->start_time);
-        else
-            printf("proc pid=%d used=", s->pid);
-        for (int d = 0; d < ndev; d++)
-            printf("%s%llu", d ? "," : "", (unsigned long long)s->used[d]);
-        printf(json ? "]}" : "\n");
-        first = 0;
-    }
+        printf("]");
+    print_slots(snap.slots, "procs", "proc", json, ndev);
+    print_slots(snap.at_peak, "at_peak", "at_peak", json, ndev);
     if (json)
-        printf("]}\n");
+        printf("}\n");
     return 0;
 }

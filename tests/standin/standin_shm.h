@@ -26,6 +26,9 @@
  *   off 352 slot[1024], 144 bytes each:
  *           i32 pid (0 = free), u32 pad, u64 start_time (clock ticks since
  *           boot, /proc/pid/stat field 22), u64 used[16]
+ *   then    at_peak[1024], the same slots as they were when a peak[] last
+ *           rose: who held what at the peak (a test that finds the peak too
+ *           high can say which processes made it)
  */
 #ifndef CONVGPU_STANDIN_SHM_H
 #define CONVGPU_STANDIN_SHM_H
@@ -36,7 +39,7 @@
 #define SI_MAX_DEV 16
 #define SI_NSLOTS 1024
 #define SI_MAGIC 0x49534743u
-#define SI_VERSION 1u
+#define SI_VERSION 2u
 #define SI_DEFAULT_NAME "/convgpu-standin"
 #define SI_DEFAULT_CAPACITY 85899345920ull /* 80 GiB */
 
@@ -62,6 +65,7 @@ struct si_seg {
         char pad[64];
     } lock;
     struct si_slot slots[SI_NSLOTS];
+    struct si_slot at_peak[SI_NSLOTS];
 };
 
 struct si_handle {
