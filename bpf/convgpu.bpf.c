@@ -203,7 +203,7 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 // the process is stopped from here with bpf_send_signal(SIGSTOP): the stop lands when the trap
 // returns, before the function body (FACTS.md), and the reservation stays held until the
 // call returns, so the enforcer sees what the waiter needs. Nothing here runs unless an
-// enforcer is alive: its heartbeat older than HEARTBEAT_NS means fail open.
+// enforcer is alive: its heartbeat (enforcer/heartbeat.py) older than HEARTBEAT_NS means fail open.
 
 #ifndef HEARTBEAT_NS
 #define HEARTBEAT_NS 2000000000ULL
@@ -220,11 +220,18 @@ static __always_inline struct cg_control *enforcing(void)
 {
     u32 k = 0;
     struct cg_control *c = control.lookup(&k);
+    return c && c->enforcing && c->owner == OWNER ? c : 0;
+}
+
+// An enforcer is set up but its heartbeat is stale: it is hung or dead, so the call runs
+// unchecked (nobody would resume it). Counted: the enforcer shows the count in its status.
+static __always_inline int lapsed(struct cg_control *c)
+{
     // signed: a heartbeat stamped a hair "after" this read (another CPU) is fresh, not stale
-    if (!c || !c->enforcing || c->owner != OWNER ||
-        (s64)(bpf_ktime_get_ns() - c->heartbeat_ns) > (s64)HEARTBEAT_NS)
+    if ((s64)(bpf_ktime_get_ns() - c->heartbeat_ns) <= (s64)HEARTBEAT_NS)
         return 0;
-    return c;
+    stat_inc(ST_UNCHECKED);
+    return 1;
 }
 
 // While a container waits for memory, a free or an exit wakes the enforcer at once (the
@@ -313,13 +320,12 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
 
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
 static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 size,
-                                  int is_ctx)
+                                  int is_ctx, struct cg_control *ctl)
 {
-    struct cg_control *ctl = enforcing();
-    if (!ctl)
+    if (lapsed(ctl))
         return;
     u32 tgid = id >> 32;
-    if (shim_managed(tgid))
+    if (shim_managed(tgid) || tgid == ctl->exempt)
         return;
     if (is_ctx)
         size = ctl->ctx_overhead;
@@ -358,7 +364,7 @@ int recheck(struct pt_regs *ctx)
     if (!t || !t->call.stalled)
         return 0;
     struct cg_control *ctl = enforcing();
-    if (!ctl) {                     // fail open: no enforcer, nothing holds it
+    if (!ctl || lapsed(ctl)) {      // fail open: no enforcer, nothing holds it
         t->call.stalled = 0;
         return 0;
     }
@@ -539,7 +545,8 @@ static __always_inline u64 footprint(u64 size)
 
 // Which calls take device memory, how much, and on which device, read at entry. Arrays are
 // left out: their size is only an estimate (their bytes still count once they exist).
-static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_thread *t, u16 api)
+static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_thread *t, u16 api,
+                                       struct cg_control *ctl)
 {
     u32 tgid = id >> 32;
     s32 dev = current_dev(id, procs.lookup(&tgid));
@@ -548,30 +555,30 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
     case API_cuMemAlloc_v2: case API_cuMemAllocManaged: case API_cuMemAllocAsync:
     case API_cuMemAllocAsync_ptsz: case API_cuMemAllocFromPoolAsync:
     case API_cuMemAllocFromPoolAsync_ptsz:
-        admit(id, t, api, dev, footprint(PT_REGS_PARM2(ctx)), 0);
+        admit(id, t, api, dev, footprint(PT_REGS_PARM2(ctx)), 0, ctl);
         break;
     case API_cuMemAllocPitch_v2:    // the pitch is known only at return: width x height
-        admit(id, t, api, dev, footprint(PT_REGS_PARM3(ctx) * PT_REGS_PARM4(ctx)), 0);
+        admit(id, t, api, dev, footprint(PT_REGS_PARM3(ctx) * PT_REGS_PARM4(ctx)), 0, ctl);
         break;
     case API_cuMemCreate:
         bpf_probe_read_user(loc, sizeof(loc), (void *)(PT_REGS_PARM3(ctx) + 8));
-        admit(id, t, api, loc[0] == 1 ? clamp_dev(loc[1]) : dev, PT_REGS_PARM2(ctx), 0);
+        admit(id, t, api, loc[0] == 1 ? clamp_dev(loc[1]) : dev, PT_REGS_PARM2(ctx), 0, ctl);
         break;
     case API_cuDevicePrimaryCtxRetain: {
         dev = clamp_dev((s32)PT_REGS_PARM2(ctx));
         struct cg_obj_key pk = {.tgid = tgid, .ns = NS_PRIMARY, .addr = dev};
         if (!objs.lookup(&pk))      // a second retain costs nothing
-            admit(id, t, api, dev, 0, 1);
+            admit(id, t, api, dev, 0, 1, ctl);
         break;
     }
     case API_cuCtxCreate_v2:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM3(ctx)), 0, 1);
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM3(ctx)), 0, 1, ctl);
         break;
     case API_cuCtxCreate_v3:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM5(ctx)), 0, 1);
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM5(ctx)), 0, 1, ctl);
         break;
     case API_cuCtxCreate_v4:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM4(ctx)), 0, 1);
+        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM4(ctx)), 0, 1, ctl);
         break;
     }
 }
@@ -596,8 +603,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     t->call.api = api;
     t->call.reserved = 0;
     t->call.stalled = 0;
-    if (enforcing())
-        admit_call(ctx, id, t, api);
+    struct cg_control *ctl = enforcing();
+    if (ctl)
+        admit_call(ctx, id, t, api, ctl);
     return 0;
 }
 

@@ -180,9 +180,11 @@ struct cg_control {
                             * instance's programs, still attached, only account */
     __u32 quiet;           /* no view attached to the enforcer: no alloc/free events, except
                             * frees while someone waits (its numbers are in maps) */
+    __u32 exempt;          /* a process admission skips: the self-test child that calls every
+                            * symbol of a newly attached library (everyone else stays checked) */
 };
 
 /* Global counters (per-CPU array slots). */
-enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_MAX = 2 };
+enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_UNCHECKED = 2, ST_MAX = 3 };
 
 #endif

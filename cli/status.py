@@ -12,8 +12,11 @@ from . import common
 def table(st: dict) -> Table:
     caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])} assigned"
                      for d, g in st["gpus"].items())
+    unchecked = st.get("unchecked_calls", 0)
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
-              title_justify="left")
+              title_justify="left", caption_justify="left",
+              caption=f"{unchecked} allocations ran unchecked while the enforcer's heartbeat had lapsed "
+                      f"(see its log)" if unchecked else None)
     for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "state", "stalled", "stalls"):
         t.add_column(col, justify="left" if col in ("container", "state") else "right")
     for c in st["containers"]:

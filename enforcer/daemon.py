@@ -3,6 +3,7 @@
 BPF admits or stops each call before it runs (bpf/convgpu.bpf.c, "enforce"); this loop
 places new processes in containers, assigns memory, and resumes waiters as the policy grants
 memory. Every decision is one log line. The BPF side fails open when the heartbeat stops."""
+import contextlib
 import ctypes as ct
 import fcntl
 import logging
@@ -14,6 +15,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from . import policies
 from .accounting import Accountant
 from .broker import SHIM_MEMBER, ShimBroker
 from .containers import Container, container_of_pid
+from .heartbeat import Heartbeat
 from .limits import LimitRules
 from .stall import SignalStopper, Target
 from . import server, takeover, watchdog
@@ -30,8 +33,8 @@ from .watchdog import write_state
 log = logging.getLogger(__name__)
 MASK64 = (1 << 64) - 1
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
-HEARTBEAT_FAIL_OPEN = 2.0   # s: HEARTBEAT_NS in bpf/convgpu.bpf.c
-HEARTBEAT_LATE = 1.0     # s between two heartbeats that gets a warning
+LOOP_LATE = 1.0          # s between two passes of the loop that gets a warning
+LOOP_HUNG = 30.0         # s without a pass: the heartbeat stops (enforcer/heartbeat.py)
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
@@ -95,8 +98,11 @@ class Enforcer:
         self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
         self.broker = ShimBroker(self)
         self._next_key = 1
-        self._beat = self._measured = 0.0
-        self._paused = False
+        self._measured = 0.0
+        self.heartbeat = Heartbeat(self._write_control, HEARTBEAT_EVERY, LOOP_HUNG)
+        self._control_lock = threading.Lock()   # the loop and the heartbeat thread write control
+        self._leaf: dict = {}                   # control's fields but the heartbeat
+        self._exempt = 0    # a self-test child's pid, which admission skips
         self._stuck: set[int] = set()     # devices where every container waits and none can run
         self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
         self._told = 0                     # the waiters count last written to BPF
@@ -127,13 +133,19 @@ class Enforcer:
 
     def _control(self, enforcing: bool) -> int:
         """Writes the control map; returns the waiters count BPF knew before."""
-        t = self._t("control")
         told, self._told = self._told, sum(len(b.waiting) for b in self.boxes.values())
-        t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), ctx_overhead=self.ctx_overhead,
-                                enforcing=int(enforcing and not self._paused),
-                                over_limit_kill=int(self.over_limit == "kill"),
-                                waiters=self._told, owner=self.owner, quiet=int(enforcing and self._quiet()))
+        self._leaf = dict(ctx_overhead=self.ctx_overhead, enforcing=int(enforcing), exempt=self._exempt,
+                          over_limit_kill=int(self.over_limit == "kill"), waiters=self._told,
+                          owner=self.owner, quiet=int(enforcing and self._quiet()))
+        self._write_control()
         return told
+
+    def _write_control(self):
+        """The latest fields with a fresh heartbeat: read under the lock, so the heartbeat
+        thread never writes back fields older than the loop's last write."""
+        with self._control_lock:
+            t = self._t("control")
+            t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), **self._leaf)
 
     def _quiet(self) -> bool:
         return time.monotonic() - self._viewed > VIEW_GRACE
@@ -174,7 +186,7 @@ class Enforcer:
         if ShimHandler is not None:   # any process may ask; SO_PEERCRED says who it is
             self.servers.append(server.Server(os.path.join(self.run_dir, "shim", "shim.sock"),
                                               ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel))
-        self.tracer.selftest_guard = self._pause
+        self.tracer.selftest_exempt = self._exempting
         self.tracer.recheck = True
         if self.tracer.kernel:
             prev = self._load_over_pins()
@@ -213,6 +225,8 @@ class Enforcer:
         self.fds.send(takeover.probe_fds(self.tracer.b))
         self._save_held()
         self._control(True)
+        self.heartbeat.loop_ran()
+        self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
         log.info("enforcing: policy %s, capacity %s", self.policy, self._capacity_text())
         return self
@@ -293,22 +307,22 @@ class Enforcer:
                  ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(self.boxes),
                  format_size(sum(sum(b.assigned.values()) for b in self.boxes.values())))
 
-    def _pause(self):
-        """Admission off while a self-test child calls every driver symbol (else it stalls)."""
-        enf = self
-
-        class _Guard:
-            def __enter__(self):
-                enf._paused = True
-                enf._control(True)
-
-            def __exit__(self, *exc):
-                enf._paused = False
-                enf._control(True)
-        return _Guard()
+    @contextlib.contextmanager
+    def _exempting(self, pid: int):
+        """BPF does not admit pid meanwhile: a self-test child that calls every symbol of a
+        library just attached (it would stall). Everyone else stays checked: turning admission
+        off instead let any process allocate unchecked while the child ran."""
+        self._exempt = pid
+        self._control(True)
+        try:
+            yield
+        finally:
+            self._exempt = 0
+            self._control(True)
 
     def close(self):
         """Nothing stays stopped: every waiter is resumed, admission is turned off."""
+        self.heartbeat.stop()   # before admission goes off: it would write it back on
         if self.tracer.b is not None:
             self._control(False)
         for box in self.boxes.values():
@@ -353,6 +367,11 @@ class Enforcer:
     # --- the loop ---
     def step(self):
         now = time.monotonic()
+        held = self.heartbeat.loop_ran()
+        if held > LOOP_LATE:   # said, so a log explains the wait (and any unchecked calls)
+            log.warning("the loop was held %.2f s: stalls, grants and resumes waited meanwhile%s", held,
+                        "" if held < LOOP_HUNG else "; its heartbeat lapsed, and BPF admitted every "
+                        "call unchecked from 2 s after that")
         if self._reload_asked:
             self._reload_asked = False
             self.reload()
@@ -399,12 +418,6 @@ class Enforcer:
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
-        if now - self._beat >= HEARTBEAT_EVERY:
-            self._control(True)
-            if self._beat and now - self._beat > HEARTBEAT_LATE:   # said, so a log explains it
-                log.warning("heartbeat %.2f s late (the loop was held): BPF admits everything, "
-                            "unchecked, after %.0f s without one", now - self._beat, HEARTBEAT_FAIL_OPEN)
-            self._beat = now
         self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
@@ -543,9 +556,12 @@ class Enforcer:
     def _join(self, box: Box, pid: int, dev: int | None = None, usage=None):
         """pid is in box from now on. What it allocated before (while no enforcer admitted, or
         in calls that are not admitted) was charged to no container: adopt it. Read before the
-        membership is written, so a racing free can only make this an over-count."""
+        membership is written, so a racing free can only make this an over-count. A member
+        placed again (its first context on another GPU) adopts nothing on the GPUs the box has:
+        BPF charged its bytes there already."""
+        charged = set(box.assigned) if self.pid_box.get(pid) is box else set()
         held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
-                if u.pid == pid and (u.live or u.contexts > 0)}
+                if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}
         self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
         box.pids.add(pid)
         self.pid_box[pid] = box
@@ -881,7 +897,9 @@ class Enforcer:
         return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
-                "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows}
+                "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows,
+                # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
+                "unchecked_calls": self.tracer.stats()["unchecked"]}
 
 
     def snapshot(self, pids=None, container=None) -> dict:

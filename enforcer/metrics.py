@@ -39,6 +39,10 @@ def render(status: dict) -> str:
     out += ["# HELP convgpu_gpu_capacity_bytes memory shared on the GPU",
             "# TYPE convgpu_gpu_capacity_bytes gauge"]
     out += [f'convgpu_gpu_capacity_bytes{{gpu="{d}"}} {g["capacity"]}' for d, g in status["gpus"].items()]
+    if "unchecked_calls" in status:
+        out += ["# HELP convgpu_unchecked_calls_total allocations and contexts BPF let through unchecked "
+                "while the enforcer's heartbeat had lapsed", "# TYPE convgpu_unchecked_calls_total counter",
+                f"convgpu_unchecked_calls_total {status['unchecked_calls']}"]
     return "\n".join(out) + "\n"
 
 

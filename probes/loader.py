@@ -5,6 +5,7 @@ Two checks catch probes that attach "successfully" yet never fire (FACTS.md: a u
 read and classified, and a self-test child calls every driver symbol once, before cuInit, where
 the driver answers CUDA_ERROR_NOT_INITIALIZED without touching the GPU, and the per-API hit
 counters must move."""
+import contextlib
 import logging
 import os
 import subprocess
@@ -159,6 +160,7 @@ def read_hits(b) -> dict[int, int]:
 
 _SELFTEST = r"""
 import ctypes, sys
+sys.stdin.readline()   # the go: the enforcer exempts this pid from admission first
 lib = ctypes.CDLL(sys.argv[1])
 scratch = (ctypes.c_ubyte * 4096)()
 p = ctypes.cast(scratch, ctypes.c_void_p)
@@ -174,10 +176,13 @@ print(" ".join(bad))
 """
 
 
-def self_test(b, lp: LibraryProbes, timeout: float = 20.0) -> int | None:
+def self_test(b, lp: LibraryProbes, exempt=lambda pid: contextlib.nullcontext(),
+              timeout: float = 20.0) -> int | None:
     """Call each attached driver symbol once in a child (before cuInit: no GPU work) and mark
     which probes fired. Only for the driver: a runtime call would initialise the GPU.
-    Returns the child's pid, whose (failed, unaccounted) calls the caller should not show."""
+    exempt(pid): a context manager under which the child calls (the enforcer's: admission
+    skips that pid, and only it). Returns the child's pid, whose (failed, unaccounted) calls
+    the caller should not show."""
     if lp.library.kind != CUDA:
         return None
     todo = [a for a in lp.probes if a.ok]
@@ -185,9 +190,10 @@ def self_test(b, lp: LibraryProbes, timeout: float = 20.0) -> int | None:
         return None
     before = read_hits(b)
     child = subprocess.Popen([sys.executable, "-c", _SELFTEST, lp.library.path] + [a.probe.symbol for a in todo],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = child.communicate(timeout=timeout)
+        with exempt(child.pid):
+            out, err = child.communicate("go\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()

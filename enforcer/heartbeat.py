@@ -1,0 +1,50 @@
+"""The enforcer's heartbeat in BPF's control map, from a thread of its own.
+
+BPF admits only while the heartbeat is under 2 s old (HEARTBEAT_NS in bpf/convgpu.bpf.c); then
+it fails open, so that no process waits on an enforcer that is gone. Beaten from the loop, a
+pass that took 2 s (a self-test child of a library just attached, a state file on a slow disk,
+the GIL held) let every process allocate unchecked. From here, only a dead process or a loop
+held `hung` seconds lets it lapse: a hung enforcer must not hold stalled work for ever either.
+The watchdog turns admission off at once when the enforcer dies; this is the second line."""
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(self, beat, every: float, hung: float):
+        """beat(): writes the control map with a fresh heartbeat; every: s between beats;
+        hung: s without a loop pass after which the beats stop."""
+        self.beat, self.every, self.hung = beat, every, hung
+        self.ran = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def loop_ran(self) -> float:
+        """The loop made a pass now; returns the seconds since its previous one."""
+        now = time.monotonic()
+        gap, self.ran = now - self.ran, now
+        return gap
+
+    def _run(self):
+        said = False
+        while not self._stop.wait(self.every):
+            if time.monotonic() - self.ran < self.hung:
+                self.beat()
+                said = False
+            elif not said:
+                said = True
+                log.error("the enforcer's loop has not run for %g s: its heartbeat stops, and BPF "
+                          "admits every call, unchecked, 2 s later (stalled work must not wait on a "
+                          "hung enforcer)", self.hung)
+
+    def stop(self):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
