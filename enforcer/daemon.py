@@ -418,6 +418,7 @@ class Enforcer:
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
+        self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now

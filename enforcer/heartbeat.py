@@ -3,8 +3,10 @@
 BPF admits only while the heartbeat is under 2 s old (HEARTBEAT_NS in bpf/convgpu.bpf.c); then
 it fails open, so that no process waits on an enforcer that is gone. Beaten from the loop, a
 pass that took 2 s (a self-test child of a library just attached, a state file on a slow disk,
-the GIL held) let every process allocate unchecked. From here, only a dead process or a loop
-held `hung` seconds lets it lapse: a hung enforcer must not hold stalled work for ever either.
+the GIL held) let every process allocate unchecked. The loop still beats while it runs (a
+thread that took the GIL four times a second to write a map lengthened the tail of the loop's
+resumes); this thread beats only for a loop that has not for two periods, and only until the
+loop has not run for `hung` seconds: a hung enforcer must not hold stalled work for ever either.
 The watchdog turns admission off at once when the enforcer dies; this is the second line."""
 import logging
 import threading
@@ -18,7 +20,7 @@ class Heartbeat:
         """beat(): writes the control map with a fresh heartbeat; every: s between beats;
         hung: s without a loop pass after which the beats stop."""
         self.beat, self.every, self.hung = beat, every, hung
-        self.ran = time.monotonic()
+        self.ran = self.beaten = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -32,10 +34,21 @@ class Heartbeat:
         gap, self.ran = now - self.ran, now
         return gap
 
+    def beat_if_due(self):
+        """From the loop, after the pass's decisions: a beat every `every` s."""
+        now = time.monotonic()
+        if now - self.beaten >= self.every:
+            self.beaten = now
+            self.beat()
+
     def _run(self):
         said = False
         while not self._stop.wait(self.every):
-            if time.monotonic() - self.ran < self.hung:
+            now = time.monotonic()
+            if now - self.beaten < 2 * self.every:   # the loop beats
+                said = False
+            elif now - self.ran < self.hung:
+                self.beaten = now
                 self.beat()
                 said = False
             elif not said:
