@@ -148,6 +148,10 @@ def _tell(procs, enf, build, env):
     print(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
                          capture_output=True, text=True).stdout)
     try:
+        print("unchecked calls (BPF failed open):", enf.ctl(cmd="status")["status"]["unchecked_calls"])
+    except Exception as e:
+        print("no status:", e)
+    try:
         enf.wait_for("no such line", timeout=1)   # whatever it said since the last wait
     except AssertionError:
         pass
@@ -187,6 +191,7 @@ def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, ca
         usage = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
                                           capture_output=True, text=True, check=True).stdout)
         assert 496 * MiB <= usage["devices"][0]["peak"] <= 512 * MiB
+        assert enf.ctl(cmd="status")["status"]["unchecked_calls"] == 0   # BPF never failed open
         assert enf.stop() == 0
         waited = {line.split("stall ")[1].split()[0] for line in enf.log if "daemon: stall race" in line}
         assert waited == later, enf.log
