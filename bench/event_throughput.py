@@ -28,6 +28,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     b = build_dir()
     env = dict(os.environ, LD_LIBRARY_PATH=str(b / "standin"), CONVGPU_STANDIN_SHM=f"/convgpu-bench-{os.getpid()}")
+    try:
+        return _run(a, b, env)
+    finally:   # the stand-in's segment lives in /dev/shm until unlinked
+        subprocess.run([str(b / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+def _run(a, b, env) -> int:
     with Tracer(libraries=(str(b / "standin" / "libcuda.so.1"),), discover=False, selftest=False) as t:
         t.poll()
         drops0 = t.stats()["drops"]

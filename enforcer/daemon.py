@@ -311,14 +311,16 @@ class Enforcer:
     def _exempting(self, pid: int):
         """BPF does not admit pid meanwhile: a self-test child that calls every symbol of a
         library just attached (it would stall). Everyone else stays checked: turning admission
-        off instead let any process allocate unchecked while the child ran."""
+        off instead let any process allocate unchecked while the child ran. Admission itself
+        stays as it was (off during start-up, until the watchdog runs)."""
+        enforcing = bool(self._leaf.get("enforcing"))
         self._exempt = pid
-        self._control(True)
+        self._control(enforcing)
         try:
             yield
         finally:
             self._exempt = 0
-            self._control(True)
+            self._control(enforcing)
 
     def close(self):
         """Nothing stays stopped: every waiter is resumed, admission is turned off."""

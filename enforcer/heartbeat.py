@@ -3,10 +3,11 @@
 BPF admits only while the heartbeat is under 2 s old (HEARTBEAT_NS in bpf/convgpu.bpf.c); then
 it fails open, so that no process waits on an enforcer that is gone. Beaten from the loop, a
 pass that took 2 s (a self-test child of a library just attached, a state file on a slow disk,
-the GIL held) let every process allocate unchecked. The loop still beats while it runs (a
-thread that took the GIL four times a second to write a map lengthened the tail of the loop's
-resumes); this thread beats only for a loop that has not for two periods, and only until the
-loop has not run for `hung` seconds: a hung enforcer must not hold stalled work for ever either.
+the GIL held) let every process allocate unchecked. The loop still beats while it runs, so that
+this thread, in the common case, takes the GIL only to read a clock (the loop's resumes are
+what the latency target measures); it beats for a loop that has not for two periods, and only
+until the loop has not run for `hung` seconds: a hung enforcer must not hold stalled work for
+ever either.
 The watchdog turns admission off at once when the enforcer dies; this is the second line."""
 import logging
 import threading

@@ -301,7 +301,17 @@ def run_dir_for(tag: str) -> str:
     """A fresh run dir on tmpfs, as /run is on a systemd host: on this VM's ext4 /tmp a state
     file's write + rename can hold the enforcer's loop for hundreds of ms under load, and
     after 2 s without a heartbeat BPF admits everything unchecked."""
-    return tempfile.mkdtemp(prefix=f"convgpu-{tag}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    d = tempfile.mkdtemp(prefix=f"convgpu-{tag}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    _RUN_DIRS.append(d)
+    return d
+
+
+_RUN_DIRS: list[str] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for d in _RUN_DIRS:     # tmpfs is memory: leave nothing behind
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class Enforcing:

@@ -4,7 +4,7 @@
  * processes' slots first; see standin_shm.h).
  *
  * usage: standin-usage [--json] [--reset-peak] [--unlink] [--devices N]
- *   segment: $CONVGPU_STANDIN_SHM (default /convgpu-standin)
+ *   segment: $CONVGPU_STANDIN_SHM (default /convgpu-standin-v2)
  *   devices: --devices, else $CONVGPU_STANDIN_DEVICES (default 1)
  *   capacity shown: $CONVGPU_STANDIN_CAPACITY (default 80 GiB)
  *

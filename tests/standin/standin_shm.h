@@ -40,7 +40,9 @@
 #define SI_NSLOTS 1024
 #define SI_MAGIC 0x49534743u
 #define SI_VERSION 2u
-#define SI_DEFAULT_NAME "/convgpu-standin"
+/* Named after SI_VERSION (keep the two in step): a segment an older build left in /dev/shm
+ * is then never opened, where it would fail the version check. */
+#define SI_DEFAULT_NAME "/convgpu-standin-v2"
 #define SI_DEFAULT_CAPACITY 85899345920ull /* 80 GiB */
 
 struct si_slot {

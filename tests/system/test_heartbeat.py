@@ -61,7 +61,8 @@ def test_a_held_loop_keeps_admission_on(root, build, cgroups, caller_env, caplog
         assert len(held) == 1 and re.fullmatch(r"the loop was held [2-9]\.\d\d s: stalls, grants and "
                                                r"resumes waited meanwhile", held[0]), held
         stepped_until(enf, lambda: _said(caplog, "needs 2.0 GiB, above its limit"), "its over-limit stall")
-        assert proc_state(p.pid) == "T" and enf.tracer.stats()["unchecked"] == 0
+        wait_state(p.pid, "T")              # the stop is sent before the event that says it
+        assert enf.tracer.stats()["unchecked"] == 0
     finally:
         enf.close()
         _stop(p)
