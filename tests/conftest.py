@@ -300,7 +300,7 @@ def until(cond, timeout: float, what: str):
 def run_dir_for(tag: str) -> str:
     """A fresh run dir on tmpfs, as /run is on a systemd host: on this VM's ext4 /tmp a state
     file's write + rename can hold the enforcer's loop for hundreds of ms under load, and
-    after 2 s without a heartbeat BPF admits everything unchecked."""
+    stalls and resumes wait for it. Removed when the session ends."""
     d = tempfile.mkdtemp(prefix=f"convgpu-{tag}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     _RUN_DIRS.append(d)
     return d
