@@ -200,8 +200,8 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 //
 // A call that takes device memory reserves its size in its container's state first (atomics,
 // so racing threads cannot together overshoot), then compares with the assignment. Over it,
-// the process is stopped from here with bpf_send_signal(SIGSTOP): the stop lands when the trap
-// returns, before the function body (FACTS.md), and the reservation stays held until the
+// the process is stopped from here with bpf_send_signal_thread(SIGSTOP): the stop lands when
+// the trap returns, before the function body (FACTS.md), and the reservation stays held until the
 // call returns, so the enforcer sees what the waiter needs. Nothing here runs unless an
 // enforcer is alive: its heartbeat (enforcer/heartbeat.py) older than HEARTBEAT_NS means fail open.
 
@@ -314,7 +314,10 @@ static __always_inline void release(struct cg_call *c)
 static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 key,
                                            u64 size, u64 total, struct cg_control *ctl)
 {
-    bpf_send_signal(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    // To this thread: a SIGSTOP sent to the process merges with one already pending for it,
+    // which may be another thread's to take, and this thread would then return to its call
+    // before that group stop reached it. Taken here, it stops the whole process all the same.
+    bpf_send_signal_thread(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
     emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
 }
 

@@ -206,6 +206,35 @@ def test_32_threads_in_4_containers_never_exceed_the_capacity(cgroups, build, ca
         subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
 
 
+def test_a_waiters_racing_threads_never_allocate(cgroups, build, caller_env):
+    """A container with nothing assigned starts 32 threads that allocate at once, 10 times over:
+    not one allocation may run. Each thread must stop before its own call: a SIGSTOP sent to the
+    whole process merges with one already pending for it, so the thread that sent the second
+    could return to its call before the first one's group stop reached it (the race test saw
+    19 MiB allocated that way by a container assigned 0 B)."""
+    env = dict(caller_env, CONVGPU_STANDIN_SHM=f"/convgpu-waiters-{os.getpid()}-{time.monotonic_ns()}")
+    enf = Enforcing(build, "--gpu-memory", "256MiB", "--default-limit", "256MiB")
+    procs = [start_in(cgroups("holder"), build, env, "alloc", "-n", 1, "-s", MiB, "--hold")]
+    try:
+        enf.wait_for("container holder GPU0: assigned 256.0 MiB")
+        for i in range(10):
+            w = start_in(cgroups(f"w{i}"), build, env, "alloc", "-t", 32, "-n", 4, "-s", MiB, "--hold")
+            procs.append(w)
+            enf.wait_for(f"container w{i} GPU0: assigned 0 B")
+            wait_state(w.pid, "T")
+            usage = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env,
+                                              capture_output=True, text=True, check=True).stdout)
+            assert {p["pid"]: p["used"][0] for p in usage["procs"]}.get(w.pid, 0) == 0, (i, usage)
+            w.kill()
+            w.wait()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        enf.close()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
 def test_freezer_mode_holds_against_sigcont(cgroups, build, caller_env):
     """--stall freezer: the stalled container is frozen as a whole, so a SIGCONT from anyone
     (a sibling could send one) does not let its allocation run; thawed on a clean exit."""
