@@ -309,6 +309,16 @@ def run_dir_for(tag: str) -> str:
 _RUN_DIRS: list[str] = []
 
 
+def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, **kw):
+    """An Enforcer in this process over the stand-in driver `lib` (policy fifo, every limit
+    `limit`, capacity {0: 4 GiB} unless given), its run dir on tmpfs; not started."""
+    from convgpu.enforcer.daemon import Enforcer
+    from convgpu.enforcer.limits import LimitRules
+    from convgpu.probes.tracer import Tracer
+    return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", capacity or {0: 4 * GiB},
+                    LimitRules({}, limit), run_dir=run_dir_for(tag), **kw)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for d in _RUN_DIRS:     # tmpfs is memory: leave nothing behind
         shutil.rmtree(d, ignore_errors=True)

@@ -2,23 +2,18 @@
 is accounted by BPF but never stopped; asks are granted, made to wait (only that caller) and
 woken by the scheduler, or denied above the limit. In-process enforcer on the stand-in driver."""
 import subprocess
-import tempfile
 import time
 
 import pytest
 
-from conftest import GiB, read_until
+from conftest import GiB, inprocess_enforcer, read_until
 
 pytestmark = pytest.mark.system
 
 
 @pytest.fixture
 def enforcer(root, build):
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
-    enf = Enforcer(Tracer(libraries=(str(build / "standin" / "libcuda.so.1"),), discover=False), "fifo",
-                   {0: 4 * GiB}, LimitRules({}, 3 * GiB), run_dir=tempfile.mkdtemp(prefix="convgpu-broker-"))
+    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "broker", 3 * GiB)
     enf.start()
     yield enf
     enf.close()

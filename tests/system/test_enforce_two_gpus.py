@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import GiB, MiB, lines_until, proc_state, run_dir_for, serving, until
+from conftest import GiB, MiB, inprocess_enforcer, lines_until, proc_state, serving, until
 
 pytestmark = pytest.mark.system
 
@@ -36,12 +36,8 @@ sys.stdin.readline()
 
 
 def test_a_first_context_on_a_second_gpu_does_not_count_the_first_twice(root, build, cgroups, caller_env):
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
     lib = str(build / "standin" / "libcuda.so.1")
-    enf = Enforcer(Tracer(libraries=(lib,), discover=False), "fifo", {0: 4 * GiB, 1: 4 * GiB},
-                   LimitRules({}, GiB), run_dir=run_dir_for("two"))
+    enf = inprocess_enforcer(lib, "two", GiB, {0: 4 * GiB, 1: 4 * GiB})
     cg = cgroups("two")
     env = dict(caller_env, CONVGPU_STANDIN_DEVICES="2")
     with serving(enf):

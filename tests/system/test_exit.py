@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, run_dir_for, serving, until
+from conftest import GiB, MiB, inprocess_enforcer, serving, until
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root (last: the
 #                                                             installed convgpu wins over the source folder)
@@ -148,14 +148,9 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
     """A (container exita, a 1 GiB host buffer) holds 2 GiB; B (exitb) is stopped before its
     2 GiB; A exits. Asserts when B resumes against A's teardown, and that each stop reached the
     kernel before its event reached the enforcer; returns the bytes held for A."""
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
     caplog.set_level(logging.DEBUG, logger="convgpu.enforcer.daemon")
     # capacity 4 GiB, limits 3 GiB: A is assigned 3 GiB, B the 1 GiB left
-    enf = Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
-                   LimitRules({}, 3 * GiB), ctx_overhead=CTX, physical=physical, nvml=nvml,
-                   run_dir=run_dir_for("exit"))
+    enf = inprocess_enforcer(lib, "exit", 3 * GiB, ctx_overhead=CTX, physical=physical, nvml=nvml)
     with ExitStack() as stack:      # unwound in reverse: workers killed, enforcer closed, signals
         signals, told, ws = stack.enter_context(Signals()), [], []
         stack.enter_context(serving(enf, lambda events: told.extend(

@@ -14,17 +14,13 @@ import time
 
 import pytest
 
-from conftest import GiB, proc_state, read_until, run_dir_for, start_in, until, wait_state
+from conftest import GiB, inprocess_enforcer, proc_state, read_until, start_in, until, wait_state
 
 pytestmark = pytest.mark.system
 
 
 def _enforcer(build, tag):
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
-    return Enforcer(Tracer(libraries=(str(build / "standin" / "libcuda.so.1"),), discover=False), "fifo",
-                    {0: 4 * GiB}, LimitRules({}, GiB), run_dir=run_dir_for(tag))
+    return inprocess_enforcer(build / "standin" / "libcuda.so.1", tag, GiB)
 
 
 def _said(caplog, text):

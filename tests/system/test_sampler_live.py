@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, run_dir_for, serving, until
+from conftest import GiB, MiB, inprocess_enforcer, serving, until
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.sched.resume import Worker  # noqa: E402
@@ -54,12 +54,7 @@ def standin_env(caller_env: dict, free_ms: int) -> dict:
 
 def enforcer(lib, env):
     """Capacity 4 GiB, limits 3 GiB, no per-context charge: a context is what NVML measures."""
-    from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
-    from convgpu.probes.tracer import Tracer
-    return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", {0: 4 * GiB},
-                    LimitRules({}, 3 * GiB), ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]),
-                    run_dir=run_dir_for("sampler"))
+    return inprocess_enforcer(lib, "sampler", 3 * GiB, ctx_overhead=0, nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"]))
 
 
 def overhead(enf) -> int:
