@@ -223,6 +223,20 @@ static __always_inline struct cg_control *enforcing(void)
     return c && c->enforcing && c->owner == OWNER ? c : 0;
 }
 
+// A successor owns admission (control.owner is another enforcer's): this program belongs to a
+// crashed enforcer whose watchdog still holds its probes, and they detach one by one (~100 ms
+// each) after the successor took over. Until then every call hits both programs, newest
+// first, so at entry this one steps aside: it would reset the call slot the owner had just
+// filled, and the owner's reservation for that call would never be given back (issue 14.3:
+// jobs stalled "over limit" for good after a restart). Returns still settle in either program:
+// a call that entered before the successor's return probe existed has only this one's.
+static __always_inline int retired(void)
+{
+    u32 k = 0;
+    struct cg_control *c = control.lookup(&k);
+    return c && c->owner && c->owner != OWNER;
+}
+
 // An enforcer is set up but its heartbeat is stale: it is hung or dead, so the call runs
 // unchecked (nobody would resume it). Counted: the enforcer shows the count in its status.
 static __always_inline int lapsed(struct cg_control *c)
@@ -364,7 +378,7 @@ int recheck(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
-    if (!t || !t->call.stalled)
+    if (!t || !t->call.stalled || retired())
         return 0;
     struct cg_control *ctl = enforcing();
     if (!ctl || lapsed(ctl)) {      // fail open: no enforcer, nothing holds it
@@ -593,7 +607,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
-    if ((id >> 32) == SELF_TGID)
+    if ((id >> 32) == SELF_TGID || retired())
         return 0;
     struct cg_thread *t = get_thread(id);
     if (!t)
@@ -619,6 +633,8 @@ static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, in
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     s32 dev = -1;
     if (!pop) {
         struct cg_obj_key k = {.tgid = id >> 32, .ns = NS_CTX, .addr = PT_REGS_PARM1(ctx)};
@@ -638,6 +654,8 @@ static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     u32 tgid = id >> 32;
     set_thread_dev(id, current_dev(id, procs.lookup(&tgid)), 0, 0);
     struct cg_thread *t = threads.lookup(&id);
@@ -657,6 +675,8 @@ static __always_inline int free_at_entry(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
     if (p && tgid != SELF_TGID)

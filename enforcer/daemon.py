@@ -239,6 +239,7 @@ class Enforcer:
         kept exact), or over fresh ones."""
         prev = takeover.previous(self.run_dir, self.state_file)
         if not takeover.ensure_bpffs():
+            self.tracer.cflags = (f"-DOWNER={self.owner}",)   # admission checks who owns it
             self.tracer.start()
             return []
         if not prev:
