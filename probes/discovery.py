@@ -12,6 +12,7 @@ and self-tested first. A file that cannot be probed is a loud warning, and the c
 Nothing stays stopped for good: BPF lists every process it stops in held_open before the
 stop, and the watchdog (enforcer/watchdog.py) that runs beside every tracer with discovery on
 resumes them all and turns discovery off if the tracer dies."""
+import collections
 import contextlib
 import ctypes as ct
 import logging
@@ -47,6 +48,7 @@ class Discovery:
         self.unprobed: dict[int, Unprobed] = {}
         self.enabled = False
         self.stops = 0                         # processes stopped at open, all told
+        self.recent = collections.deque(maxlen=1024)   # their pids, latest last
         self.watchdog = None
         self._lifeline = None
 
@@ -115,6 +117,7 @@ class Discovery:
     def opened(self, pid: int, fd: int):
         """BPF stopped pid right after it opened a driver-named file as fd."""
         self.stops += 1
+        self.recent.append(pid)
         link = f"/proc/{pid}/fd/{fd}"
         try:
             st = os.stat(link)

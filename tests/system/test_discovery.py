@@ -253,3 +253,16 @@ def test_unprobed_driver_file_under_enforce(root, build, not_a_driver, policy):
         p.kill()
         p.wait()
         enf.close()
+
+
+def test_discovery_cost_benchmark_shape(root, build, tmp_path):
+    """bench.discovery_cost in a small configuration: every start with discovery on was stopped
+    exactly once and none with it off; one first sight of a fresh copy (numbers: docs only)."""
+    from bench import discovery_cost
+    out = tmp_path / "cost.json"
+    assert discovery_cost.main(["--lib", str(build / "standin" / "libcuda.so.1"), "--starts", "10",
+                                "--fresh", "1", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["stopped_starts"] == {"on": 10, "off": 0}
+    assert d["discovery_on"]["n"] == d["discovery_off"]["n"] == 10 and d["first_sight"]["n"] == 1
+    assert set(d) >= {"added_p50_ms", "added_p99_ms"}
