@@ -163,7 +163,7 @@ class Tracer:
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
             if ev.op == "lib_open":
-                self.discovery.opened(ev.pid, ev.addr)
+                self.discovery.opened(ev.pid, ev.tid, ev.addr)
                 continue
             if ev.op in ("exit", "exec"):
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
