@@ -256,8 +256,9 @@ def schedule(policy: str, waiters: Sequence[Waiter], free: int, now: float,
     move to "running with A + amount", allowed only if the state stays safe, and else with
     the largest amount that does (`safe_assignment`, at least its request: it resumes on less
     than its limit, as a placement can). A waiter with no safe move is passed over this pass:
-    the policy's next choice is asked (every policy is a fixed preference order over the
-    candidates, rand a uniform one, so this is its choice among the safe moves). With the state
+    the policy's next choice is asked (fifo, bf, ru and bfa are fixed preference orders over
+    the candidates, so this is their choice among the safe moves); rand draws once among the
+    safe moves. With the state
     safe before every move, it is safe always (a stall or an exit only adds to what is free),
     and when every container on a device waits, the reclaim plus a fit_only pass can always
     resume one (the first of the banker's order misses at most what is then free): no
@@ -270,22 +271,31 @@ def schedule(policy: str, waiters: Sequence[Waiter], free: int, now: float,
     if capacity is None:
         capacity = free + sum(w.assigned for w in waiters) + sum(c.held for c in others)
     grants: list[Grant] = []
+
+    def move(w: Waiter) -> int | None:
+        """The bytes w may get now: all it can use, cut to what is safe; None: no safe move."""
+        amount = min(w.missing, free)
+        if w.need > amount:   # stays paused: nothing the check counts changes
+            return amount
+        top = safe_assignment(state[w.id], list(state.values()), capacity,
+                              w.assigned + w.need, w.assigned + amount)
+        return None if top is None else top - w.assigned
+
     while free > 0 and candidates:
-        pool = list(candidates)
+        if fn is rand:   # one draw, among the safe moves only: a pass that can grant nothing
+            pool = [c for c in candidates if move(c) is not None]   # draws nothing (the daemon
+        else:            # passes more often than the simulator: same seed, same draws)
+            pool = list(candidates)
         while pool:
             w = fn(pool, free, now, rng, max_wait)
-            amount = min(w.missing, free)
-            if w.need > amount:   # stays paused: nothing the check counts changes
-                break
-            top = safe_assignment(state[w.id], list(state.values()), capacity,
-                                  w.assigned + w.need, w.assigned + amount)
-            if top is not None:
-                amount = top - w.assigned
-                state[w.id] = Claim(w.id, w.limit, max(top, w.holds))
+            amount = move(w)
+            if amount is not None:
                 break
             pool = [c for c in pool if c is not w]
         else:
             break   # no waiter has a safe move on what is free
+        if w.need <= amount:
+            state[w.id] = Claim(w.id, w.limit, max(w.assigned + amount, w.holds))
         grants.append(Grant(w.id, amount, resume=w.need <= amount))
         free -= amount
         # By identity: two equal waiters (same fields) are still two candidates.
