@@ -40,6 +40,12 @@ Policies (ties always broken by `created`, then `id`, so results never depend on
         Rule 1 is no guarantee in general: containers that ran with part of their limit and
         then stall hold slices too (only taking back unused assignments could fix that).
 
+Safety: whatever the policy, a grant that resumes a waiter and a placement pass the banker's
+check first (`finishers`, `safe_assignment`; `schedule` says what counts as held), so the
+policy only ever chooses among moves after which every container can still reach its limit;
+with `reclaim` this makes every policy deadlock-free (docs/SCHEDULING.md: 0 deadlocks in 9,000
+simulated runs per policy and context size, where ru and rand had 6,502 and 6,432).
+
 Pure functions: nothing here reads the clock, the system or BPF; inputs are never mutated.
 A waiter already at its limit (missing == 0) is never picked: more memory cannot help it, it is
 over its limit and the enforcer handles that case."""
@@ -332,6 +338,9 @@ def reclaim(waiting: dict[str, tuple[int, int]], any_running: bool,
     holds, and the pass runs again on the whole pool. When every waiter is over its limit
     nobody could use what comes back, so assignments stay as they are (an operator reading
     `convgpu status` sees the container keep what it was given until its limit is raised).
+    With the banker's check (`schedule`) this is what makes a waiter's unused assignment
+    reclaimable: the check counts a waiter's held bytes only, and this turns its assignment
+    back into exactly that when everyone on the device waits.
     waiting: id -> (assigned, held now); returns id -> new assignment, for those that shrink."""
     if any_running or not any_within_limit:
         return {}
