@@ -1,0 +1,152 @@
+"""The device plugin against a test-side kubelet (tests/kubelet_side.py) over the kubelet's real
+gRPC protocol on UNIX sockets: registration, re-registration after a kubelet restart, the
+ListAndWatch list and its update, preferred allocation on one GPU, Allocate. No root needed."""
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from convgpu.kube import api, devices as dv
+from convgpu.kube.plugin import DevicePlugin
+from kubelet_side import Kubelet
+
+MiB = 1 << 20
+UNIT = 256 * MiB
+A, B = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+GPUS = [dv.Gpu(0, 1024 * MiB, A, minor=0), dv.Gpu(1, 512 * MiB + 100, B, minor=3)]
+
+
+def ids(key, n):
+    return [f"{key}::{i}" for i in range(n)]
+
+
+def got(q, timeout=10):
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError("nothing came from the plugin in time") from None
+
+
+@pytest.fixture
+def node(tmp_path):
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    kubelet = Kubelet(str(d)).start()
+    plugin = DevicePlugin(str(d), GPUS, UNIT, dev_root=str(tmp_path / "dev"))
+    stop = threading.Event()
+    t = threading.Thread(target=plugin.run, args=(stop, 0.05), daemon=True)
+    t.start()
+    box = {"kubelet": kubelet}
+    yield plugin, box
+    stop.set()
+    t.join(timeout=10)
+    box["kubelet"].stop()
+
+
+def test_registers_and_lists_units_of_each_gpu(node):
+    plugin, box = node
+    k = box["kubelet"]
+    r = got(k.registrations)
+    assert (r.version, r.endpoint, r.resource_name) == ("v1beta1", "convgpu.sock", "convgpu.io/gpu-memory")
+    assert r.options.get_preferred_allocation_available and not r.options.pre_start_required
+    first = got(k.lists)
+    # 1 GiB / 256 MiB = 4 units on GPU0; 512 MiB + 100 B = 2 whole units on GPU1
+    assert first == [(i, "Healthy") for i in ids(A, 4) + ids(B, 2)]
+    assert k.options.get_preferred_allocation_available
+    assert k.registrations.empty() and plugin.registered == 1
+
+
+def test_capacity_change_reaches_the_kubelet_through_listandwatch(node):
+    plugin, box = node
+    k = box["kubelet"]
+    got(k.registrations)
+    assert len(got(k.lists)) == 6
+    assert plugin.set_gpus([dv.Gpu(0, 768 * MiB, A)])       # GPU1 gone, GPU0 shares less
+    assert got(k.lists) == [(i, "Healthy") for i in ids(A, 3)]
+    assert not plugin.set_gpus([dv.Gpu(0, 768 * MiB + 5, A)])   # same units: nothing sent
+    plugin.set_gpus(GPUS)
+    assert got(k.lists) == [(i, "Healthy") for i in ids(A, 4) + ids(B, 2)]
+    assert k.lists.empty()
+
+
+def test_reregisters_when_the_kubelet_restarts(node):
+    plugin, box = node
+    k = box["kubelet"]
+    got(k.registrations)
+    got(k.lists)
+    k2 = box["kubelet"] = k.restart()       # its socket and ours removed, a new kubelet.sock
+    r = got(k2.registrations)
+    assert (r.version, r.resource_name) == ("v1beta1", "convgpu.io/gpu-memory")
+    assert got(k2.lists) == [(i, "Healthy") for i in ids(A, 4) + ids(B, 2)]   # served on a new socket
+    k3 = box["kubelet"] = k2.restart()
+    got(k3.registrations)
+    deadline = time.monotonic() + 10  # the plugin counts a registration once its call returned
+    while plugin.registered < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert plugin.registered == 3 and k3.registrations.empty()
+
+
+def _preferred(stub, available, must, size):
+    m, _ = api.deviceplugin()
+    req = m.PreferredAllocationRequest(container_requests=[m.ContainerPreferredAllocationRequest(
+        available_deviceIDs=available, must_include_deviceIDs=must, allocation_size=size)])
+    return list(stub.GetPreferredAllocation(req, timeout=5).container_responses[0].deviceIDs)
+
+
+def test_preferred_allocation_keeps_a_container_on_one_gpu(node):
+    plugin, box = node
+    k = box["kubelet"]
+    got(k.registrations)
+    got(k.lists)
+    stub = k.plugin()
+    every = ids(A, 4) + ids(B, 2)
+    # 2 units: both GPUs can hold them; GPU1 has the fewest free (best fit), so it gets them
+    assert _preferred(stub, every, [], 2) == ids(B, 2)
+    # 3 units: only GPU0 can
+    assert _preferred(stub, every, [], 3) == ids(A, 3)
+    # a must-include id fixes the GPU
+    assert _preferred(stub, every, [f"{A}::2"], 2) == [f"{A}::2", f"{A}::0"]
+    # GPU0 partly taken: 2 free there, 2 on GPU1 -> the lower GPU on a tie
+    assert _preferred(stub, ids(A, 4)[2:] + ids(B, 2), [], 2) == [f"{A}::2", f"{A}::3"]
+    # 5 units fit on no GPU: the answer spans, the GPU with more free first
+    assert _preferred(stub, every, [], 5) == ids(A, 4) + [f"{B}::0"]
+
+
+def test_allocate_makes_the_gpu_visible_with_its_device_nodes(node, tmp_path):
+    plugin, box = node
+    k = box["kubelet"]
+    got(k.registrations)
+    got(k.lists)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for n in ("nvidia3", "nvidia0", "nvidiactl", "nvidia-uvm"):   # no uvm-tools, no modeset here
+        (dev / n).touch()
+    m, _ = api.deviceplugin()
+    stub = k.plugin()
+    resp = stub.Allocate(m.AllocateRequest(container_requests=[
+        m.ContainerAllocateRequest(devices_ids=ids(B, 2)),
+        m.ContainerAllocateRequest(devices_ids=ids(A, 3))]), timeout=5)
+    one, two = resp.container_responses
+    assert dict(one.envs) == {"NVIDIA_VISIBLE_DEVICES": B, "CONVGPU_GPU_MEMORY_LIMIT": str(512 * MiB)}
+    assert [(d.container_path, d.host_path, d.permissions) for d in one.devices] == [
+        ("/dev/nvidia3", str(dev / "nvidia3"), "rw"), ("/dev/nvidiactl", str(dev / "nvidiactl"), "rw"),
+        ("/dev/nvidia-uvm", str(dev / "nvidia-uvm"), "rw")]
+    assert dict(two.envs) == {"NVIDIA_VISIBLE_DEVICES": A, "CONVGPU_GPU_MEMORY_LIMIT": str(768 * MiB)}
+    assert two.devices[0].container_path == "/dev/nvidia0"
+    assert [(g.units, [x.index for x in g.gpus]) for g in plugin.grants] == [(2, [1]), (3, [0])]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Allocate(m.AllocateRequest(container_requests=[m.ContainerAllocateRequest(devices_ids=[f"{A}::9"])]),
+                      timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{A}::9" in e.value.details()
+    assert stub.PreStartContainer(m.PreStartContainerRequest(devices_ids=ids(A, 1)), timeout=5) == \
+        m.PreStartContainerResponse()
+
+
+def test_device_ids_without_uuid_and_spanning_allocation():
+    g = [dv.Gpu(0, 512 * MiB), dv.Gpu(1, 512 * MiB, minor=7)]
+    assert dv.device_ids(g, UNIT) == ["gpu0::0", "gpu0::1", "gpu1::0", "gpu1::1"]
+    grant = dv.allocate(["gpu1::1", "gpu0::0"], g, UNIT, dev_root="/nonexistent")
+    assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "0,1" and grant.devices == [] and grant.units == 2
+    assert dv.preferred(["gpu0::1", "gpu1::0", "gpu1::1"], [], 2) == ["gpu1::0", "gpu1::1"]
