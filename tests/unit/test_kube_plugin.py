@@ -150,3 +150,27 @@ def test_device_ids_without_uuid_and_spanning_allocation():
     grant = dv.allocate(["gpu1::1", "gpu0::0"], g, UNIT, dev_root="/nonexistent")
     assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "0,1" and grant.devices == [] and grant.units == 2
     assert dv.preferred(["gpu0::1", "gpu1::0", "gpu1::1"], [], 2) == ["gpu1::0", "gpu1::1"]
+
+
+def test_convgpu_kube_command_registers_and_lists(tmp_path):
+    """The CLI as the DaemonSet runs it (no NVML here: one GPU of --gpu-memory), until SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    k = Kubelet(str(d)).start()
+    p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "kube", "--gpu-memory", "1GiB", "--unit", "128MiB",
+                          "--plugin-dir", str(d), "--api", "off", "--no-limits"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        r = got(k.registrations, 60)
+        assert (r.endpoint, r.resource_name) == ("convgpu.sock", "convgpu.io/gpu-memory")
+        assert got(k.lists) == [(f"gpu0::{i}", "Healthy") for i in range(8)]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        k.stop()
+    assert p.returncode == 0, err
+    assert "serving convgpu.io/gpu-memory: 8 units of 128MiB on 1 GPU(s)" in err
+    assert not (d / "convgpu.sock").exists()
