@@ -1,6 +1,7 @@
 """The device plugin against a test-side kubelet (tests/kubelet_side.py) over the kubelet's real
 gRPC protocol on UNIX sockets: registration, re-registration after a kubelet restart, the
 ListAndWatch list and its update, preferred allocation on one GPU, Allocate. No root needed."""
+import json
 import queue
 import threading
 import time
@@ -174,3 +175,35 @@ def test_convgpu_kube_command_registers_and_lists(tmp_path):
     assert p.returncode == 0, err
     assert "serving convgpu.io/gpu-memory: 8 units of 128MiB on 1 GPU(s)" in err
     assert not (d / "convgpu.sock").exists()
+
+
+def test_doctor_kubernetes_section(tmp_path):
+    from convgpu.kube import doctor
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    prs = str(tmp_path / "pod-resources.sock")
+    assert doctor.checks(str(d), prs) == [
+        ("kubernetes", False, f"no kubelet sockets ({d}/kubelet.sock, {prs})",
+         "only on a Kubernetes node: deploy with docs/KUBERNETES.md")]
+    k = Kubelet(str(d), prs)
+    pm, _ = api.podresources()
+    k.pods = [pm.PodResources(namespace="ml", name="p", containers=[
+        pm.ContainerResources(name="c", devices=[pm.ContainerDevices(resource_name=dv.RESOURCE, device_ids=ids(A, 2))]),
+        pm.ContainerResources(name="d")])]
+    k.start()
+    plugin = DevicePlugin(str(d), GPUS, UNIT)
+    try:
+        got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs)}
+        assert got_["kubelet device plugins"] == (True, f"{d}/kubelet.sock", "")
+        assert not got_["convgpu.io/gpu-memory plugin"][0]            # not serving yet
+        assert not got_["convgpu.io/gpu-memory registered"][0]
+        assert got_["pods seen"] == (True, "1 pods, 1 containers with convgpu.io/gpu-memory (2 units)", "")
+        assert plugin.check()
+        (d / doctor.CHECKPOINT).write_text(json.dumps({"Data": {"PodDeviceEntries": None, "RegisteredDevices": {
+            dv.RESOURCE: ids(A, 4) + ids(B, 2)}}, "Checksum": 1}))
+        got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs)}
+        assert got_["convgpu.io/gpu-memory plugin"] == (True, f"{d}/convgpu.sock: 6 units", "")
+        assert got_["convgpu.io/gpu-memory registered"] == (True, "the kubelet's checkpoint lists 6 devices", "")
+    finally:
+        plugin.close()
+        k.stop()
