@@ -13,6 +13,10 @@ UNIT = 256 << 20
 RESOURCE = "convgpu.io/gpu-memory"
 # Nodes every CUDA process opens besides its GPU's /dev/nvidia<minor> (the toolkit's list).
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+# The toolkit's other way to name a container's GPUs, for nodes where it is set to ignore
+# NVIDIA_VISIBLE_DEVICES from unprivileged pods (accept-nvidia-visible-devices-envvar-when-
+# unprivileged = false, as the GPU operator may set it): /dev/null mounted at this dir/<GPU>.
+DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,13 @@ class Grant:
     units: int
     envs: dict[str, str]
     devices: list[tuple[str, str, str]]    # (container path, host path, permissions)
+    mounts: list[tuple[str, str]]           # (container path, host path), read-only
 
 
 def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev") -> Grant:
     """The container's GPUs made visible (NVIDIA_VISIBLE_DEVICES, read by the NVIDIA container
-    toolkit's runtime hook) and their device nodes (for runtimes without the hook). The limit
+    toolkit's runtime hook, and the same list as mounts under DEVICE_LIST_DIR) and their device
+    nodes (for runtimes without the hook). The limit
     itself is not set here: the container does not exist yet; the agent learns its id from the
     pod-resources API and sets units x unit in the enforcer. Raises KeyError for an unknown id."""
     by_key = {g.key: g for g in gpus}
@@ -111,4 +117,5 @@ def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev")
         host = os.path.join(dev_root, os.path.basename(node))
         if os.path.exists(host):   # a node the host lacks (no modeset module) is not asked for
             devices.append((node, host, "rw"))
-    return Grant(used, len(ids), envs, devices)
+    mounts = [(f"{DEVICE_LIST_DIR}/{g.visible}", "/dev/null") for g in used]
+    return Grant(used, len(ids), envs, devices, mounts)

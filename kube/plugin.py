@@ -63,7 +63,8 @@ class _Servicer:
             self.p.grants.append(g)
             out.append(m.ContainerAllocateResponse(
                 envs=g.envs, devices=[m.DeviceSpec(container_path=c, host_path=h, permissions=p)
-                                      for c, h, p in g.devices]))
+                                      for c, h, p in g.devices],
+                mounts=[m.Mount(container_path=c, host_path=h, read_only=True) for c, h in g.mounts]))
         return m.AllocateResponse(container_responses=out)
 
     def PreStartContainer(self, request, context):

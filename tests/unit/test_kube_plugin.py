@@ -134,6 +134,8 @@ def test_allocate_makes_the_gpu_visible_with_its_device_nodes(node, tmp_path):
     assert [(d.container_path, d.host_path, d.permissions) for d in one.devices] == [
         ("/dev/nvidia3", str(dev / "nvidia3"), "rw"), ("/dev/nvidiactl", str(dev / "nvidiactl"), "rw"),
         ("/dev/nvidia-uvm", str(dev / "nvidia-uvm"), "rw")]
+    assert [(x.container_path, x.host_path, x.read_only) for x in one.mounts] == [
+        (f"/var/run/nvidia-container-devices/{B}", "/dev/null", True)]
     assert dict(two.envs) == {"NVIDIA_VISIBLE_DEVICES": A, "CONVGPU_GPU_MEMORY_LIMIT": str(768 * MiB)}
     assert two.devices[0].container_path == "/dev/nvidia0"
     assert [(g.units, [x.index for x in g.gpus]) for g in plugin.grants] == [(2, [1]), (3, [0])]
@@ -150,6 +152,8 @@ def test_device_ids_without_uuid_and_spanning_allocation():
     assert dv.device_ids(g, UNIT) == ["gpu0::0", "gpu0::1", "gpu1::0", "gpu1::1"]
     grant = dv.allocate(["gpu1::1", "gpu0::0"], g, UNIT, dev_root="/nonexistent")
     assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "0,1" and grant.devices == [] and grant.units == 2
+    assert grant.mounts == [("/var/run/nvidia-container-devices/0", "/dev/null"),
+                            ("/var/run/nvidia-container-devices/1", "/dev/null")]
     assert dv.preferred(["gpu0::1", "gpu1::0", "gpu1::1"], [], 2) == ["gpu1::0", "gpu1::1"]
 
 
