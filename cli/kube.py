@@ -65,7 +65,7 @@ def kube(
     syncer = PodSync(os.path.join(run_dir, "control.sock"), sources, unit_b, pod_resources, resource) if limits else None
     common.stop_on_signals()
     agent = Agent(plugin, syncer, lambda: inventory(nvml, gm, res_b) or gpus, sync)
-    log.warning("serving %s: %d units of %s on %d GPU(s); plugin socket %s", resource, len(plugin.ids),
+    log.info("serving %s: %d units of %s on %d GPU(s); plugin socket %s", resource, len(plugin.ids),
                 unit, len(gpus), plugin.socket)
     try:
         agent.run(duration)

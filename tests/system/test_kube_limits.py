@@ -86,3 +86,49 @@ def test_a_pod_over_its_units_stalls_one_within_them_runs(root, build, cgroups, 
                 p.kill()
                 p.wait()
         kubelet.stop()
+
+
+def test_the_daemonsets_two_commands_together(root, build, cgroups, caller_env, tmp_path):
+    """`convgpu enforce` and `convgpu kube` as the DaemonSet runs them (subprocesses, one run
+    dir): the agent registers with the kubelet, lists the pods, and the enforcer stalls the pod
+    that goes over its units."""
+    import subprocess
+    import sys
+    from conftest import Enforcing, lines_until
+    plugins = tmp_path / "device-plugins"
+    plugins.mkdir()
+    (tmp_path / "log" / "containers").mkdir(parents=True)
+    (tmp_path / "log" / "containers" / f"trainer_ml_train-{CID_A}.log").symlink_to("/nonexistent")
+    kubelet = Kubelet(str(plugins), str(tmp_path / "pod-resources.sock"))
+    m, _ = api.podresources()
+    kubelet.pods = _pods(m, 2)
+    kubelet.start()
+    enf = Enforcing(build, "--gpu-memory", "4GiB", "--default-limit", "4GiB", "--policy", "fifo")
+    agent = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "kube", "--gpu-memory", "4GiB",
+                              "--plugin-dir", str(plugins), "--pod-resources", str(tmp_path / "pod-resources.sock"),
+                              "--api", "off", "--log-root", str(tmp_path / "log"), "--run-dir", enf.run_dir,
+                              "--sync", "0.2"], stderr=subprocess.PIPE, text=True)
+    a = None
+    try:
+        r = kubelet.registrations.get(timeout=60)
+        assert r.resource_name == "convgpu.io/gpu-memory"
+        assert kubelet.lists.get(timeout=10) == [(f"gpu0::{i}", "Healthy") for i in range(16)]
+        lines_until(agent.stderr, lambda line: "pod limits: 1 container(s) and pod(s) sent" in line, [], 30, "agent")
+        enf.wait_for("pod limits: 1 keys")
+        a = start_in(cgroups("kubepods.slice/kubepods-burstable.slice/"
+                             f"kubepods-burstable-pod{UID_A.replace('-', '_')}.slice/cri-containerd-{CID_A}.scope"),
+                     build, caller_env, "alloc", "-n", 3, "-s", 256 * MiB, "--hold")
+        wait_state(a.pid, "T")
+        enf.wait_for("above its limit 512.0 MiB")
+        st = {c["id"]: c for c in enf.ctl(cmd="status")["status"]["containers"]}
+        assert (st[CID_A]["limit"], st[CID_A]["source"], st[CID_A]["gpus"]["0"]["used"]) == \
+            (512 * MiB, "pod ml/trainer train: 2 x 256 MiB convgpu.io/gpu-memory", 512 * MiB)
+    finally:
+        if a is not None:
+            a.kill()
+            a.wait()
+        agent.terminate()
+        agent.wait(timeout=30)
+        assert enf.stop() == 0
+        kubelet.stop()
+    assert agent.returncode == 0
