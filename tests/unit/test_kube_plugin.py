@@ -211,3 +211,34 @@ def test_doctor_kubernetes_section(tmp_path):
     finally:
         plugin.close()
         k.stop()
+
+
+def test_agent_rereads_the_inventory_and_survives_a_failing_sync(tmp_path):
+    from convgpu.kube.agent import Agent
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    k = Kubelet(str(d)).start()
+    inventories = [GPUS, [GPUS[0]]]     # then GPU1 is gone for good
+
+    class Sync:
+        rounds = 0
+
+        def round(self):
+            Sync.rounds += 1
+            raise OSError("enforcer restarting")
+
+    agent = Agent(DevicePlugin(str(d), GPUS, UNIT), Sync(),
+                  lambda: inventories.pop(0) if len(inventories) > 1 else inventories[0],
+                  sync_every=0.05, inventory_every=0.3)
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        got(k.registrations)
+        assert len(got(k.lists)) == 6
+        assert got(k.lists) == [(i, "Healthy") for i in ids(A, 4)]    # the second reading: GPU1 gone
+        assert Sync.rounds >= 2 and t.is_alive()
+    finally:
+        agent.stop.set()
+        t.join(timeout=10)
+        k.stop()
+    assert not t.is_alive() and not (d / "convgpu.sock").exists()

@@ -122,3 +122,52 @@ def test_api_server_pods_through_the_kubernetes_client(tmp_path, monkeypatch):
     assert seen == [("/api/v1/pods", {"fieldSelector": ["spec.nodeName=gpu-node-1"]})]
     assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "2GiB", "other": "x"},
                                               {"train": CID["train"]})}
+
+
+class _Control:
+    """A stand-in enforcer control socket (JSON lines): answers ping with `pid`, records pod-limits."""
+
+    def __init__(self, path):
+        from convgpu.enforcer.server import Handler, Server
+        ctl = self
+        self.pid, self.got = 100, []
+
+        class H(Handler):
+            def handle(self, peer, msg):
+                if msg["cmd"] == "ping":
+                    return {"ok": True, "pid": ctl.pid}
+                ctl.got.append(msg)
+                return {"ok": True, "keys": len(msg["limits"]), "changed": 0}
+        self.server = Server(path, H(), root_only=False)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        from convgpu.enforcer import server
+        while not self.stop.is_set():
+            server.serve(self.server.sel, 0.05)
+
+
+def test_pod_sync_sends_on_change_and_to_a_restarted_enforcer(listing, tmp_path):
+    from convgpu.kube.pods import PodSync
+    ctl = _Control(str(tmp_path / "control.sock"))
+    (tmp_path / "log" / "pods" / f"ml_server_{UID['server']}").mkdir(parents=True)
+    try:
+        sync = PodSync(str(tmp_path / "control.sock"), [KubeletLogPods(str(tmp_path / "log"))], UNIT, listing)
+        want = {UID["server"]: (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")}
+        assert sync.round() == want and sync.round() == want
+        assert ctl.got == [{"cmd": "pod-limits", "limits": {UID["server"]: [UNIT, want[UID["server"]][1]]}}]
+        ctl.pid = 101                       # a new enforcer knows nothing: sent again
+        sync.round()
+        assert len(ctl.got) == 2
+        (tmp_path / "log" / "pods" / f"ml_trainer_{UID['trainer']}").mkdir()   # trainer has 2 containers:
+        sync.round()                                                              # no key by uid, no change
+        assert len(ctl.got) == 2
+        (tmp_path / "log" / "containers").mkdir()
+        (tmp_path / "log" / "containers" / f"trainer_ml_train-{CID['train']}.log").symlink_to("/nonexistent")
+        assert sync.round()[CID["train"]] == (3 * UNIT, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory")
+        assert len(ctl.got) == 3 and set(ctl.got[-1]["limits"]) == {UID["server"], CID["train"]}
+    finally:
+        ctl.stop.set()
+        ctl.thread.join(timeout=5)
