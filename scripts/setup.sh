@@ -21,8 +21,9 @@ done
 # kubectl renders the Kubernetes deployment (deploy/kubernetes) in the tests: Debian's
 # kubernetes-client where no kubectl is installed (`kubectl kustomize` is built in); a distro
 # without it (Ubuntu 24.04) leaves those tests to say that kubectl is missing
-if ! command -v kubectl >/dev/null 2>&1 && apt-cache show kubernetes-client >/dev/null 2>&1; then
-  need="$need kubernetes-client"
+if ! command -v kubectl >/dev/null 2>&1; then
+  apt-cache show kubernetes-client >/dev/null 2>&1 || apt-get update -qq   # lists may be absent
+  if apt-cache show kubernetes-client >/dev/null 2>&1; then need="$need kubernetes-client"; fi
 fi
 # vagrant (from the distro, where it has one): the tests validate the Vagrantfile with it
 if ! dpkg -s vagrant >/dev/null 2>&1 && apt-cache show vagrant >/dev/null 2>&1; then need="$need vagrant"; fi
