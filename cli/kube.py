@@ -31,7 +31,6 @@ def kube(
     run_dir: str = typer.Option("/run/convgpu", "--run-dir", help="The enforcer's run dir (control.sock)."),
 ):
     """Kubernetes node agent: the convgpu.io/gpu-memory device plugin and limits from pods."""
-    from ..kube import devices as dv
     from ..kube.agent import Agent, inventory
     from ..kube.plugin import DevicePlugin
     from ..kube.pods import ApiServerPods, KubeletLogPods, PodSync

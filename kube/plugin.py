@@ -7,7 +7,7 @@ dir as it starts: `run` watches for our socket going away or kubelet.sock being 
 import logging
 import os
 import threading
-import time
+from collections import deque
 from concurrent import futures
 
 from . import api, devices as dv
@@ -83,7 +83,7 @@ class DevicePlugin:
         self.stopping = False
         self.server = None
         self.registered = 0          # successful Register calls (doctor, tests)
-        self.grants: list[dv.Grant] = []
+        self.grants: deque[dv.Grant] = deque(maxlen=256)   # the last Allocate answers (logs, tests)
         self._kubelet_ino = None
         self.set_gpus(gpus)
 

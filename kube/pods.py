@@ -6,6 +6,7 @@ enforcer's control socket as one `pod-limits` request per change."""
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 from ..errors import SizeError
@@ -15,6 +16,7 @@ from . import api, devices as dv
 log = logging.getLogger(__name__)
 ANNOTATION = "convgpu.io/gpu-memory-limit"
 POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
+MIN_REFRESH = 2.0   # s between API-server lists while a pod or a limited container is unknown
 # The kubelet links every container's log as <pod>_<namespace>_<container>-<64 hex id>.log (the
 # layout log shippers read); names are DNS labels/subdomains, so "_" only separates.
 _LOG_LINK = re.compile(r"([^_]+)_([^_]+)_(.+)-([0-9a-f]{64})\.log")
@@ -34,7 +36,9 @@ class Assigned:
 class PodMeta:
     uid: str | None = None
     annotations: dict = field(default_factory=dict)
-    containers: dict = field(default_factory=dict)   # container name -> 64-hex container id
+    # container name -> its 64-hex container ids: a restarted container has a new id, and the
+    # kubelet's old log link stays until the old container is collected; old ids cost nothing
+    containers: dict = field(default_factory=dict)
 
 
 def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
@@ -59,6 +63,8 @@ class ApiServerPods:
     """This node's pods through the API server (`kubernetes` client: in-cluster config, else
     kubeconfig). Gives uids, annotations and container ids."""
 
+    ttl = 30.0      # seconds between lists of the node's pods, unless one is unknown (PodSync)
+
     def __init__(self, node: str):
         from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
         try:
@@ -75,7 +81,7 @@ class ApiServerPods:
                 if p.status else []
             out[(p.metadata.namespace, p.metadata.name)] = PodMeta(
                 p.metadata.uid, dict(p.metadata.annotations or {}),
-                {s.name: _strip_runtime(s.container_id) for s in statuses if s.container_id})
+                {s.name: {_strip_runtime(s.container_id)} for s in statuses if s.container_id})
         return out
 
 
@@ -96,7 +102,7 @@ class KubeletLogPods:
             m = _LOG_LINK.fullmatch(name)
             if m:
                 pod, ns, container, cid = m.groups()
-                out.setdefault((ns, pod), PodMeta()).containers[container] = cid
+                out.setdefault((ns, pod), PodMeta()).containers.setdefault(container, set()).add(cid)
         return out
 
 
@@ -132,12 +138,21 @@ def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit
                 limit = (ann_bytes, f"pod {ns}/{pod} annotation {ANNOTATION}")
             else:
                 continue
-            cid = meta.containers.get(a.container)
-            if cid:
+            for cid in sorted(meta.containers.get(a.container, ())):
                 out[cid] = limit
             if meta.uid and len(containers) == 1:
                 out[meta.uid] = limit
     return out
+
+
+def _unresolved(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta]) -> bool:
+    for a in assigned:
+        meta = metas.get((a.namespace, a.pod))
+        if meta is None:
+            return True
+        if (a.devices or ANNOTATION in meta.annotations) and not meta.containers.get(a.container):
+            return True
+    return False
 
 
 class PodSync:
@@ -145,23 +160,39 @@ class PodSync:
     restarted: it then knows nothing, so each round re-sends when the enforcer's pid differs)."""
 
     def __init__(self, control: str, sources: list, unit: int = dv.UNIT, socket: str = POD_RESOURCES,
-                 resource: str = dv.RESOURCE):
+                 resource: str = dv.RESOURCE, clock=time.monotonic):
+        self.clock = clock
         self.control, self.sources, self.unit, self.socket, self.resource = control, sources, unit, socket, resource
         self.sent: tuple | None = None
         self.last: dict[str, tuple[int, str]] = {}
         self.assigned: list[Assigned] = []
+        self._cache: dict[int, tuple[float, dict]] = {}
+
+    def _metas(self) -> dict[tuple[str, str], PodMeta]:
+        """What the sources know, merged (container ids: all of them). A source with a `ttl` (the
+        API server: one list of the node's pods costs the API server, and every node asks) is
+        asked again after ttl seconds, or sooner (MIN_REFRESH) while a listed pod or a container
+        that has a limit is unknown to it: a new pod, a new container id."""
+        now = self.clock()
+        metas: dict[tuple[str, str], PodMeta] = {}
+        for i, src in enumerate(self.sources):
+            ttl = getattr(src, "ttl", 0.0)
+            at, known = self._cache.get(i, (None, {}))
+            if at is None or now - at >= ttl or (now - at >= MIN_REFRESH and _unresolved(self.assigned, known)):
+                known = src.pods()
+                self._cache[i] = (now, known)
+            for k, v in known.items():
+                m = metas.setdefault(k, PodMeta())
+                m.uid = m.uid or v.uid
+                m.annotations = {**v.annotations, **m.annotations}   # the first source wins
+                for name, ids in v.containers.items():
+                    m.containers.setdefault(name, set()).update(ids)
+        return metas
 
     def round(self) -> dict[str, tuple[int, str]]:
         from ..enforcer.server import request
         self.assigned = list_assigned(self.socket, self.resource)
-        metas: dict[tuple[str, str], PodMeta] = {}
-        for src in reversed(self.sources):      # the first source wins where both know a pod
-            for k, v in src.pods().items():
-                m = metas.setdefault(k, PodMeta())
-                m.uid = v.uid or m.uid
-                m.annotations.update(v.annotations)
-                m.containers.update(v.containers)
-        want = limits(self.assigned, metas, self.unit)
+        want = limits(self.assigned, self._metas(), self.unit)
         pid = request(self.control, {"cmd": "ping"})["pid"]
         if (pid, want) != self.sent:
             r = request(self.control, {"cmd": "pod-limits", "limits": {k: list(v) for k, v in want.items()}})

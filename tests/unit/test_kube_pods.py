@@ -54,17 +54,19 @@ def test_kubelet_log_links_name_container_ids(tmp_path):
     (tmp_path / "pods" / "not-a-pod-dir").mkdir(parents=True)
     (tmp_path / "containers").mkdir()
     for name in (f"trainer_ml_train-{CID['train']}.log", f"trainer_ml_side-{CID['side']}.log",
+                 f"trainer_ml_train-{'e' * 64}.log",          # train restarted: a second id
                  "kube-proxy-x_kube-system_kube-proxy-123.log"):   # not a 64-hex id: ignored
         (tmp_path / "containers" / name).symlink_to("/nonexistent")
     got = KubeletLogPods(str(tmp_path)).pods()
-    assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {}, {"train": CID["train"], "side": CID["side"]}),
+    assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {}, {"train": {CID["train"], "e" * 64},
+                                                                   "side": {CID["side"]}}),
                    ("ml", "server"): PodMeta(UID["server"], {}, {})}
 
 
 def test_limits_units_then_annotation_keyed_by_container_and_single_container_pod(listing):
-    metas = {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "3GiB"}, {"train": CID["train"], "side": CID["side"]}),
+    metas = {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "3GiB"}, {"train": {CID["train"]}, "side": {CID["side"]}}),
              ("ml", "server"): PodMeta(UID["server"], {}, {}),          # container not started yet
-             ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": CID["note"]})}
+             ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": {CID["note"]}})}
     got = limits(list_assigned(listing), metas, UNIT)
     assert got == {
         CID["train"]: (768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory"),  # units win
@@ -121,7 +123,7 @@ def test_api_server_pods_through_the_kubernetes_client(tmp_path, monkeypatch):
         srv.server_close()
     assert seen == [("/api/v1/pods", {"fieldSelector": ["spec.nodeName=gpu-node-1"]})]
     assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "2GiB", "other": "x"},
-                                              {"train": CID["train"]})}
+                                              {"train": {CID["train"]}})}
 
 
 class _Control:
@@ -168,6 +170,45 @@ def test_pod_sync_sends_on_change_and_to_a_restarted_enforcer(listing, tmp_path)
         (tmp_path / "log" / "containers" / f"trainer_ml_train-{CID['train']}.log").symlink_to("/nonexistent")
         assert sync.round()[CID["train"]] == (3 * UNIT, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory")
         assert len(ctl.got) == 3 and set(ctl.got[-1]["limits"]) == {UID["server"], CID["train"]}
+    finally:
+        ctl.stop.set()
+        ctl.thread.join(timeout=5)
+
+
+def test_pod_sync_asks_a_source_with_a_ttl_again_only_when_it_must(listing, tmp_path):
+    from convgpu.kube import pods
+    ctl = _Control(str(tmp_path / "control.sock"))
+    clock = [1000.0]
+
+    class Api:
+        ttl = 30.0
+        calls = 0
+        known = {("ml", "trainer"): PodMeta(UID["trainer"], {}, {"train": {CID["train"]}}),
+                 ("ml", "server"): PodMeta(UID["server"], {}, {"infer": {CID["infer"]}})}
+
+        def pods(self):
+            Api.calls += 1
+            return dict(Api.known)
+    try:
+        sync = pods.PodSync(str(tmp_path / "control.sock"), [Api()], UNIT, listing, clock=lambda: clock[0])
+        sync.round()
+        assert Api.calls == 1                 # dev/notebook is unknown to it: asked again after 2 s
+        clock[0] += 1
+        sync.round()
+        assert Api.calls == 1
+        clock[0] += 1
+        sync.round()
+        assert Api.calls == 2
+        Api.known[("dev", "notebook")] = PodMeta(UID["notebook"], {}, {})
+        clock[0] += 2
+        sync.round()
+        assert Api.calls == 3                 # now everything is known: only the ttl
+        clock[0] += 29
+        sync.round()
+        assert Api.calls == 3
+        clock[0] += 1
+        assert sync.round()[CID["infer"]] == (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")
+        assert Api.calls == 4
     finally:
         ctl.stop.set()
         ctl.thread.join(timeout=5)
