@@ -73,7 +73,9 @@ def test_daemonset_is_privileged_on_gpu_nodes_with_the_host_paths(objects):
         assert x["securityContext"] == {"privileged": True}
         assert x["image"] == "convgpu:0.1.0"
         assert x["envFrom"] == [{"configMapRef": {"name": "convgpu-options"}}]
-    assert c["kube"]["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    nvml = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"}]
+    assert c["enforce"]["env"] == nvml
+    assert c["kube"]["env"] == nvml + [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert c["enforce"]["ports"] == [{"name": "metrics", "containerPort": 9400}]
 
 
