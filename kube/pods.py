@@ -113,6 +113,9 @@ def _listdir(path):
         return []
 
 
+_warned: set[tuple[str, str, str]] = set()
+
+
 def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit: int) -> dict[str, tuple[int, str]]:
     """{key: (bytes, source)}: key is the container's id once it is known; a pod's uid as well
     when that pod has one container, so that its limit is in place before the container's first
@@ -129,7 +132,9 @@ def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit
             try:
                 ann_bytes = parse_size(ann, f"annotation {ANNOTATION} of {ns}/{pod}")
             except SizeError as e:
-                log.warning("%s; the container keeps its other limit", e)
+                if (ns, pod, ann) not in _warned:   # once per pod and value, not every round
+                    _warned.add((ns, pod, ann))
+                    log.warning("%s; the container keeps its other limit", e)
         for a in containers:
             if a.devices:
                 limit = (len(a.devices) * unit,
