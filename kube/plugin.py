@@ -85,6 +85,7 @@ class DevicePlugin:
         self.registered = 0          # successful Register calls (doctor, tests)
         self.grants: deque[dv.Grant] = deque(maxlen=256)   # the last Allocate answers (logs, tests)
         self._kubelet_ino = None
+        self._failing = False
         self.set_gpus(gpus)
 
     @property
@@ -154,9 +155,13 @@ class DevicePlugin:
             try:
                 self.register()
             except grpc.RpcError as e:
-                log.warning("registering with the kubelet failed: %s; retrying", e.details() if hasattr(e, "details") else e)
+                if not self._failing:   # once per outage, not every poll
+                    log.warning("registering with the kubelet failed: %s; retrying",
+                                e.details() if hasattr(e, "details") else e)
+                self._failing = True
                 return False
             self._kubelet_ino = kubelet
+            self._failing = False
         return True
 
     def run(self, stop: threading.Event, poll: float = 1.0):

@@ -60,10 +60,10 @@ class Kubelet:
         dm, ds = api.deviceplugin()
         self.channel = grpc.insecure_channel(api.unix(os.path.join(self.dir, endpoint)))
         stub = ds.DevicePluginStub(self.channel)
-        self.options = stub.GetDevicePluginOptions(dm.Empty(), timeout=5)
-        stream = stub.ListAndWatch(dm.Empty())
-        self._streams.append(stream)
         try:
+            self.options = stub.GetDevicePluginOptions(dm.Empty(), timeout=5)
+            stream = stub.ListAndWatch(dm.Empty())
+            self._streams.append(stream)
             for resp in stream:
                 self.lists.put([(d.ID, d.health) for d in resp.devices])
         except grpc.RpcError:

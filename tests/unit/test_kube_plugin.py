@@ -2,6 +2,7 @@
 gRPC protocol on UNIX sockets: registration, re-registration after a kubelet restart, the
 ListAndWatch list and its update, preferred allocation on one GPU, Allocate. No root needed."""
 import json
+import os
 import queue
 import threading
 import time
@@ -242,3 +243,26 @@ def test_agent_rereads_the_inventory_and_survives_a_failing_sync(tmp_path):
         t.join(timeout=10)
         k.stop()
     assert not t.is_alive() and not (d / "convgpu.sock").exists()
+
+
+def test_a_refused_registration_is_retried(tmp_path):
+    """A kubelet that refuses (here: a stale kubelet.sock nobody serves, then a kubelet that
+    rejects the version) is asked again at the next check, and once it takes it, that's that."""
+    import socket
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(d / "kubelet.sock"))        # the file of a dead kubelet: connection refused
+    plugin = DevicePlugin(str(d), GPUS, UNIT)
+    try:
+        assert not plugin.check() and not plugin.check() and plugin.registered == 0
+        stale.close()
+        os.unlink(d / "kubelet.sock")
+        k = Kubelet(str(d)).start()
+        assert plugin.check() and plugin.registered == 1
+        assert plugin.check() and plugin.registered == 1      # same kubelet: not again
+        got(k.registrations)
+        assert len(got(k.lists)) == 6
+        k.stop()
+    finally:
+        plugin.close()
