@@ -246,8 +246,8 @@ def test_agent_rereads_the_inventory_and_survives_a_failing_sync(tmp_path):
 
 
 def test_a_refused_registration_is_retried(tmp_path):
-    """A kubelet that refuses (here: a stale kubelet.sock nobody serves, then a kubelet that
-    rejects the version) is asked again at the next check, and once it takes it, that's that."""
+    """A registration that fails (a stale kubelet.sock nobody serves) is tried again at the next
+    check; once a kubelet takes it, it is not repeated while that kubelet lives."""
     import socket
     d = tmp_path / "device-plugins"
     d.mkdir()
