@@ -78,6 +78,8 @@ def run_checks() -> list[Check]:
     for eng in ("podman", "docker"):
         w = shutil.which(eng)
         checks.append(Check(eng, bool(w), w or "not installed", "optional: names and labels of containers", fatal=False))
+    from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
+    checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks
 
 

@@ -867,6 +867,7 @@ class Enforcer:
             return False
         rules.explicit.update({k: v for k, v in self.rules.explicit.items() if k.startswith("/")})
         rules.runtime = self.rules.runtime
+        rules.pods = self.rules.pods       # the Kubernetes agent's, not the file's
         self.rules = rules
         if "policy" in settings and settings["policy"] != self.policy:
             log.info("policy %s -> %s", self.policy, settings["policy"])
