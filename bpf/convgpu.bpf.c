@@ -1086,6 +1086,7 @@ static __always_inline int driver_named(const char *s, int n)
     return 0;
 }
 
+#ifndef NO_OPEN_TRACEPOINTS   // a kernel without syscall tracepoints: the periodic scan only
 TRACEPOINT_PROBE(syscalls, sys_enter_openat)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -1120,3 +1121,4 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, 0, 0, 0, BPF_RB_FORCE_WAKEUP);
     return 0;
 }
+#endif

@@ -68,6 +68,11 @@ class Discovery:
     def enable(self, own_watchdog: bool = True):
         """From now on a process that opens a driver file waits for its probes. Without a
         watchdog of the caller's (the enforcer's), one of our own resumes them if we die."""
+        from .loader import has_open_tracepoints
+        if not has_open_tracepoints():
+            log.warning("this kernel has no syscalls tracepoints: a new driver copy is found by the "
+                        "periodic scan only, up to a second after its process starts calling it")
+            return
         if own_watchdog and self.watchdog is None:
             from ..enforcer import watchdog
             zero, held = self.fail_safe_fds()
