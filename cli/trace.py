@@ -96,10 +96,11 @@ def trace(
         _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo)
     except KeyboardInterrupt:
         pass
-    finally:
-        tracer.close()
-        if the_demo:
+    finally:   # runs to its end: a signal now (or a second one) only leaves the flag
+        common.hold_signals()
+        if the_demo:   # first: its containers outlive us if anything below fails
             the_demo.stop()
+        tracer.close()
         engines.close()
         nvml.close()
 
