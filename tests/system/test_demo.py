@@ -181,6 +181,25 @@ def test_a_demo_in_cgroups_ends_with_its_owner(root, build):
             remove_cgroup(cg)
 
 
+@pytest.mark.parametrize("arg", ["--pid", "--lib"])
+def test_a_named_target_never_starts_the_demo(root, build, caller_env, arg):
+    """--pid N or --lib PATH on a host without a driver watches that, not the demo."""
+    need(not os.path.exists("/dev/nvidiactl"), "a driver is here: no demo either way")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        value = str(holder.pid) if arg == "--pid" else str(build / "standin" / "libcuda.so.1")
+        r = subprocess.run(TRACE + [arg, value, "--duration", "0.6"], capture_output=True, text=True, timeout=180)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 0, r.stderr[-2000:]
+    snaps = [json.loads(line) for line in r.stdout.splitlines()]
+    want = "waiting" if arg == "--pid" else "driver"
+    assert {s["mode"] for s in snaps} == {want}
+    assert not [n for s in snaps for n in s["notes"] if n.startswith("demo:")]
+    assert demo_workers() == []
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
