@@ -103,7 +103,7 @@ def trace(
         common.hold_signals()
         if the_demo:   # first: its containers outlive us if anything below fails
             the_demo.stop()
-        tracer.close()
+        tracer.close(background=True)   # detaching takes seconds: not between Ctrl-C and the prompt
         engines.close()
         nvml.close()
 
