@@ -148,3 +148,53 @@ def test_freezer_thaws_a_container_stalled_on_two_gpus_once_both_are_granted(roo
         t.join(timeout=10)
         enf.close()
         remove_cgroup(v1)
+
+
+SIBLING = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+assert lib.cuInit(0) == 0 and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and lib.cuCtxSetCurrent(ctx) == 0
+print("held", flush=True)
+for line in sys.stdin:
+    print("alloc", lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(1 << 20)), flush=True)
+"""
+
+
+def test_freezer_thaws_the_rest_of_a_container_when_its_waiter_dies(root, build, cgroups, caller_env):
+    """--stall freezer-v2: a container's waiter (over its limit) is killed while the container is
+    frozen; its sibling runs again at once. (The wait went with the process, and nothing thawed
+    the container: the sibling stayed frozen for good.)"""
+    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.stall import make_stopper, v2_has_freeze
+    lay = cgroup_layout()
+    need(lay.v2_root is not None and v2_has_freeze(lay.v2_root), "no cgroup2 freezer")
+    lib = str(build / "standin" / "libcuda.so.1")
+    enf = inprocess_enforcer(lib, "frzgone", GiB, stopper=make_stopper("freezer-v2"))
+    cg = cgroups("frzgone")
+    join = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', sys.executable, "-c"]
+    procs = []
+    with serving(enf):
+        try:
+            procs.append(subprocess.Popen(join + [SIBLING, lib], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True, env=caller_env))
+            lines_until(procs[0].stdout, lambda line: line == "held", [], 20, "the sibling")
+            procs.append(subprocess.Popen(join + [OVER, lib, "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True, env=caller_env))
+            lines_until(procs[1].stdout, lambda line: line == "held", [], 20, "the waiter")
+            box = next(b for b in enf.boxes.values() if b.name == "frzgone")
+            procs[1].stdin.write("go\n")
+            procs[1].stdin.flush()
+            until(lambda: 0 in box.waiting and box.waiting[0].over_limit, 10, "the waiter over its limit")
+            assert (cg / "cgroup.freeze").read_text().strip() == "1"
+            procs[1].kill()
+            assert procs[1].wait(timeout=10) == -9
+            until(lambda: (cg / "cgroup.freeze").read_text().strip() == "0", 10, "the container thawed")
+            procs[0].stdin.write("go\n")
+            procs[0].stdin.flush()
+            assert lines_until(procs[0].stdout, lambda line: line.startswith("alloc"), [], 10, "the sibling") == "alloc 0"
+            assert box.waiting == {} and box.restalls == 0
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
