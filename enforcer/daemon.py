@@ -634,10 +634,14 @@ class Enforcer:
         if box is None:
             return
         box.pids.discard(pid)
+        settled = False
         for dev, w in list(box.waiting.items()):
             w.pids.discard(pid)
             if not w.pids:
                 del box.waiting[dev]
+                settled = True
+        if settled and box.pids and not box.waiting and not isinstance(self.stopper, SignalStopper):
+            self._thaw(box)   # its last wait went with the process: the others run again
         if not box.pids:     # the container's last process: its assignment returns to the pool
             for dev in box.assigned:
                 for name in ("assign", "cgstate"):
@@ -802,11 +806,23 @@ class Enforcer:
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
             self.stopper.resume(Target(tuple(w.pids - self.shimmed)))
+        elif box.waiting:   # freezer: thawed, its process on another GPU would meet no grant
+            log.info("resume %s on GPU%d after %.3f s (%s); it stays frozen until GPU%s %s",
+                     box.name, dev, time.monotonic() - w.since, why,
+                     ", GPU".join(map(str, sorted(box.waiting))), "settles" if len(box.waiting) == 1 else "settle")
+            return
         else:
-            self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
-            self._signal(box.pids, signal.SIGCONT)
+            self._thaw(box)
         log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
         log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)
+
+    def _thaw(self, box: Box):
+        """Freezer: the container runs again, and no process of it stays signal-stopped. Only
+        once none of its devices waits: a container frozen on two GPUs has both grants settled
+        first (schedule() grants per device, and a thaw at the first grant let the process
+        waiting on the other GPU into its call before that GPU's grant)."""
+        self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
+        self._signal(box.pids, signal.SIGCONT)
 
     @staticmethod
     def _signal(pids, sig):
