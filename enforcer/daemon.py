@@ -334,7 +334,9 @@ class Enforcer:
             self.metrics.close()
         if self.sampler is not None:
             self.sampler.close()
-        self.tracer.close()
+        # admission is off and nobody waits: the probes may detach after we are gone (seconds
+        # to minutes for hundreds of probes: a stop, or a restart by systemd, need not wait)
+        self.tracer.close(background=True)
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             self.watchdog.kill()
             self.watchdog.wait()

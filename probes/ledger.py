@@ -91,7 +91,7 @@ class Ledger:
         self._ep = select.epoll()
         return self
 
-    def close(self) -> None:
+    def close(self, background: bool = False) -> None:   # nothing to detach (probes/tracer.py's)
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()

@@ -85,8 +85,8 @@ class Tracer:
             self.discovery.disable()
             if background:
                 detach.hand_off(self.b)
-            self.b.cleanup()
-            self._fd = None   # detaches every uprobe and the tracepoints
+            self.b.cleanup()   # detaches every uprobe and the tracepoints (handed off: at once)
+            self._fd = None
             self.b = None
 
     def __enter__(self):

@@ -328,14 +328,14 @@ class Enforcing:
     """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own;
     no_bpf: with --no-probes and without the capabilities eBPF needs."""
 
-    def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None):
+    def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None, start_timeout=30):
         self.run_dir = run_dir or run_dir_for("run")
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
                                   stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
-        self.wait_for("enforcing:")
+        self.wait_for("enforcing:", start_timeout)
 
     def capabilities(self) -> int:
         line = next(x for x in open(f"/proc/{self.p.pid}/status") if x.startswith("CapEff:"))

@@ -193,7 +193,8 @@ def test_enforce_stalls_the_first_over_limit_call_of_a_fresh_driver_copy(root, b
     """Under enforce with a 16 MiB limit, the eager program on a fresh copy gets exactly its 16
     allocations and is stopped before the 17th: nothing ran unchecked."""
     from conftest import Enforcing, wait_state
-    enf = Enforcing(build, "--gpu-memory", "1GiB", "--default-limit", "16MiB", "--discover")
+    # --discover probes every driver file on the host first: give it time on a loaded one
+    enf = Enforcing(build, "--gpu-memory", "1GiB", "--default-limit", "16MiB", "--discover", start_timeout=120)
     p = None
     try:
         p = eager(private_copy, 40, env5, cgroups("fresh"))
@@ -230,7 +231,8 @@ def test_unprobed_driver_file_under_enforce(root, build, not_a_driver, policy):
     default) keeps it stopped, says why in status, and the watchdog resumes it if the enforcer is
     killed; kill kills it; allow lets it run."""
     from conftest import Enforcing, wait_state
-    enf = Enforcing(build, "--gpu-memory", "1GiB", "--discover", *([] if policy == "stall" else ["--unprobed", policy]))
+    enf = Enforcing(build, "--gpu-memory", "1GiB", "--discover", *([] if policy == "stall" else ["--unprobed", policy]),
+                    start_timeout=120)
     p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
