@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, need, proc_state, read_until, remove_cgroup, start_in, wait_state
+from conftest import GiB, MiB, Enforcing, need, proc_state, prom_samples, read_until, remove_cgroup, start_in, wait_state
 
 pytestmark = pytest.mark.system
 
@@ -123,7 +123,12 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
                      f'convgpu_container_used_bytes{{{labels},gpu="0"}} {2 * GiB}',
                      f"convgpu_stalls_total{{{labels}}} 1", f"convgpu_grants_total{{{labels}}} 1",
                      f"convgpu_over_limit_total{{{labels}}} 1"):
-            assert line in text.splitlines(), (line, text)
+            assert prom_samples(line) <= prom_samples(text), (line, text)
+        # per process, from the probes' rows: the 2 GiB it holds, and no longer waiting
+        for line in (f'convgpu_process_memory_used_bytes{{{labels},gpu="0",pid="{p.pid}"}} {2 * GiB}',
+                     f'convgpu_process_waiting{{{labels},gpu="0",pid="{p.pid}"}} 0',
+                     f'convgpu_container_waiting{{{labels},gpu="0"}} 0'):
+            assert prom_samples(line) <= prom_samples(text), (line, text)
     finally:
         if p:
             p.kill()
