@@ -18,10 +18,13 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ..probes.nvml import GpuInfo
+
 log = logging.getLogger(__name__)
 
 C_LABELS = ("container", "id", "gpu")   # a container's row on one GPU
 P_LABELS = ("pid", "container", "id", "gpu")   # a process on one GPU (id: names need not be unique)
+NO_GPU = GpuInfo(index=0, name="", total=0, used=0)   # describe(): a row, so NVML's families are named
 
 GAUGES = (   # name, help, field of a container's per-GPU row (or the container's)
     ("convgpu_container_limit_bytes", "L_c: the container's GPU-memory limit", "limit"),
@@ -121,6 +124,11 @@ class StatusCollector(Collector):
 
     def publish(self, status: dict, usage=(), excess=None) -> None:
         self.latest = (status, tuple(usage), dict(excess or {}))   # one swap: a scrape sees old or new, whole
+
+    def describe(self):
+        """Every family's name, NVML's too, without reading anything: the registry serves
+        `?name[]=` filtering (and refuses a clash of names) from these."""
+        return families({"containers": [], "gpus": {}, "unchecked_calls": 0}, gpus=(NO_GPU,))
 
     def collect(self):
         status, usage, excess = self.latest

@@ -113,8 +113,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def scrape(port, accept=None):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept} if accept else {})
+def scrape(port, accept=None, query=""):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics{query}", headers={"Accept": accept} if accept else {})
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.headers["Content-Type"], r.read().decode()
 
@@ -137,6 +137,10 @@ def test_server_negotiates_the_format_and_closes():
         assert [(s.name, s.labels["container"], s.value) for s in fams["convgpu_stalls"].samples] == \
             [("convgpu_stalls_total", NASTY, 3)]
         assert fams["convgpu_gpu_memory_total_bytes"].samples[0].value == 80 * GiB
+        # ?name[]= : only the families asked for (the registry knows them from describe())
+        _, text = scrape(port, query="?name[]=convgpu_gpu_memory_used_bytes&name[]=convgpu_stalls_total")
+        assert prom_samples(text) == {("convgpu_gpu_memory_used_bytes", (("gpu", "0"),), GiB),
+                                      ("convgpu_stalls_total", (("container", NASTY), ("id", "abc")), 3)}
     finally:
         srv.close()
     assert not srv.thread.is_alive()
