@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -129,6 +130,10 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
                      f'convgpu_process_waiting{{{labels},gpu="0",pid="{p.pid}"}} 0',
                      f'convgpu_container_waiting{{{labels},gpu="0"}} 0'):
             assert prom_samples(line) <= prom_samples(text), (line, text)
+        # the metrics server goes with the enforcer: a clean exit, and the port answers no more
+        assert enf.stop() == 0, enf.log[-5:]
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
     finally:
         if p:
             p.kill()
