@@ -53,8 +53,8 @@ def families(status: dict, usage=(), excess=None, gpus=()) -> list:
         for c in status["containers"]:
             for dev, row in c["gpus"].items():
                 value = row.get(key, c.get(key))
-                if value is not None:   # a status from an older enforcer may lack a field
-                    g.add_metric([c["name"], c["id"], dev], float(value))
+                if value is not None:   # a field the status lacks gives no sample, not a wrong one
+                    g.add_metric([c["name"], c["id"], dev], value)
         out.append(g)
     for name, text, key in COUNTERS:
         m = CounterMetricFamily(name, text, labels=("container", "id"))
