@@ -147,7 +147,7 @@ def enforce(
     try:
         if s["metrics_port"]:
             try:
-                enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"])
+                enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml)
             except OSError as e:
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
                                   "choose a free --metrics-port") from None

@@ -423,7 +423,7 @@ class Enforcer:
         self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
-            self.metrics.publish(self.status())
+            self.metrics.publish(self.status(), self.tracer.usage(), self.excess)
         return events
 
     def _changed(self):

@@ -30,6 +30,15 @@ def need(condition: bool, reason: str):
     pytest.skip(reason)
 
 
+def prom_samples(text: str) -> set:
+    """The samples of a Prometheus exposition as (name, sorted labels, value): what a scraper
+    reads, where `1` and `1.0`, `3221225472` and `3.221225472e+09`, or the labels' order do
+    not matter (prometheus_client writes values as Go floats and sorts labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items())), s.value)
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 @pytest.fixture(scope="session")
 def build() -> Path:
     b = build_dir()

@@ -8,11 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, need, proc_state, read_until, remove_cgroup, start_in, wait_state
+from conftest import GiB, MiB, Enforcing, need, proc_state, prom_samples, read_until, remove_cgroup, start_in, wait_state
 
 pytestmark = pytest.mark.system
 
@@ -123,7 +124,16 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
                      f'convgpu_container_used_bytes{{{labels},gpu="0"}} {2 * GiB}',
                      f"convgpu_stalls_total{{{labels}}} 1", f"convgpu_grants_total{{{labels}}} 1",
                      f"convgpu_over_limit_total{{{labels}}} 1"):
-            assert line in text.splitlines(), (line, text)
+            assert prom_samples(line) <= prom_samples(text), (line, text)
+        # per process, from the probes' rows: the 2 GiB it holds, and no longer waiting
+        for line in (f'convgpu_process_memory_used_bytes{{{labels},gpu="0",pid="{p.pid}"}} {2 * GiB}',
+                     f'convgpu_process_waiting{{{labels},gpu="0",pid="{p.pid}"}} 0',
+                     f'convgpu_container_waiting{{{labels},gpu="0"}} 0'):
+            assert prom_samples(line) <= prom_samples(text), (line, text)
+        # the metrics server goes with the enforcer: a clean exit, and the port answers no more
+        assert enf.stop() == 0, enf.log[-5:]
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
     finally:
         if p:
             p.kill()
