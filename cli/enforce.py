@@ -8,7 +8,7 @@ from enum import Enum
 
 import typer
 
-from ..enforcer import config as cfg, policies
+from ..enforcer import config as cfg, ctxest, policies
 from ..enforcer.daemon import Enforcer
 from ..enforcer.engines import EngineLookup
 from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
@@ -26,7 +26,8 @@ DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
-            "run_dir": "/run/convgpu", "libs": [], "discover": True, "probes": True}
+            "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
+            "probes": True}
 
 
 class Policy(str, Enum):
@@ -88,7 +89,7 @@ def enforce(
     reserve: str = typer.Option(None, "--reserve", help="Kept free per GPU (default 512MiB): out of the capacity taken from NVML, and out of the room an exiting process's memory may still hold while a smaller --gpu-memory is handed on."),
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
-    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context at admission (default 0); with NVML the measured overhead is added."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where neither a median learned on this GPU nor a measured default for its architecture exists (default 0)."),
     max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
@@ -98,6 +99,7 @@ def enforce(
     metrics_port: int = typer.Option(None, "--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port (default 0: off)."),
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
+    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
     common.decisions_visible()
@@ -111,7 +113,7 @@ def enforce(
            "stall": stall.value if stall else None, "over_limit": over_limit.value if over_limit else None,
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
-           "metrics_address": metrics_address, "run_dir": run_dir, "libs": list(lib) or None,
+           "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
@@ -134,7 +136,8 @@ def enforce(
                    rules_from(conf, limits, s["default_limit"]), stopper=stopper,
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
-                   reload=reload if path else None, physical=physical_of(s["reserve"], nvml))
+                   reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
+                   state_dir=s["state_dir"])
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:
