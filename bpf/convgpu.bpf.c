@@ -223,6 +223,20 @@ static __always_inline struct cg_control *enforcing(void)
     return c && c->enforcing && c->owner == OWNER ? c : 0;
 }
 
+// A successor owns admission (control.owner is another enforcer's): this program belongs to a
+// crashed enforcer whose watchdog still holds its probes, and they detach one by one (~100 ms
+// each) after the successor took over. Until then every call hits both programs, newest
+// first, so at entry this one steps aside: it would reset the call slot the owner had just
+// filled, and the owner's reservation for that call would never be given back (issue 14.3:
+// jobs stalled "over limit" for good after a restart). Returns still settle in either program:
+// a call that entered before the successor's return probe existed has only this one's.
+static __always_inline int retired(void)
+{
+    u32 k = 0;
+    struct cg_control *c = control.lookup(&k);
+    return c && c->owner && c->owner != OWNER;
+}
+
 // An enforcer is set up but its heartbeat is stale: it is hung or dead, so the call runs
 // unchecked (nobody would resume it). Counted: the enforcer shows the count in its status.
 static __always_inline int lapsed(struct cg_control *c)
@@ -368,7 +382,7 @@ int recheck(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
-    if (!t || !t->call.stalled)
+    if (!t || !t->call.stalled || retired())
         return 0;
     struct cg_control *ctl = enforcing();
     if (!ctl || lapsed(ctl)) {      // fail open: no enforcer, nothing holds it
@@ -597,7 +611,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
-    if ((id >> 32) == SELF_TGID)
+    if ((id >> 32) == SELF_TGID || retired())
         return 0;
     struct cg_thread *t = get_thread(id);
     if (!t)
@@ -623,6 +637,8 @@ static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, in
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     s32 dev = -1;
     if (!pop) {
         struct cg_obj_key k = {.tgid = id >> 32, .ns = NS_CTX, .addr = PT_REGS_PARM1(ctx)};
@@ -642,6 +658,8 @@ static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     u32 tgid = id >> 32;
     set_thread_dev(id, current_dev(id, procs.lookup(&tgid)), 0, 0);
     struct cg_thread *t = threads.lookup(&id);
@@ -661,6 +679,8 @@ static __always_inline int free_at_entry(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
+    if (retired())                  // a successor's program does it (see retired())
+        return 0;
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
     if (p && tgid != SELF_TGID)
@@ -1003,5 +1023,90 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     process_gone(bpf_get_current_pid_tgid() >> 32, API_sched_process_exec, OP_EXEC);
+    return 0;
+}
+
+// ---- discovery: nobody calls into a driver file before it is probed ----
+// A process that opens a file named like the driver (libcuda.so, libcuda.so.1, libcuda.so.580...)
+// for reading is stopped when the open returns, before it can map the file, let alone call into
+// it; the tracer checks the file's inode (/proc/PID/fd/FD), attaches the probes if it is new,
+// self-tests them, and resumes it (probes/discovery.py). A periodic scan of /proc stays as a
+// safety net (a driver copy under another name). Stopped processes are listed in held_open
+// until resumed: if the tracer dies, its watchdog resumes them all and zeroes `discovery`.
+
+#define O_ACCMODE 3
+#define NAME_MAX_BPF 256
+
+BPF_ARRAY(discovery, struct cg_discovery, 1);
+BPF_TABLE("lru_hash", u64, u8, opening, 16384);   // threads inside an openat of a driver-named file (LRU: a thread killed inside the call never fills it)
+BPF_HASH(held_open, u32, u64, 4096);       // tgid -> fd, stopped at open until probed
+struct cg_path { char s[NAME_MAX_BPF]; };
+BPF_PERCPU_ARRAY(pathbuf, struct cg_path, 1);
+
+static __always_inline struct cg_discovery *discovering(u32 tgid)
+{
+    u32 k = 0;
+    struct cg_discovery *d = discovery.lookup(&k);
+    return d && d->on && tgid != d->exempt && tgid != SELF_TGID ? d : 0;
+}
+
+// The last path component is "libcuda.so" with or without a version (".1", ".580.159.04").
+// Matched from the end for each possible version length: a scan for the last '/' makes the
+// verifier track its position through the whole loop and gives up (E2BIG).
+static __always_inline int driver_named(const char *s, int n)
+{
+    const char want[] = "libcuda.so";
+    int len = n - 1;                // n counts the NUL
+    int w = sizeof(want) - 1;
+#pragma unroll
+    for (int k = 0; k < 16; k++) {  // k: the version's length
+        int start = len - k - w;
+        if (start < 0)
+            return 0;
+        if (k > 0 && s[(len - k) & (NAME_MAX_BPF - 1)] != '.')
+            continue;
+        if (start > 0 && s[(start - 1) & (NAME_MAX_BPF - 1)] != '/')
+            continue;
+        int same = 1;
+#pragma unroll
+        for (int j = 0; j < sizeof(want) - 1; j++)
+            same &= s[(start + j) & (NAME_MAX_BPF - 1)] == want[j];
+        if (same)
+            return 1;
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!discovering(id >> 32) || (args->flags & O_ACCMODE) != 0)   // O_RDONLY: a loader's open
+        return 0;
+    u32 k = 0;
+    struct cg_path *p = pathbuf.lookup(&k);
+    if (!p)
+        return 0;
+    char *buf = p->s;
+    int n = bpf_probe_read_user_str(buf, NAME_MAX_BPF, args->filename);
+    if (n <= 0 || !driver_named(buf, n))
+        return 0;
+    u8 one = 1;
+    opening.update(&id, &one);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!opening.lookup(&id))
+        return 0;
+    opening.delete(&id);
+    u32 tgid = id >> 32;
+    if (args->ret < 0 || !discovering(tgid))
+        return 0;
+    u64 fd = args->ret;
+    held_open.update(&tgid, &fd);   // listed before it stops: a watchdog always finds it
+    bpf_send_signal_thread(SIGSTOP);
+    emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, 0, 0, 0, BPF_RB_FORCE_WAKEUP);
     return 0;
 }

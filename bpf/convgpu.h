@@ -49,7 +49,8 @@
     X(cudaFree, 44)                     \
     X(cudaMemGetInfo, 45)               \
     X(sched_process_exit, 60)           \
-    X(sched_process_exec, 61)
+    X(sched_process_exec, 61)           \
+    X(sys_openat, 62)
 
 #define CG_API_ENUM(name, id) API_##name = id,
 enum cg_api { CG_APIS(CG_API_ENUM) CG_API_MAX = 64 };
@@ -72,6 +73,7 @@ enum cg_op {
     OP_STALL = 14,      /* enforce: over its assignment, stopped before the call ran */
     OP_OVER_LIMIT = 15, /* enforce: over its limit: stopped (or killed) before the call ran */
     OP_UNKNOWN = 16,    /* enforce: a process (or device) the enforcer has not placed yet */
+    OP_LIB_OPEN = 17,   /* a process opened a file named like the driver: stopped until it is probed */
 };
 
 /* Event flags. */
@@ -186,6 +188,13 @@ struct cg_control {
                             * frees while someone waits (its numbers are in maps) */
     __u32 exempt;          /* a process admission skips: the self-test child that calls every
                             * symbol of a newly attached library (everyone else stays checked) */
+};
+
+/* Discovery (bpf/convgpu.bpf.c, "discovery"): written by the tracer; zeroed by the watchdog
+ * when the tracer or enforcer dies, so nothing is stopped at open with nobody to resume it. */
+struct cg_discovery {
+    __u32 on;              /* stop a process that opens a driver-named file until it is probed */
+    __u32 exempt;          /* the self-test child, which opens a library being attached */
 };
 
 /* Global counters (per-CPU array slots). */

@@ -27,7 +27,7 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
-            "probes": True}
+            "probes": True, "unprobed": "stall"}
 
 
 class Policy(str, Enum):
@@ -48,6 +48,12 @@ class Stall(str, Enum):
 class OverLimit(str, Enum):
     stall = "stall"
     kill = "kill"
+
+
+class Unprobed(str, Enum):
+    stall = "stall"
+    kill = "kill"
+    allow = "allow"
 
 
 def capacity_of(gpu_memory: int | None, reserve: int, nvml: Nvml) -> dict[int, int]:
@@ -89,6 +95,7 @@ def enforce(
     reserve: str = typer.Option(None, "--reserve", help="Kept free per GPU (default 512MiB): out of the capacity taken from NVML, and out of the room an exiting process's memory may still hold while a smaller --gpu-memory is handed on."),
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
+    unprobed: Unprobed = typer.Option(None, "--unprobed", help="A process that opens a driver file which cannot be probed (its calls would go unchecked): stall it until it is killed (default; `convgpu status` says why), kill it, or allow it to run unchecked."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where neither a median learned on this GPU nor a measured default for its architecture exists (default 0)."),
     max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
@@ -114,7 +121,7 @@ def enforce(
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
            "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
-           "discover": discover, "probes": probes}
+           "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
         raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
@@ -137,7 +144,7 @@ def enforce(
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
-                   state_dir=s["state_dir"])
+                   unprobed=s["unprobed"], state_dir=s["state_dir"])
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

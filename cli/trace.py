@@ -82,6 +82,7 @@ def trace(
     common.stop_on_signals()
     try:
         tracer.start()
+        tracer.enable_discovery()   # a process opening a new driver copy waits for its probes
         mode = "driver"
         no_driver = not nvml.ok and not system_drivers() and not lib
         if demo is DemoMode.always or (demo is DemoMode.auto and no_driver):
@@ -180,7 +181,7 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
                 out.write(json.dumps(snap().to_json()) + "\n")
                 out.flush()
                 next_snap += interval
-            time.sleep(tick)
+            tracer.wait(tick)   # a process stopped at a driver's open wakes us
         step()
         out.write(json.dumps(snap().to_json()) + "\n")
         out.flush()
@@ -193,4 +194,4 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
             if time.monotonic() >= next_snap:
                 live.update(render(snap()))
                 next_snap += interval
-            time.sleep(tick)
+            tracer.wait(tick)   # a process stopped at a driver's open wakes us

@@ -37,10 +37,11 @@ SETTINGS = {
     "libs": ("strs", None),
     "discover": ("bool", None),
     "probes": ("bool", None),
+    "unprobed": ("choice", ("stall", "kill", "allow")),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
-                "libs", "discover", "probes")
+                "libs", "discover", "probes", "unprobed")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

@@ -5,16 +5,12 @@ places new processes in containers, assigns memory, and resumes waiters as the p
 memory. Every decision is one log line. The BPF side fails open when the heartbeat stops."""
 import contextlib
 import ctypes as ct
-import fcntl
 import logging
 import os
 import random
-import resource
 import select
 import selectors
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,7 +75,8 @@ class Enforcer:
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
-                 reload=None, physical: dict[int, int] | None = None, state_dir: str | None = None):
+                 reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
+                 state_dir: str | None = None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
@@ -87,6 +84,7 @@ class Enforcer:
         self.physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
         self.stopper = stopper or SignalStopper()
         self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
+        self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
         self.rng = random.Random(seed)
         self.engines = engines
         self.nvml = nvml
@@ -215,33 +213,32 @@ class Enforcer:
             self._control(True)
             log.info("enforcing: policy %s, capacity %s (shim only)", self.policy, self._capacity_text())
             return self
-        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe. At exit the
-        # kernel closes descriptors in ascending order and runs the releases in
-        # reverse, so the highest descriptor is released first, ahead of the perf events
-        # whose uprobe detach costs ~100 ms each.
-        r, w = os.pipe()
-        ctl = self._t("control").map_fd
-        top = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
-        self._lifeline = fcntl.fcntl(w, fcntl.F_DUPFD_CLOEXEC, max(top - 16, w))
-        os.close(w)
-        # its own session: a kill of our process group must not take the fail-safe with it;
-        # it gets the control map to turn admission off the moment we die
+        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe; it turns
+        # admission and discovery off at once and resumes whoever we held
         self.fds = takeover.FdSender()
-        self.watchdog = subprocess.Popen([sys.executable, watchdog.__file__,   # stdlib only
-                                          str(os.getpid()), self.state_file, str(r), str(ctl),
-                                          str(self.fds.theirs.fileno()), self.pin_dir],
-                                         start_new_session=True,
-                                         pass_fds=(r, ctl, self.fds.theirs.fileno()))
-        os.close(r)
+        zero, held = self.tracer.discovery.fail_safe_fds()
+        self.watchdog, self._lifeline = watchdog.spawn(os.getpid(), self.state_file, [self._t("control").map_fd, *zero],
+                                                       held, self.fds.theirs, self.pin_dir)
         self.fds.theirs.close()
         self.fds.send(takeover.probe_fds(self.tracer.b))
         self._save_held()
         self._control(True)
+        self.tracer.discovery.on_unprobed = self._unprobed
+        self.tracer.enable_discovery(own_watchdog=False)
         self.heartbeat.loop_ran()
         self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
         log.info("enforcing: policy %s, capacity %s", self.policy, self._capacity_text())
         return self
+
+    def _unprobed(self, pid: int, lib, reason: str) -> str:
+        """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls
+        would go unchecked, so by default it stays stopped (fail closed; `status` says why)."""
+        what = {"stall": "kept stopped until it is killed or the enforcer stops",
+                "kill": "killed", "allow": "let run UNCHECKED"}[self.unprobed]
+        log.error("pid %d opened %s, which cannot be probed (%s): %s (--unprobed %s)", pid, lib, reason,
+                  what, self.unprobed)
+        return self.unprobed
 
     def _capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items()))
@@ -251,6 +248,7 @@ class Enforcer:
         kept exact), or over fresh ones."""
         prev = takeover.previous(self.run_dir, self.state_file)
         if not takeover.ensure_bpffs():
+            self.tracer.cflags = (f"-DOWNER={self.owner}",)   # admission checks who owns it
             self.tracer.start()
             return []
         if not prev:
@@ -994,7 +992,14 @@ class Enforcer:
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
                 "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows,
                 # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
-                "unchecked_calls": self.tracer.stats()["unchecked"]}
+                "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status()}
+
+    def _discovery_status(self) -> dict:
+        d = getattr(self.tracer, "discovery", None)
+        if d is None:   # --no-probes
+            return {}
+        return {"discovery": {"on": d.enabled, "stops": d.stops, "unprobed_policy": self.unprobed},
+                "unprobed": [vars(u) for u in d.unprobed.values()]}
 
 
     def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:

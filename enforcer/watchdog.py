@@ -12,14 +12,21 @@ And it holds duplicates of the enforcer's probe descriptors (sent over FD_SOCK a
 attached): after the death the probes stay attached and keep the pinned maps exact, until a
 restarted enforcer, loaded over the same maps, sends SIGTERM; then this exits and the old
 probes detach. Without a successor within CONVGPU_HANDOVER_S (600 s) it removes the pins too.
-    python -m convgpu.enforcer.watchdog ENFORCER_PID STATE_FILE PIPE_FD CONTROL_MAP_FD [FD_SOCK PIN_DIR]"""
+`convgpu trace` runs one too, for discovery alone: a process stopped at its open of a driver
+file (bpf/convgpu.bpf.c, "discovery") is listed in the held_open map, which this resumes.
+    python -m convgpu.enforcer.watchdog ENFORCER_PID STATE_FILE PIPE_FD ZERO_MAP_FDS HELD_MAP_FD [FD_SOCK PIN_DIR]
+ZERO_MAP_FDS: comma-separated array maps whose entry 0 is zeroed (control: admission off;
+discovery: no more stops); HELD_MAP_FD: the held_open map, or -1; STATE_FILE may be "-"."""
 import ctypes
+import fcntl
 import json
 import os
+import resource
 import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -34,20 +41,68 @@ def write_state(path: str, pids, cgroups, **more) -> None:
     os.replace(tmp, path)
 
 
-def admission_off(map_fd: int) -> bool:
-    """bpf(BPF_MAP_UPDATE_ELEM) of control[0] = all zero (struct cg_control: enforcing = 0)."""
-    key, value = ctypes.c_uint32(0), (ctypes.c_ubyte * 64)()   # >= sizeof(struct cg_control)
+class _Attr(ctypes.Structure):   # union bpf_attr, as the map element commands use it
+    _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
 
-    class Attr(ctypes.Structure):
-        _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                    ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-    attr = Attr(map_fd, 0, ctypes.addressof(key), ctypes.addressof(value), 0)
+
+def _bpf(cmd: int, map_fd: int, key, value=None) -> bool:
+    """One map element command; key None: NULL (GET_NEXT_KEY: the first key)."""
+    attr = _Attr(map_fd, 0, ctypes.addressof(key) if key is not None else 0,
+                 ctypes.addressof(value) if value is not None else 0, 0)
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(321, 2, ctypes.byref(attr), ctypes.sizeof(attr)) == 0   # SYS_bpf, UPDATE_ELEM
+    return libc.syscall(321, cmd, ctypes.byref(attr), ctypes.sizeof(attr)) == 0   # SYS_bpf
+
+
+def admission_off(map_fd: int) -> bool:
+    """BPF_MAP_UPDATE_ELEM of entry 0 = all zero (struct cg_control: enforcing = 0;
+    struct cg_discovery: on = 0)."""
+    return _bpf(2, map_fd, ctypes.c_uint32(0), (ctypes.c_ubyte * 64)())   # >= either struct
+
+
+def resume_held(map_fd: int) -> int:
+    """SIGCONT every process in the held_open map (tgid -> fd: stopped at its open of a driver
+    file) and empty it. Returns how many were signalled."""
+    pids, key, nxt = [], None, ctypes.c_uint32(0)
+    while _bpf(4, map_fd, key, nxt):   # BPF_MAP_GET_NEXT_KEY
+        pids.append(nxt.value)
+        key = ctypes.c_uint32(nxt.value)
+    n = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            n += 1
+        except OSError:
+            pass
+        _bpf(3, map_fd, ctypes.c_uint32(pid))   # BPF_MAP_DELETE_ELEM
+    return n
+
+
+def spawn(owner_pid: int, state_file: str, zero_fds: list[int], held_fd: int = -1,
+          fd_sock: socket.socket | None = None, pin_dir: str | None = None):
+    """Start the watchdog of `owner_pid` (this process): returns (Popen, lifeline fd). Keep the
+    lifeline open for as long as we live; its close at our death wakes the watchdog. At exit the
+    kernel closes descriptors in ascending order and runs the releases in reverse, so the
+    highest descriptor is released first, ahead of the perf events whose uprobe detach costs
+    ~100 ms each. Its own session: a kill of our process group must not take it with us."""
+    r, w = os.pipe()
+    top = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
+    lifeline = fcntl.fcntl(w, fcntl.F_DUPFD_CLOEXEC, max(top - 16, w))
+    os.close(w)
+    args = [str(owner_pid), state_file, str(r), ",".join(map(str, zero_fds)), str(held_fd)]
+    fds = [r, *zero_fds] + ([held_fd] if held_fd >= 0 else [])
+    if fd_sock is not None:
+        args += [str(fd_sock.fileno()), pin_dir or ""]
+        fds.append(fd_sock.fileno())
+    p = subprocess.Popen([sys.executable, __file__, *args], start_new_session=True, pass_fds=fds)   # stdlib only
+    os.close(r)
+    return p, lifeline
 
 
 def release(path: str) -> tuple[int, int]:
     """Resume what the state file lists; returns (pids signalled, cgroups thawed)."""
+    if path == "-":
+        return 0, 0
     try:
         with open(path) as f:
             state = json.load(f)
@@ -89,16 +144,20 @@ def wait_for_death(pipe_fd: int, fd_sock: socket.socket | None, held: list[int])
 
 
 def main() -> int:
-    pid, path, pipe_fd, map_fd = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    fd_sock = socket.socket(fileno=int(sys.argv[5])) if len(sys.argv) > 5 else None
-    pin_dir = sys.argv[6] if len(sys.argv) > 6 else None
+    pid, path, pipe_fd = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    zero_fds = [int(x) for x in sys.argv[4].split(",") if x]
+    held_fd = int(sys.argv[5])
+    fd_sock = socket.socket(fileno=int(sys.argv[6])) if len(sys.argv) > 6 else None
+    pin_dir = sys.argv[7] if len(sys.argv) > 7 and sys.argv[7] else None
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only the enforcer's death ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     held: list[int] = []
     wait_for_death(pipe_fd, fd_sock, held)
-    admission_off(map_fd)
+    for fd in zero_fds:   # first: nothing is stopped again
+        admission_off(fd)
+    opened = resume_held(held_fd) if held_fd >= 0 else 0
     n, thawed = release(path)
-    print(f"convgpu watchdog: enforcer {pid} is gone; resumed {n} processes, thawed {thawed} cgroups"
+    print(f"convgpu watchdog: enforcer {pid} is gone; resumed {n + opened} processes, thawed {thawed} cgroups"
           + (f"; {len(held)} probes kept for a successor" if held else ""), file=sys.stderr)
     if not held:
         return 0

@@ -3,10 +3,12 @@ per-(process, device) accounting read from maps, and events for the live view.""
 import contextlib
 import ctypes
 import logging
+import select
 import time
 from dataclasses import dataclass
 
 from . import loader
+from .discovery import Discovery
 from .events import FORMAT, Event, decode_many
 from .libs import Library, LibraryFinder
 
@@ -58,7 +60,9 @@ class Tracer:
         self._sweeps: set[tuple[int, int]] = set()
         self._last_scan = self._last_sweep = 0.0
         self.started_ns = 0
+        self._fd = None
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
+        self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
 
     # --- life cycle ---
     def start(self) -> "Tracer":
@@ -68,9 +72,17 @@ class Tracer:
         self.rescan(force=True)
         return self
 
+    def enable_discovery(self, own_watchdog: bool = True) -> None:
+        """Fail closed (probes/discovery.py): from now on a process that opens a driver file
+        waits until that file is probed. With --no-discover, only the libraries given."""
+        if self.finder.discover:
+            self.discovery.enable(own_watchdog)
+
     def close(self) -> None:
         if self.b is not None:
-            self.b.cleanup()   # detaches every uprobe and the tracepoints
+            self.discovery.disable()
+            self.b.cleanup()
+            self._fd = None   # detaches every uprobe and the tracepoints
             self.b = None
 
     def __enter__(self):
@@ -83,10 +95,12 @@ class Tracer:
     def fileno(self) -> int:
         """Readable when the ring buffer has data after a wake-up (libbpf's epoll fd), so a
         loop can sleep in select() and still react to a stall at once."""
-        lib = ctypes.CDLL("libbpf.so.1")
-        lib.ring_buffer__epoll_fd.restype = ctypes.c_int
-        lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
-        return lib.ring_buffer__epoll_fd(self.b._ringbuf_manager)
+        if self._fd is None:
+            lib = ctypes.CDLL("libbpf.so.1")
+            lib.ring_buffer__epoll_fd.restype = ctypes.c_int
+            lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+            self._fd = lib.ring_buffer__epoll_fd(self.b._ringbuf_manager)
+        return self._fd
 
     def rescan(self, force: bool = False) -> list[loader.LibraryProbes]:
         now = time.monotonic()
@@ -95,20 +109,37 @@ class Tracer:
         self._last_scan = now
         added = []
         for lib in self.finder.scan():
-            try:
-                lp = loader.attach_library(self.b, lib, recheck=self.recheck)
-            except Exception as e:  # one bad library must not stop tracing the others
-                self.failed.append((lib, str(e)))
-                log.warning("%s", e)
-                continue
-            if self.selftest:
-                pid = loader.self_test(self.b, lp, self.selftest_exempt)
-                if pid:
-                    self._ignore.add(pid)
-            self.attached.append(lp)
-            added.append(lp)
-            log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
+            lp = self.attach(lib)
+            if lp is not None:
+                added.append(lp)
         return added
+
+    def attach(self, lib: Library) -> loader.LibraryProbes | None:
+        """Probes on lib, self-tested; a failure is recorded in `failed` (one bad library must
+        not stop tracing the others), as is a required probe that never fired."""
+        try:
+            lp = loader.attach_library(self.b, lib, recheck=self.recheck)
+        except Exception as e:
+            self.failed.append((lib, str(e)))
+            log.warning("%s", e)
+            return None
+        if self.selftest:
+            pid = loader.self_test(self.b, lp, self._exempt)
+            if pid:
+                self._ignore.add(pid)
+            silent = [a.probe.symbol for a in lp.probes if a.probe.required and a.fired is False]
+            if silent:
+                self.failed.append((lib, f"required probes never fired in the self-test: {', '.join(silent)}"))
+                log.warning("%s: required probes never fired in the self-test: %s", lib, ", ".join(silent))
+        self.attached.append(lp)
+        log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
+        return lp
+
+    @contextlib.contextmanager
+    def _exempt(self, pid: int):
+        """The self-test child: neither admitted (the enforcer's) nor stopped at its open."""
+        with self.discovery.exempting(pid), self.selftest_exempt(pid):
+            yield
 
     @property
     def libraries(self) -> list[Library]:
@@ -131,12 +162,19 @@ class Tracer:
         self.b.ring_buffer_consume()
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
+            if ev.op == "lib_open":
+                self.discovery.opened(ev.pid, ev.addr)
+                continue
             if ev.op in ("exit", "exec"):
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
         out, self._pending = self._pending, []
         return out
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until an event that wakes (a stop at a driver's open, a stall) or timeout."""
+        select.select([self.fileno()], [], [], timeout)
 
     def _sweep(self, full: bool) -> None:
         """Drop objects of processes that are gone. Their bytes already left the totals in
@@ -154,6 +192,7 @@ class Tracer:
             except KeyError:
                 pass
         self._sweeps.clear()
+        self.discovery.sweep()
 
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:

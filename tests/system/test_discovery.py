@@ -132,3 +132,137 @@ def test_doctor_reports_and_exits_by_verdict(root):
     bad = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-m", "convgpu.cli.main", "doctor"],
                          capture_output=True, text=True, timeout=120, cwd="/")
     assert bad.returncode == 1 and "tracing cannot work here: root" in bad.stderr
+
+
+# Allocates at its first instruction: the driver is loaded and called at once, no pause in which
+# a scan of /proc could find it first (issue 14.1: 0 of 28 calls were accounted).
+EAGER = r"""
+import ctypes, sys
+cu = ctypes.CDLL(sys.argv[1])
+cu.cuInit(0); d = ctypes.c_int(); c = ctypes.c_void_p()
+cu.cuDeviceGet(ctypes.byref(d), 0)
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0
+cu.cuCtxSetCurrent(c)
+p = ctypes.c_uint64()
+n = 0
+for _ in range(int(sys.argv[2])):
+    if cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(1 << 20)) != 0:
+        break
+    n += 1
+print("allocated", n, flush=True)
+sys.stdin.readline()
+"""
+
+
+def eager(path, n, env, cg=None):
+    argv = [sys.executable, "-c", EAGER, str(path), str(n)]
+    if cg is not None:   # joins the cgroup before exec: its first CUDA call is there
+        argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', *argv]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_trace_accounts_every_call_of_a_fresh_driver_copy_from_the_first(root, private_copy, caller_env):
+    """A copy of the stand-in made now (an inode nobody has seen) and a program that calls it at
+    once: under `convgpu trace --json` its context and all 27 allocations are accounted."""
+    tr = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--interval", "0.2",
+                           "--duration", "60", "--demo", "never", "--no-events"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = None
+    try:
+        json.loads(tr.stdout.readline())                      # running, discovery on
+        p = eager(private_copy, 27, caller_env)
+        assert p.stdout.readline().split() == ["allocated", "27"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            snap = json.loads(tr.stdout.readline())
+            rows = [x for c in snap["containers"] for x in c["processes"] if x["pid"] == p.pid]
+            if rows:
+                break
+        assert [(r["live"], r["allocs"], r["contexts"]) for r in rows] == [(27 * MiB, 27, 1)], snap
+        assert any(str(private_copy) in x for x in snap["libraries"])
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        tr.terminate()
+        assert tr.wait(timeout=20) == 0, tr.stderr.read()
+
+
+def test_enforce_stalls_the_first_over_limit_call_of_a_fresh_driver_copy(root, build, private_copy, cgroups, env5):
+    """Under enforce with a 16 MiB limit, the eager program on a fresh copy gets exactly its 16
+    allocations and is stopped before the 17th: nothing ran unchecked."""
+    from conftest import Enforcing, wait_state
+    enf = Enforcing(build, "--gpu-memory", "1GiB", "--default-limit", "16MiB", "--discover")
+    p = None
+    try:
+        p = eager(private_copy, 40, env5, cgroups("fresh"))
+        enf.wait_for(f"above its limit")
+        wait_state(p.pid, "T")
+        st = enf.ctl(cmd="status")["status"]
+        row = next(c for c in st["containers"] if c["name"] == "fresh")
+        used = json.loads(subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env5,
+                                         capture_output=True, text=True, check=True).stdout)["devices"][0]["used"]
+        assert (used, row["gpus"]["0"]["used"], row["over_limit_events"]) == (16 * MiB, 16 * MiB, 1)
+        assert st["unchecked_calls"] == 0 and st["discovery"]["on"] and st["discovery"]["stops"] >= 1
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        enf.close()
+
+
+@pytest.fixture
+def not_a_driver(tmp_path):
+    """A file named like the driver that cannot be probed (no symbols at all)."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "libcuda.so.1").write_text("not an ELF file\n")
+    return d / "libcuda.so.1"
+
+
+OPENER = "import sys; open(sys.argv[1], 'rb').read(); print('opened', flush=True); sys.stdin.readline()"
+
+
+@pytest.mark.parametrize("policy", ["stall", "kill", "allow"])
+def test_unprobed_driver_file_under_enforce(root, build, not_a_driver, policy):
+    """A process that opens a driver file which cannot be probed: --unprobed decides. stall (the
+    default) keeps it stopped, says why in status, and the watchdog resumes it if the enforcer is
+    killed; kill kills it; allow lets it run."""
+    from conftest import Enforcing, wait_state
+    enf = Enforcing(build, "--gpu-memory", "1GiB", "--discover", *([] if policy == "stall" else ["--unprobed", policy]))
+    p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        enf.wait_for(f"pid {p.pid} opened")
+        st = enf.ctl(cmd="status")["status"]
+        assert [(u["pid"], u["action"]) for u in st["unprobed"]] == [(p.pid, policy)]
+        assert "cannot attach required probes" in st["unprobed"][0]["reason"]
+        if policy == "stall":
+            wait_state(p.pid, "T")
+            time.sleep(0.5)
+            assert p.stdout.readable() and p.poll() is None
+            enf.p.kill()                                      # the watchdog resumes it
+            enf.p.wait()
+            assert p.stdout.readline().strip() == "opened"
+        elif policy == "kill":
+            assert p.wait(timeout=10) == -9
+        else:
+            assert p.stdout.readline().strip() == "opened"
+    finally:
+        p.kill()
+        p.wait()
+        enf.close()
+
+
+def test_discovery_cost_benchmark_shape(root, build, tmp_path):
+    """bench.discovery_cost in a small configuration: every start with discovery on was stopped
+    exactly once and none with it off; one first sight of a fresh copy (numbers: docs only)."""
+    from bench import discovery_cost
+    out = tmp_path / "cost.json"
+    assert discovery_cost.main(["--lib", str(build / "standin" / "libcuda.so.1"), "--starts", "10",
+                                "--fresh", "1", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["stopped_starts"] == {"on": 10, "off": 0}
+    assert d["discovery_on"]["n"] == d["discovery_off"]["n"] == 10 and d["first_sight"]["n"] == 1
+    assert set(d) >= {"added_p50_ms", "added_p99_ms"}

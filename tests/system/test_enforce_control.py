@@ -310,6 +310,52 @@ def test_kill_9_then_restart_takes_over_the_accounting_exactly(cgroups, build, e
         enf.close()
 
 
+def test_restart_while_the_old_probes_detach_charges_nothing_twice(cgroups, build, env5):
+    """The H100 sequence of issue 14.3: kill -9 while a process is stalled on a large call (the
+    watchdog resumes it and it runs), restart, and at once two jobs whose second allocation
+    just fits. While the old watchdog's probes detach (~100 ms each), every call hits both
+    programs; the old one's entry used to reset the call slot the new one had just reserved
+    for, leaking that reservation: the second job then stalled "over limit" for good.
+    Now both run, and the books equal what the processes hold, reservations included."""
+    args = ("--gpu-memory", "5GiB", "--default-limit", "3GiB")
+    enf = Enforcing(build, *args)
+    enf2 = None
+    procs = {}
+    try:
+        procs["w"] = start_in(cgroups("w"), build, env5, "alloc", "-n", 1, "-s", 4 * GiB)
+        enf.wait_for("above its limit")                       # 4 GiB under a 3 GiB limit: held
+        wait_state(procs["w"].pid, "T")
+        state = json.load(open(f"{enf.run_dir}/held-{enf.p.pid}.json"))
+        enf.p.kill()
+        enf.p.wait()
+        enf.wait_for("probes kept for a successor")           # the watchdog resumed w
+        assert procs["w"].wait(timeout=20) == 0               # its 4 GiB call ran, freed, exited
+        enf2 = Enforcing(build, *args, run_dir=enf.run_dir)
+        for name in ("a", "b"):                               # a: assigned 3 GiB; b: the 2 GiB left
+            procs[name] = start_in(cgroups(name), build, env5, "alloc", "-n", 2, "-s", GiB, "--hold")
+        for name in ("a", "b"):
+            try:
+                line = read_until(procs[name], "ready")
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}; status {enf2.ctl(cmd='status')['status']['containers']}; "
+                                     f"log {enf2.log}") from None
+            assert f"allocated 2 {2 * GiB} pid={procs[name].pid}" in line
+        old_probes_attached = os.path.exists(f"/proc/{state['watchdog']}")
+        st = enf2.ctl(cmd="status")["status"]
+        books = {c["name"]: (c["gpus"]["0"]["used"], c["gpus"]["0"]["reserved"], c["gpus"]["0"]["waiting"])
+                 for c in st["containers"]}
+        assert books == {"a": (2 * GiB, 0, False), "b": (2 * GiB, 0, False)}, enf2.log
+        assert usage(build, env5)["used"] == 4 * GiB
+        assert old_probes_attached, "the jobs ran after the old probes had gone: the test proves nothing"
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        if enf2:
+            enf2.close()
+        enf.close()
+
+
 def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, env5):
     """tests/unit/test_sim.py's hand-worked case with real processes: after A exits, ru gives
     the 2 GiB to C, which still misses 1 GiB while B holds 2 GiB it cannot run on either. Nobody
