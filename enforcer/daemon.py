@@ -288,6 +288,7 @@ class Enforcer:
             for k, a in list(t.items()):
                 if k.container not in pids:
                     del t[k]
+        charge = {}   # (container, dev) -> the per-context charge the old enforcer wrote
         for k, a in self._t("assign").items():
             box = self.by_key.get(k.container)
             if box is None:
@@ -309,8 +310,13 @@ class Enforcer:
             box.assigned[k.dev] = a.assigned
             box.extra[k.dev] = a.extra_overhead
             box.adopted[k.dev] = (a.adopted, a.adopted_contexts)
+            charge[(box.key, k.dev)] = a.ctx_charge
         for box in self.boxes.values():
             for dev in box.assigned:
+                # its extra was relative to the old per-context charge (our estimate may differ,
+                # e.g. a median learned but not yet saved): keep the container's total as it was
+                _, contexts, _ = self._usage(box, dev)
+                box.extra[dev] += contexts * (charge.get((box.key, dev), self._ctx(dev)) - self._ctx(dev))
                 self._write_assign(box, dev)
         self._next_key = max(self.by_key, default=0) + 1
         log.info("took over from enforcer %s: %d containers, %s assigned", 
