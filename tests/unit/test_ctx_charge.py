@@ -104,3 +104,21 @@ def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
             k.wait()
         for fd in list(enf._exits):
             os.close(fd)
+
+
+def test_status_table_names_the_estimate_and_where_each_charge_comes_from():
+    from rich.console import Console
+
+    from convgpu.cli.status import table
+    st = {"pid": 1, "policy": "fifo", "stall": "signal",
+          "gpus": {"0": {"assigned": 2 * GiB, "capacity": 6 * GiB,
+                         "ctx_estimate": {"bytes": 550 * MiB, "source": "architecture", "detail": "H100"}}},
+          "containers": [{"name": "c0", "limit": 2 * GiB, "stalled_s": 1.0, "stalls": 1,
+                          "gpus": {"0": {"assigned": 2 * GiB, "used": 1472 * MiB, "context_overhead": 522 * MiB,
+                                         "context_source": "measured", "over_limit": True, "waiting": True,
+                                         "waiting_s": 1.0}}}]}
+    c = Console(width=120, record=True)
+    c.print(table(st))
+    out = c.export_text()
+    assert "GPU0 context 550.0 MiB (architecture)" in out and "measured" in out and "522.0 MiB" in out
+    assert max(len(line) for line in out.splitlines()) <= 110
