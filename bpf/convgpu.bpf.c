@@ -64,6 +64,13 @@ BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
 BPF_PERCPU_ARRAY(hits, u64, CG_API_MAX);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(scratch, u64, 1);
+// Every thread BPF has stopped and nobody has let go yet: pid_tgid -> HELD_OPEN | fd (stopped
+// at its open of a driver file, "discovery") or 0 (an admission stall). If the enforcer or
+// tracer dies, its watchdog resumes every process here: a stall the enforcer had no time to
+// write into its state file is resumed too (seen on the H100: kill -9 within a millisecond
+// of a stall left the process stopped for good).
+#define HELD_OPEN (1ULL << 32)
+BPF_HASH(held, u64, u64, 16384);
 BPF_ARRAY(layout_event, struct cg_event, 1);  // never written: its type lets tests compare
                                               // probes/events.py's ctypes mirror with the C one
 
@@ -335,6 +342,8 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     // To this thread: a SIGSTOP sent to the process merges with one already pending for it,
     // which may be another thread's to take, and this thread would then return to its call
     // before that group stop reached it. Taken here, it stops the whole process all the same.
+    u64 why = 0;
+    held.update(&id, &why);         // listed before it stops: the watchdog always finds it
     bpf_send_signal_thread(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
     emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
 }
@@ -387,6 +396,7 @@ int recheck(struct pt_regs *ctx)
     struct cg_control *ctl = enforcing();
     if (!ctl || lapsed(ctl)) {      // fail open: no enforcer, nothing holds it
         t->call.stalled = 0;
+        held.delete(&id);
         return 0;
     }
     u32 tgid = id >> 32;
@@ -407,6 +417,7 @@ int recheck(struct pt_regs *ctx)
         total = charged(s, a, ctl) + s->reserved;
         if (total <= a->assigned) {
             t->call.stalled = 0;
+            held.delete(&id);
             return 0;
         }
         op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
@@ -616,6 +627,8 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     struct cg_thread *t = get_thread(id);
     if (!t)
         return 0;
+    if (t->call.stalled)            // its last call was stopped and is long over (no recheck probe)
+        held.delete(&id);
     t->call.a0 = PT_REGS_PARM1(ctx);
     t->call.a1 = PT_REGS_PARM2(ctx);
     t->call.a2 = PT_REGS_PARM3(ctx);
@@ -1010,6 +1023,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (t)
         release(&t->call);          // killed while stalled: its reservation goes too
     threads.delete(&id);
+    held.delete(&id);
 #ifdef HAVE_GROUP_DEAD
     if (args->group_dead)
 #else
@@ -1031,15 +1045,14 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 // for reading is stopped when the open returns, before it can map the file, let alone call into
 // it; the tracer checks the file's inode (/proc/PID/fd/FD), attaches the probes if it is new,
 // self-tests them, and resumes it (probes/discovery.py). A periodic scan of /proc stays as a
-// safety net (a driver copy under another name). Stopped processes are listed in held_open
-// until resumed: if the tracer dies, its watchdog resumes them all and zeroes `discovery`.
+// safety net (a driver copy under another name). Stopped threads are listed in `held` until
+// resumed: if the tracer dies, its watchdog resumes them all and zeroes `discovery`.
 
 #define O_ACCMODE 3
 #define NAME_MAX_BPF 256
 
 BPF_ARRAY(discovery, struct cg_discovery, 1);
 BPF_TABLE("lru_hash", u64, u8, opening, 16384);   // threads inside an openat of a driver-named file (LRU: a thread killed inside the call never fills it)
-BPF_HASH(held_open, u32, u64, 4096);       // tgid -> fd, stopped at open until probed
 struct cg_path { char s[NAME_MAX_BPF]; };
 BPF_PERCPU_ARRAY(pathbuf, struct cg_path, 1);
 
@@ -1077,6 +1090,7 @@ static __always_inline int driver_named(const char *s, int n)
     return 0;
 }
 
+#ifndef NO_OPEN_TRACEPOINTS   // a kernel without syscall tracepoints: the periodic scan only
 TRACEPOINT_PROBE(syscalls, sys_enter_openat)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -1105,8 +1119,10 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     if (args->ret < 0 || !discovering(tgid))
         return 0;
     u64 fd = args->ret;
-    held_open.update(&tgid, &fd);   // listed before it stops: a watchdog always finds it
+    u64 why = HELD_OPEN | fd;
+    held.update(&id, &why);         // listed before it stops: a watchdog always finds it
     bpf_send_signal_thread(SIGSTOP);
     emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, 0, 0, 0, BPF_RB_FORCE_WAKEUP);
     return 0;
 }
+#endif

@@ -35,6 +35,16 @@ def stop_on_signals(interrupt: bool = True) -> None:
         signal.signal(sig, handler)
 
 
+def hold_signals() -> None:
+    """From here on SIGINT, SIGTERM and SIGHUP only leave the flag: a clean-up (the demo's
+    containers, probes) runs to its end. A command that ended by --duration has no handler
+    that ignores them yet, and a `timeout` or a closed terminal then cut its clean-up short."""
+    def note(signum, frame):
+        _stopping.append(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, note)
+
+
 def check_stop(*_) -> None:
     """Raise the KeyboardInterrupt that a ctypes callback may have swallowed."""
     if _stopping:

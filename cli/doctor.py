@@ -43,6 +43,11 @@ def run_checks() -> list[Check]:
     up = os.path.exists("/sys/bus/event_source/devices/uprobe")
     checks.append(Check("uprobes", up, "perf uprobe PMU" if up else "no /sys/bus/event_source/devices/uprobe",
                         "a kernel with CONFIG_UPROBES and CONFIG_BPF_EVENTS"))
+    from ..probes.loader import has_open_tracepoints
+    tp = has_open_tracepoints()
+    checks.append(Check("open tracepoints", tp, "syscalls/sys_{enter,exit}_openat" if tp else "none under tracefs",
+                        "a kernel with CONFIG_FTRACE_SYSCALLS: else a new driver copy is found only by "
+                        "the periodic scan, up to a second late", fatal=False))
     kr = os.uname().release
     hdr = os.path.exists(f"/lib/modules/{kr}/build/include")
     checks.append(Check("kernel headers", hdr, f"/lib/modules/{kr}/build",
@@ -78,6 +83,8 @@ def run_checks() -> list[Check]:
     for eng in ("podman", "docker"):
         w = shutil.which(eng)
         checks.append(Check(eng, bool(w), w or "not installed", "optional: names and labels of containers", fatal=False))
+    from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
+    checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks
 
 

@@ -2,7 +2,7 @@
 import typer
 
 from .. import __version__
-from . import common, doctor, enforce, limit, run, shim, status, trace
+from . import common, doctor, enforce, kube, limit, run, shim, status, trace
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Share one GPU's memory between containers: trace and limit CUDA allocations.")
@@ -29,6 +29,7 @@ app.add_typer(limit.app, name="limit")
 app.command("reload")(limit.reload)
 app.command("run", context_settings={"allow_interspersed_args": False})(run.run)
 app.command("shim")(shim.shim)
+app.command("kube")(kube.kube)
 
 
 def main():

@@ -14,7 +14,7 @@ from ..enforcer.accounting import Accountant, matches
 from ..enforcer.containers import container_of_pid
 from ..enforcer.engines import EngineLookup
 from ..enforcer.model import Snapshot
-from ..errors import NotFoundError
+from ..errors import ConvgpuError, NotFoundError
 from ..probes.libs import system_drivers
 from ..probes.nvml import Nvml
 from ..probes.table import CUDA
@@ -58,7 +58,7 @@ def trace(
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: every event and every snapshot (docs/trace-json.md)."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 / libcudart (repeatable)."),
     discover: bool = typer.Option(True, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers."),
-    demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver."),
+    demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver and no --pid, --lib or --container is given."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe fires (calls each driver symbol once, before cuInit)."),
@@ -66,6 +66,10 @@ def trace(
 ):
     """Watch live how much GPU memory each container and process holds."""
     overhead = parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None
+    if demo is DemoMode.always and (pid or container is not None):
+        what = f"--pid {pid[0]}" if pid else f"--container {container}"
+        raise ConvgpuError(f"--demo always shows only the demo's own workers, and {what} would hide them",
+                           f"drop {what.split()[0]}, or use --demo auto")
     engines = EngineLookup()
     check_filters(pid, container, engines)
     if demo is not DemoMode.always and _enforcer_answers(run_dir):
@@ -84,8 +88,7 @@ def trace(
         tracer.start()
         tracer.enable_discovery()   # a process opening a new driver copy waits for its probes
         mode = "driver"
-        no_driver = not nvml.ok and not system_drivers() and not lib
-        if demo is DemoMode.always or (demo is DemoMode.auto and no_driver):
+        if demo_wanted(demo, bool(nvml.ok or system_drivers()), pid, lib, container):
             the_demo = Demo()
             tracer.finder.extra += (str(the_demo.lib),)
             tracer.rescan(force=True)   # before the workers start: their contexts are seen too
@@ -96,12 +99,21 @@ def trace(
         _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo)
     except KeyboardInterrupt:
         pass
-    finally:
-        tracer.close()
-        if the_demo:
+    finally:   # runs to its end: a signal now (or a second one) only leaves the flag
+        common.hold_signals()
+        if the_demo:   # first: its containers outlive us if anything below fails
             the_demo.stop()
+        tracer.close(background=True)   # detaching takes seconds: not between Ctrl-C and the prompt
         engines.close()
         nvml.close()
+
+
+def demo_wanted(demo: DemoMode, driver: bool, pids, libs, container) -> bool:
+    """auto: the demo only where there is no driver and nothing was asked for by name (a
+    --pid, --lib or --container names what to watch, and it is not the demo)."""
+    if demo is DemoMode.auto:
+        return not driver and not pids and not libs and container is None
+    return demo is DemoMode.always
 
 
 def _enforcer_answers(run_dir: str) -> bool:

@@ -57,3 +57,8 @@ class ControlHandler(Handler):
         self.enf.register_run(cgroup, self.enf._capped(name or cgroup, limit),
                               str(name) if name else None)
         return {}
+
+    def cmd_pod_limits(self, msg):
+        """The Kubernetes agent's limits (kube/pods.py): {container id or pod uid: [bytes, source]}."""
+        from .podlimits import apply
+        return apply(self.enf, msg.get("limits"))

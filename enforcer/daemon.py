@@ -574,14 +574,14 @@ class Enforcer:
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if _alive(pid) else None
             return
-        self._join(box, pid, dev)
+        self._join(box, pid, dev, request)
         self._waiter(box, dev, pid, request, count=False)
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
                      dev, format_size(box.assigned[dev]), format_size(self._demand(box, dev)))
 
-    def _join(self, box: Box, pid: int, dev: int | None = None, usage=None):
+    def _join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None):
         """pid is in box from now on. What it allocated before (while no enforcer admitted, or
         in calls that are not admitted) was charged to no container: adopt it. Read before the
         membership is written, so a racing free can only make this an over-count. A member
@@ -595,7 +595,7 @@ class Enforcer:
         self.pid_box[pid] = box
         for d in sorted(set(held) | ({dev} if dev is not None else set())):
             if d not in box.assigned:
-                self._new_device(box, d)
+                self._new_device(box, d, request if d == dev else 0)
         for d, (nbytes, nctx) in held.items():
             b0, c0 = box.adopted.get(d, (0, 0))
             box.adopted[d] = (b0 + nbytes, c0 + nctx)
@@ -603,10 +603,15 @@ class Enforcer:
             log.info("container %s GPU%d: pid %d already held %s in %d contexts: adopted", box.name,
                      d, pid, format_size(nbytes), nctx)
 
-    def _new_device(self, box: Box, dev: int):
-        """First context of a container on a device: A_c = min(L_c, unassigned)."""
+    def _new_device(self, box: Box, dev: int, request: int = 0):
+        """First context of a container on a device: A_c = min(L_c, unassigned), cut to what
+        keeps the device safe, 0 (it waits) where even the call it is stopped at (`request`,
+        on top of what it already holds) is not (policies.assign_new)."""
         free = self._free(dev)
-        box.assigned[dev] = policies.assign_new(box.limit, free)
+        held = self._held(box, dev)
+        box.assigned[dev] = policies.assign_new(box.limit, free, self._claims(dev, but=box),
+                                                self.capacity.get(dev, 0), held, held + request,
+                                                box.container.id)
         self._ensure_state(box, dev)
         self._write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
@@ -658,10 +663,14 @@ class Enforcer:
         if box is None:
             return
         box.pids.discard(pid)
+        settled = False
         for dev, w in list(box.waiting.items()):
             w.pids.discard(pid)
             if not w.pids:
                 del box.waiting[dev]
+                settled = True
+        if settled and box.pids and not box.waiting and not isinstance(self.stopper, SignalStopper):
+            self._thaw(box)   # its last wait went with the process: the others run again
         if not box.pids:     # the container's last process: its assignment returns to the pool
             for dev in box.assigned:
                 for name in ("assign", "cgstate"):
@@ -705,8 +714,17 @@ class Enforcer:
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
-                if self._demand(box, dev) <= box.assigned[dev]:
-                    self._resume(box, dev, "fits its assignment")
+                demand = self._demand(box, dev)
+                if demand <= box.assigned[dev] and demand <= box.limit:
+                    # running, it may use all of its assignment: only as much as is safe
+                    me = policies.Claim(box.container.id, box.limit, self._held(box, dev))
+                    top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
+                                                   demand, box.assigned[dev])
+                    if top is not None:
+                        if top < box.assigned[dev]:
+                            box.assigned[dev] = top
+                            self._write_assign(box, dev)
+                        self._resume(box, dev, "fits its assignment")
             if (not self._grant(dev, now) and not self._tearing(dev) and self._reclaim(dev)
                     and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
@@ -724,10 +742,14 @@ class Enforcer:
             w = box.waiting[dev]
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
                                          suspended_at=w.since, limit=box.limit,
-                                         assigned=box.assigned[dev], used=demand, request=0))
+                                         assigned=box.assigned[dev], used=demand, request=0,
+                                         held=self._held(box, dev)))
         free = self._free(dev)
         resumed = False
-        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only):
+        ids = {c.id for c in cands}
+        others = [c for c in self._claims(dev) if c.id not in ids]   # runners, and the stuck
+        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only,
+                                   others, self.capacity.get(dev, 0)):
             box = self.boxes[g.id]
             box.assigned[dev] += g.amount
             box.grants += 1
@@ -738,6 +760,21 @@ class Enforcer:
                 self._resume(box, dev, f"policy {self.policy}")
                 resumed = True
         return resumed
+
+    def _claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
+        """The banker's view of dev (policies.schedule says why): a running container holds its
+        assignment (it allocates up to it without asking), a waiter what it uses (its unused
+        assignment can be reclaimed), a waiter over its limit the same, for good (stuck)."""
+        out = []
+        for b in self.boxes.values():
+            if dev not in b.assigned or b is but:
+                continue
+            held = self._held(b, dev)
+            w = b.waiting.get(dev)
+            out.append(policies.Claim(b.container.id, b.limit,
+                                      max(held, b.assigned[dev]) if w is None else held,
+                                      stuck=w is not None and (w.over_limit or self._demand(b, dev) > b.limit)))
+        return out
 
     def _reclaim(self, dev: int) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
@@ -755,7 +792,10 @@ class Enforcer:
 
     def _deadlock(self, dev: int):
         """What waiters hold themselves (their contexts) leaves too little for any of them:
-        only an exit ends it. Said once, until someone runs again."""
+        only an exit ends it. Said once, until someone runs again. With every grant and
+        placement safe (policies.schedule) the policies never lead here; a state made unsafe
+        from outside can (a waiter over its limit holding memory, a limit raised at run time,
+        a context measured larger than charged)."""
         if dev in self._stuck:
             return
         self._stuck.add(dev)
@@ -800,11 +840,23 @@ class Enforcer:
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
             self.stopper.resume(Target(tuple(w.pids - self.shimmed)))
+        elif box.waiting:   # freezer: thawed, its process on another GPU would meet no grant
+            log.info("resume %s on GPU%d after %.3f s (%s); it stays frozen until GPU%s %s",
+                     box.name, dev, time.monotonic() - w.since, why,
+                     ", GPU".join(map(str, sorted(box.waiting))), "settles" if len(box.waiting) == 1 else "settle")
+            return
         else:
-            self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
-            self._signal(box.pids, signal.SIGCONT)
+            self._thaw(box)
         log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
         log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)
+
+    def _thaw(self, box: Box):
+        """Freezer: the container runs again, and no process of it stays signal-stopped. Only
+        once none of its devices waits: a container frozen on two GPUs has both grants settled
+        first (schedule() grants per device, and a thaw at the first grant let the process
+        waiting on the other GPU into its call before that GPU's grant)."""
+        self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
+        self._signal(box.pids, signal.SIGCONT)
 
     @staticmethod
     def _signal(pids, sig):
@@ -865,6 +917,7 @@ class Enforcer:
             return False
         rules.explicit.update({k: v for k, v in self.rules.explicit.items() if k.startswith("/")})
         rules.runtime = self.rules.runtime
+        rules.pods = self.rules.pods       # the Kubernetes agent's, not the file's
         self.rules = rules
         if "policy" in settings and settings["policy"] != self.policy:
             log.info("policy %s -> %s", self.policy, settings["policy"])

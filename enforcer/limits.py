@@ -1,5 +1,6 @@
 """Which limit a container gets, first that applies: `convgpu limit set` at run time, --limit
-NAME_OR_ID=SIZE, the first matching [[rule]] of the config file, the label
+NAME_OR_ID=SIZE, the pod's own units or annotation (Kubernetes agent, kube/pods.py), the first
+matching [[rule]] of the config file, the label
 com.nvidia.memory.limit (as in the ConVGPU paper), --default-limit. An operator's rule beats a
 label because whoever starts a container chooses its labels. A bad label never stops the
 daemon: the container gets the default and a warning."""
@@ -33,6 +34,8 @@ class LimitRules:
     default: int = DEFAULT_LIMIT
     rules: list[Rule] = field(default_factory=list)
     runtime: dict[str, int] = field(default_factory=dict)   # container id -> `limit set`
+    # container id or pod uid -> (bytes, source), from the Kubernetes agent (`pod-limits`)
+    pods: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
@@ -44,6 +47,9 @@ class LimitRules:
         for key, size in self.explicit.items():
             if len(key) >= 6 and c.id.startswith(key):
                 return size, f"--limit {key}"
+        for key in (c.id, c.pod):   # the pod's own resources (kube/pods.py): beat rules and labels
+            if key and key in self.pods:
+                return self.pods[key]
         for rule in self.rules:
             if rule.matches(c, name, labels):
                 return rule.limit, rule.source

@@ -13,10 +13,11 @@ attached): after the death the probes stay attached and keep the pinned maps exa
 restarted enforcer, loaded over the same maps, sends SIGTERM; then this exits and the old
 probes detach. Without a successor within CONVGPU_HANDOVER_S (600 s) it removes the pins too.
 `convgpu trace` runs one too, for discovery alone: a process stopped at its open of a driver
-file (bpf/convgpu.bpf.c, "discovery") is listed in the held_open map, which this resumes.
+file (bpf/convgpu.bpf.c, "discovery") is listed in the `held` map, which this resumes; so is
+every thread BPF stopped for admission, whether or not the enforcer wrote it in its state file.
     python -m convgpu.enforcer.watchdog ENFORCER_PID STATE_FILE PIPE_FD ZERO_MAP_FDS HELD_MAP_FD [FD_SOCK PIN_DIR]
 ZERO_MAP_FDS: comma-separated array maps whose entry 0 is zeroed (control: admission off;
-discovery: no more stops); HELD_MAP_FD: the held_open map, or -1; STATE_FILE may be "-"."""
+discovery: no more stops); HELD_MAP_FD: the `held` map, or -1; STATE_FILE may be "-"."""
 import ctypes
 import fcntl
 import json
@@ -60,22 +61,23 @@ def admission_off(map_fd: int) -> bool:
     return _bpf(2, map_fd, ctypes.c_uint32(0), (ctypes.c_ubyte * 64)())   # >= either struct
 
 
-def resume_held(map_fd: int) -> int:
-    """SIGCONT every process in the held_open map (tgid -> fd: stopped at its open of a driver
-    file) and empty it. Returns how many were signalled."""
-    pids, key, nxt = [], None, ctypes.c_uint32(0)
+def resume_held(map_fd: int) -> set[int]:
+    """SIGCONT every process with a thread in the `held` map (pid_tgid -> why: BPF stopped it,
+    at a driver's open or for admission) and empty the map. Returns the pids signalled."""
+    keys, key, nxt = [], None, ctypes.c_uint64(0)
     while _bpf(4, map_fd, key, nxt):   # BPF_MAP_GET_NEXT_KEY
-        pids.append(nxt.value)
-        key = ctypes.c_uint32(nxt.value)
-    n = 0
-    for pid in pids:
+        keys.append(nxt.value)
+        key = ctypes.c_uint64(nxt.value)
+    done = set()
+    for pid in {k >> 32 for k in keys}:
         try:
             os.kill(pid, signal.SIGCONT)
-            n += 1
+            done.add(pid)
         except OSError:
             pass
-        _bpf(3, map_fd, ctypes.c_uint32(pid))   # BPF_MAP_DELETE_ELEM
-    return n
+    for k in keys:
+        _bpf(3, map_fd, ctypes.c_uint64(k))   # BPF_MAP_DELETE_ELEM
+    return done
 
 
 def spawn(owner_pid: int, state_file: str, zero_fds: list[int], held_fd: int = -1,
@@ -99,20 +101,20 @@ def spawn(owner_pid: int, state_file: str, zero_fds: list[int], held_fd: int = -
     return p, lifeline
 
 
-def release(path: str) -> tuple[int, int]:
+def release(path: str) -> tuple[set[int], int]:
     """Resume what the state file lists; returns (pids signalled, cgroups thawed)."""
     if path == "-":
-        return 0, 0
+        return set(), 0
     try:
         with open(path) as f:
             state = json.load(f)
     except (OSError, ValueError):
-        return 0, 0
-    n = 0
+        return set(), 0
+    done = set()
     for pid in state.get("pids", []):
         try:
             os.kill(pid, signal.SIGCONT)
-            n += 1
+            done.add(pid)
         except OSError:
             pass
     thawed = 0
@@ -126,7 +128,7 @@ def release(path: str) -> tuple[int, int]:
                 pass
     state.update(pids=[], cgroups=[], orphaned=True, watchdog=os.getpid())
     write_state(path, **{k: v for k, v in state.items()})   # for the successor: who to stop
-    return n, thawed
+    return done, thawed
 
 
 def wait_for_death(pipe_fd: int, fd_sock: socket.socket | None, held: list[int]) -> None:
@@ -155,9 +157,9 @@ def main() -> int:
     wait_for_death(pipe_fd, fd_sock, held)
     for fd in zero_fds:   # first: nothing is stopped again
         admission_off(fd)
-    opened = resume_held(held_fd) if held_fd >= 0 else 0
-    n, thawed = release(path)
-    print(f"convgpu watchdog: enforcer {pid} is gone; resumed {n + opened} processes, thawed {thawed} cgroups"
+    stopped = resume_held(held_fd) if held_fd >= 0 else set()
+    listed, thawed = release(path)
+    print(f"convgpu watchdog: enforcer {pid} is gone; resumed {len(stopped | listed)} processes, thawed {thawed} cgroups"
           + (f"; {len(held)} probes kept for a successor" if held else ""), file=sys.stderr)
     if not held:
         return 0

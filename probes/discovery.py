@@ -9,8 +9,8 @@ read through /proc/PID/fd/FD; a known one resumes the process at once, a new one
 and self-tested first. A file that cannot be probed is a loud warning, and the caller's
 `on_unprobed` decides (trace: let it run; enforce: --unprobed stall|kill|allow).
 
-Nothing stays stopped for good: BPF lists every process it stops in held_open before the
-stop, and the watchdog (enforcer/watchdog.py) that runs beside every tracer with discovery on
+Nothing stays stopped for good: BPF lists every thread it stops in `held` before the stop,
+and the watchdog (enforcer/watchdog.py) that runs beside every tracer with discovery on
 resumes them all and turns discovery off if the tracer dies."""
 import collections
 import contextlib
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from .libs import Library, resolve_in_root
 from .table import CUDA
+
+HELD_OPEN = 1 << 32   # bpf/convgpu.bpf.c: a `held` value for a stop at a driver's open (else a stall)
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,17 @@ class Discovery:
         t[ct.c_int(0)] = t.Leaf(on=int(on), exempt=exempt)
 
     def fail_safe_fds(self) -> tuple[list[int], int]:
-        """(maps the watchdog zeroes, the held_open map it empties) if we die."""
-        return [self._map("discovery").map_fd], self._map("held_open").map_fd
+        """(maps the watchdog zeroes, the `held` map it empties) if we die."""
+        return [self._map("discovery").map_fd], self._map("held").map_fd
 
     def enable(self, own_watchdog: bool = True):
         """From now on a process that opens a driver file waits for its probes. Without a
         watchdog of the caller's (the enforcer's), one of our own resumes them if we die."""
+        from .loader import has_open_tracepoints
+        if not has_open_tracepoints():
+            log.warning("this kernel has no syscalls tracepoints: a new driver copy is found by the "
+                        "periodic scan only, up to a second after its process starts calling it")
+            return
         if own_watchdog and self.watchdog is None:
             from ..enforcer import watchdog
             zero, held = self.fail_safe_fds()
@@ -79,8 +86,8 @@ class Discovery:
             return
         self._write(False)
         self.enabled = False
-        for pid in list(self._held()):
-            self._resume(pid)
+        for key in self._held():
+            self._resume(key)
         self.unprobed.clear()
         if self.watchdog is not None:
             self.watchdog.kill()
@@ -100,22 +107,24 @@ class Discovery:
         finally:
             self._write(self.enabled)
 
-    def _held(self) -> set[int]:
-        return {k.value for k in self._map("held_open").keys()}
+    def _held(self) -> list[int]:
+        """Threads (pid_tgid) stopped at a driver's open: ours to resume (stalls are the enforcer's)."""
+        return [k.value for k, v in self._map("held").items() if v.value & HELD_OPEN]
 
-    def _resume(self, pid: int):
+    def _resume(self, key: int):
         """SIGCONT before the entry goes: dying in between leaves the watchdog one to resume."""
         try:
-            os.kill(pid, signal.SIGCONT)
+            os.kill(key >> 32, signal.SIGCONT)
         except ProcessLookupError:
             pass
         try:
-            del self._map("held_open")[ct.c_uint(pid)]
+            del self._map("held")[ct.c_uint64(key)]
         except KeyError:
             pass
 
-    def opened(self, pid: int, fd: int):
-        """BPF stopped pid right after it opened a driver-named file as fd."""
+    def opened(self, pid: int, tid: int, fd: int):
+        """BPF stopped thread tid of pid right after it opened a driver-named file as fd."""
+        key = pid << 32 | tid
         self.stops += 1
         self.recent.append(pid)
         link = f"/proc/{pid}/fd/{fd}"
@@ -123,26 +132,26 @@ class Discovery:
             st = os.stat(link)
             seen_as = os.readlink(link)
         except OSError:       # gone already, or closed and reused: nothing to probe
-            self._resume(pid)
+            self._resume(key)
             return
-        key = (st.st_dev, st.st_ino)
-        lib = self.tracer.finder.known.get(key)
+        inode = (st.st_dev, st.st_ino)
+        lib = self.tracer.finder.known.get(inode)
         if lib is None:
-            lib = self._library(pid, link, seen_as, key)
-            self.tracer.finder.known[key] = lib
+            lib = self._library(pid, link, seen_as, inode)
+            self.tracer.finder.known[inode] = lib
             self.tracer.attach(lib)
-        failed = next((err for f, err in self.tracer.failed if f.inode == key), None)
+        failed = next((err for f, err in self.tracer.failed if f.inode == inode), None)
         if failed is None:
-            self._resume(pid)
+            self._resume(key)
             return
         action = self.on_unprobed(pid, lib, failed)
         self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
         if action == "kill":
             os.kill(pid, signal.SIGKILL)
-            self._resume(pid)     # a SIGKILL needs no SIGCONT; the entry goes all the same
+            self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
         elif action == "allow":
-            self._resume(pid)
-        # stall: it stays in held_open (the watchdog resumes it if we die), stopped
+            self._resume(key)
+        # stall: it stays in `held` (the watchdog resumes it if we die), stopped
 
     @staticmethod
     def _library(pid: int, link: str, seen_as: str, key) -> Library:
@@ -157,11 +166,7 @@ class Discovery:
         return Library(CUDA, link, key, seen_as)
 
     def sweep(self):
-        """Forget processes held for an unprobed file that have gone."""
+        """Forget processes held for an unprobed file that have gone (BPF drops their threads)."""
         for pid in list(self.unprobed):
             if not os.path.exists(f"/proc/{pid}"):
                 del self.unprobed[pid]
-                try:
-                    del self._map("held_open")[ct.c_uint(pid)]
-                except KeyError:
-                    pass

@@ -37,11 +37,18 @@ def _tracefs_file(rel: str) -> str | None:
     return None
 
 
+def has_open_tracepoints() -> bool:
+    """Discovery stops a process at its open of a driver file (CONFIG_FTRACE_SYSCALLS)."""
+    return all(_tracefs_file(f"events/syscalls/{e}/format") for e in ("sys_enter_openat", "sys_exit_openat"))
+
+
 def cflags(self_tgid: int, ringbuf_pages: int = 4096, extra: tuple = ()) -> list[str]:
     flags = [f"-I{BPF_DIR}", f"-DSELF_TGID={self_tgid}", f"-DRINGBUF_PAGES={ringbuf_pages}"]
     fmt = _tracefs_file("events/sched/sched_process_exit/format")
     if fmt and "group_dead" in open(fmt).read():
         flags.append("-DHAVE_GROUP_DEAD")   # 6.x: exact "last thread of the process" signal
+    if not has_open_tracepoints():
+        flags.append("-DNO_OPEN_TRACEPOINTS")
     return flags + list(extra)
 
 

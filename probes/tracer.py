@@ -7,7 +7,7 @@ import select
 import time
 from dataclasses import dataclass
 
-from . import loader
+from . import detach, loader
 from .discovery import Discovery
 from .events import FORMAT, Event, decode_many
 from .libs import Library, LibraryFinder
@@ -78,9 +78,13 @@ class Tracer:
         if self.finder.discover:
             self.discovery.enable(own_watchdog)
 
-    def close(self) -> None:
+    def close(self, background: bool = False) -> None:
+        """background: a child detaches the probes (probes/detach.py: ~0.1-0.5 s each, one at
+        a time in the kernel), so that a command ends at once."""
         if self.b is not None:
             self.discovery.disable()
+            if background:
+                detach.hand_off(self.b)
             self.b.cleanup()
             self._fd = None   # detaches every uprobe and the tracepoints
             self.b = None
@@ -163,7 +167,7 @@ class Tracer:
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
             if ev.op == "lib_open":
-                self.discovery.opened(ev.pid, ev.addr)
+                self.discovery.opened(ev.pid, ev.tid, ev.addr)
                 continue
             if ev.op in ("exit", "exec"):
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation

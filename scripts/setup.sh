@@ -7,6 +7,7 @@
 #     (uprobe programs use only stable uapi types, so generic headers compile them: FACTS.md);
 #   - tracefs mounted; a venv from the *system* python3 with --system-site-packages (bcc's
 #     Python part lives in the system dist-packages); the package, editable, with its test extras;
+#   - kubectl (Debian's kubernetes-client unless one is installed) for the deployment's tests;
 #   - the native parts (test stand-in libcuda, callers) built with make.
 set -eu
 cd "$(dirname "$0")/.."
@@ -17,6 +18,13 @@ need=""
 for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static; do
   dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
 done
+# kubectl renders the Kubernetes deployment (deploy/kubernetes) in the tests: Debian's
+# kubernetes-client where no kubectl is installed (`kubectl kustomize` is built in); a distro
+# without it (Ubuntu 24.04) leaves those tests to say that kubectl is missing
+if ! command -v kubectl >/dev/null 2>&1; then
+  apt-cache show kubernetes-client >/dev/null 2>&1 || apt-get update -qq   # lists may be absent
+  if apt-cache show kubernetes-client >/dev/null 2>&1; then need="$need kubernetes-client"; fi
+fi
 # vagrant (from the distro, where it has one): the tests validate the Vagrantfile with it
 if ! dpkg -s vagrant >/dev/null 2>&1 && apt-cache show vagrant >/dev/null 2>&1; then need="$need vagrant"; fi
 kr="$(uname -r)"
@@ -59,5 +67,5 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'   # bench: the plots' CI test
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench,k8s]'   # bench: the plots' CI test; k8s: the agent's
 make -s

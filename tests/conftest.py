@@ -466,3 +466,65 @@ def serving(enf, on_events=lambda events: None, seconds: float = 120):
         done.set()
         loop.join(timeout=10)
         enf.close()
+
+
+# --- other users of the stand-in driver (a `convgpu trace` demo, another session's tests) ---
+
+def _ancestors(pid: int) -> set[int]:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            break
+    return seen
+
+
+def standin_users(lib: Path | None = None) -> list[str]:
+    """'PID COMM (CGROUP)' of every process that maps this build's stand-in libcuda and is not
+    this session's (nor a descendant of it): probes on that file see their calls too, and an
+    enforcer over it places them, so a test's numbers can be off because of them."""
+    lib = lib or build_dir() / "standin" / "libcuda.so.1"
+    try:
+        ino = os.stat(lib).st_ino
+    except OSError:
+        return []
+    me, out = os.getpid(), []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/maps") as f:
+                if not any(line.split()[4:5] == [str(ino)] and line.rstrip().endswith("/libcuda.so.1") for line in f):
+                    continue
+            if me in _ancestors(int(d)):
+                continue
+            with open(f"/proc/{d}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{d}/cgroup") as f:
+                cg = f.read().splitlines()[-1].split(":", 2)[2]
+        except (OSError, IndexError):
+            continue
+        out.append(f"{d} {comm} ({cg})")
+    return out
+
+
+def pytest_report_header(config):
+    users = standin_users()
+    if users:
+        return [f"NOTE: {len(users)} other process(es) use this build's stand-in driver, and probes "
+                f"and enforcers in these tests see them too: {'; '.join(users)}"]
+    return []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed system test says which other processes used the stand-in driver meanwhile."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" and rep.failed and item.get_closest_marker("system") is not None:
+        users = standin_users()
+        if users:
+            rep.sections.append(("other users of the stand-in driver", "\n".join(
+                ["these processes, not started by this session, also called the stand-in driver "
+                 "(a `convgpu trace` demo, another session's tests):", *users])))

@@ -13,7 +13,13 @@ fail there and its own peak shows whether the GPU was ever over-committed.
 Times are reported unscaled (divided by --scale) to compare with the simulator on the same
 seed. A run that stops making progress (everyone left is stopped) is reported as a deadlock.
 Needs root and bcc. Run with CONVGPU_BUILD pointing at a private build when others share the
-machine (the enforcer is started with --no-discover --lib, so it sees only that driver)."""
+machine (the enforcer is started with --no-discover --lib, so it sees only that driver).
+
+    .venv/bin/python -m bench.sched.real --deadlocked-before
+
+runs every policy on DEADLOCKED_BEFORE: a workload on which ru and rand deadlocked (in the
+simulator and for real) before every grant and placement passed the banker's check, and which
+every policy now finishes (issue 14, part 4)."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +45,12 @@ from .sim import simulate
 from .workload import CAPACITY, OVERHEADS, Job, generate
 
 MiB = 1 << 20
+# 4 containers (1 GiB for 44 s, 512 MiB for 41 s, then two of 4 GiB) with the H100's 519 MiB
+# contexts: before the check, ru and rand handed the 1.5 GiB of the first exit to the newest
+# 4 GiB container, which made its context beside the other's; with two contexts held, 4082 MiB
+# was the most either could get and each needs 4096: both stopped for good. Now that grant is
+# not safe, the older one gets it (docs/SCHEDULING.md, "Real runs").
+DEADLOCKED_BEFORE = {"n": 4, "seed": 88, "overhead": "h100"}
 RESUME = re.compile(r"resume (\S+) on GPU\d+ after ([0-9.]+) s")
 
 
@@ -277,7 +289,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lib", default=None, help="libcuda.so.1 (default: the build's stand-in)")
     ap.add_argument("--out", default="docs/img/sched")
     ap.add_argument("--tag", default="sched-real", help="prefix of cgroups, shm and run dirs")
+    ap.add_argument("--deadlocked-before", action="store_true",
+                    help=f"--n, --seed and --overhead of DEADLOCKED_BEFORE {DEADLOCKED_BEFORE}")
     a = ap.parse_args(argv)
+    if a.deadlocked_before:
+        a.n, a.seed, a.overhead = (DEADLOCKED_BEFORE[k] for k in ("n", "seed", "overhead"))
     overhead = OVERHEADS[a.overhead] if a.overhead in OVERHEADS else parse_size(a.overhead, "--overhead")
     lib = Path(a.lib) if a.lib else build_dir() / "standin" / "libcuda.so.1"
     jobs = generate(a.n, a.seed)

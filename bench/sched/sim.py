@@ -1,7 +1,7 @@
 """Discrete-event simulator of `convgpu enforce` on the paper's scheduling workload.
 
 It calls the daemon's own pure policy code (`enforcer/policies.py`: `assign_new`, `Waiter`,
-`schedule`), and `_Sim.schedule` mirrors `Enforcer.schedule` in enforcer/daemon.py line for
+`Claim`, `safe_assignment`, `schedule`, `reclaim`: the banker's check included), and `_Sim.schedule` mirrors `Enforcer.schedule` in enforcer/daemon.py line for
 line, so a policy measured here is the policy the enforcer runs. What the daemon learns from BPF
 events, the simulator knows directly:
 
@@ -154,7 +154,8 @@ class _Sim:
     def arrive(self, t: float, job: Job):
         box = _Box(job, job.size + self.overhead, t, [self.overhead, job.size])
         free = self.capacity - sum(b.assigned for b in self.boxes.values())
-        box.assigned = policies.assign_new(box.limit, free)          # Enforcer._new_device
+        box.assigned = policies.assign_new(box.limit, free, self.claims(), self.capacity,
+                                           demand=box.calls[0], id=job.name)   # Enforcer._new_device
         self.boxes[job.name] = box
         self.note(t, "arrive", job.name)
         self.advance(t, box)
@@ -186,11 +187,21 @@ class _Sim:
     def demand(self, box: _Box) -> int:
         return box.used + box.pending
 
+    def claims(self, waiting: bool = True) -> list[policies.Claim]:   # Enforcer._claims
+        """The banker's view of the device: a running container holds its assignment, a waiter
+        what it uses (its unused assignment can be reclaimed); waiting=False: runners only."""
+        return [policies.Claim(b.job.name, b.limit, max(b.assigned, b.used) if b.since is None else b.used)
+                for b in self.boxes.values() if waiting or b.since is None]
+
     def schedule(self, now: float):
         waiting = [b for b in self.boxes.values() if b.since is not None]
         for box in waiting:   # a free inside the container may be enough (never here)
             if self.demand(box) <= box.assigned:
-                self.resume(now, box)
+                top = policies.safe_assignment(policies.Claim(box.job.name, box.limit, box.used),
+                                               self.claims(), self.capacity, self.demand(box), box.assigned)
+                if top is not None:
+                    box.assigned = top
+                    self.resume(now, box)
         if not self.grant(now) and self.reclaim(now):   # Enforcer.schedule
             self.grant(now, fit_only=True)
 
@@ -212,9 +223,11 @@ class _Sim:
             # demand > limit (over-limit) cannot happen: limit = context + size
             cands.append(policies.Waiter(id=box.job.name, created=box.created,
                                          suspended_at=box.since, limit=box.limit,
-                                         assigned=box.assigned, used=self.demand(box), request=0))
+                                         assigned=box.assigned, used=self.demand(box), request=0,
+                                         held=box.used))
         free = self.capacity - sum(b.assigned for b in self.boxes.values())
-        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only):
+        for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only,
+                                   self.claims(waiting=False), self.capacity):
             box = self.boxes[g.id]
             box.assigned += g.amount
             self.note(now, "grant", g.id)

@@ -5,12 +5,16 @@
 Each seed is one workload (bench/sched/workload.py) that every policy runs, so policies are
 compared on the same containers (paired differences, with their own intervals). Writes
 simulate.json (all aggregates), simulate.md (the tables) and, with matplotlib installed (the
-`bench` extra), PNG plots to --out. Costs about 1 ms of CPU per run of 38 containers."""
+`bench` extra), PNG plots to --out. The whole default table takes about 400 s of CPU, twice
+what it took before the banker's check before every move (policies.safe_assignment); --jobs
+spreads the (overhead, N) cells over processes (default: one per CPU)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,29 +78,52 @@ def aggregate(runs: dict[str, list], base: str | None) -> dict:
     return out
 
 
-def run_all(ns, overheads, labels, seeds, progress=None) -> dict:
-    total = len(ns) * len(overheads) * len(labels) * seeds
-    task = progress.add_task("simulating", total=total) if progress else None
-    results: dict = {}
-    for oname, ov in overheads.items():
-        results[oname] = {}
-        for n in ns:
-            runs: dict = {label: [] for label, _, _ in labels}
-            for seed in range(seeds):
-                jobs = generate(n, seed)
-                for label, policy, mw in labels:
-                    r = simulate(jobs, policy, ov, seed=seed, max_wait=mw)
-                    assert r.peak_assigned <= 5 << 30, (label, n, seed)   # never over capacity
-                    runs[label].append(r)
-                if progress:
-                    progress.advance(task, len(labels))
-            agg = aggregate(runs, "bf")
-            fifo = aggregate({k: v for k, v in runs.items() if k in ("fifo",) or k.startswith("bfa")}, "fifo")
-            for k, row in fifo.items():
-                if "minus_fifo" in row:
-                    agg[k]["minus_fifo"] = row["minus_fifo"]
-            results[oname][str(n)] = agg
-    return results
+def run_cell(oname: str, ov: int, n: int, labels, seeds: int) -> tuple[str, int, dict]:
+    """Every label on the first `seeds` workloads of N = n containers: one table cell per label."""
+    runs: dict = {label: [] for label, _, _ in labels}
+    for seed in range(seeds):
+        jobs = generate(n, seed)
+        for label, policy, mw in labels:
+            r = simulate(jobs, policy, ov, seed=seed, max_wait=mw)
+            assert r.peak_assigned <= 5 << 30, (label, n, seed)   # never over capacity
+            runs[label].append(r)
+    agg = aggregate(runs, "bf")
+    fifo = aggregate({k: v for k, v in runs.items() if k in ("fifo",) or k.startswith("bfa")}, "fifo")
+    for k, row in fifo.items():
+        if "minus_fifo" in row:
+            agg[k]["minus_fifo"] = row["minus_fifo"]
+    return oname, n, agg
+
+
+def _cell(args):
+    return run_cell(*args)
+
+
+def run_all(ns, overheads, labels, seeds, progress=None, jobs: int = 1) -> dict:
+    cells = [(oname, ov, n, labels, seeds) for oname, ov in overheads.items() for n in ns]
+    task = progress.add_task("simulating", total=len(cells)) if progress else None
+    done = {}
+    # the largest N first: the cells' costs grow with N, so the pool ends together
+    order = sorted(cells, key=lambda c: -c[2])
+    with multiprocessing.Pool(jobs) if jobs > 1 else _Serial() as pool:
+        for oname, n, agg in pool.imap_unordered(_cell, order):
+            done[oname, n] = agg
+            if progress:
+                progress.advance(task)
+    return {oname: {str(n): done[oname, n] for n in ns} for oname in overheads}
+
+
+class _Serial:
+    """multiprocessing.Pool's imap_unordered, in this process (--jobs 1; tests)."""
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def imap_unordered(fn, items):
+        return map(fn, items)
 
 
 def fmt(c: dict, digits: int = 0) -> str:
@@ -113,6 +140,12 @@ def tables(results: dict, labels: list[str], meta: dict) -> str:
     lines = []
     for oname, by_n in results.items():
         ov = meta["overheads"][oname]
+        runs = next(iter(next(iter(by_n.values())).values()))["runs"]
+        lines += [f"**runs deadlocked (of {runs}), context overhead {format_size(ov)} ({oname})**", "",
+                  "| N | " + " | ".join(labels) + " |", "|---:|" + "---:|" * len(labels)]
+        lines += [f"| {n} | " + " | ".join(str(agg[lab]["deadlocks"]) for lab in labels) + " |"
+                  for n, agg in by_n.items()]
+        lines.append("")
         for m, title in (("makespan", "makespan (s)"), ("mean_suspended", "mean suspended time (s)"),
                          ("p95_suspended", "p95 suspended time (s)")):
             lines += [f"**{title}, context overhead {format_size(ov)} ({oname})**", "",
@@ -143,17 +176,21 @@ def main(argv=None) -> int:
                     help="bfa's --max-wait in s; a list (30,180,inf) runs bfa once per value")
     ap.add_argument("--out", default="docs/img/sched")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
     a = ap.parse_args(argv)
     ns, overheads = parse_ns(a.n), parse_overheads(a.overheads)
     labels = variants(a.policies.split(","), [float(x) for x in a.max_wait.split(",")])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.process_time()
+    t0, w0 = time.process_time(), time.monotonic()
     with Progress(transient=True) as progress:
-        results = run_all(ns, overheads, labels, a.seeds, progress)
+        results = run_all(ns, overheads, labels, a.seeds, progress, a.jobs)
+    children = os.times()   # the pool's workers, once they are gone
+    cpu = time.process_time() - t0 + children.children_user + children.children_system
     meta = {"seeds": a.seeds, "ns": ns, "overheads": overheads,
             "labels": {lab: {"policy": p, "max_wait": w} for lab, p, w in labels},
-            "date": time.strftime("%Y-%m-%d"), "cpu_s": round(time.process_time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "cpu_s": round(cpu, 1),
+            "wall_s": round(time.monotonic() - w0, 1), "jobs": a.jobs,
             "command": "python -m bench.sched.simulate " + " ".join(argv if argv is not None else sys.argv[1:])}
     (out / "simulate.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = tables(results, [lab for lab, _, _ in labels], meta)
@@ -167,7 +204,8 @@ def main(argv=None) -> int:
         else:
             for f in plot_simulation(results, meta, out):
                 print(f"wrote {f}", file=sys.stderr)
-    print(f"{meta['cpu_s']} s of CPU; wrote {out / 'simulate.json'}", file=sys.stderr)
+    print(f"{meta['cpu_s']} s of CPU, {meta['wall_s']} s on {a.jobs} processes; wrote "
+          f"{out / 'simulate.json'}", file=sys.stderr)
     return 0
 
 

@@ -44,6 +44,31 @@ def test_real_run_matches_the_simulator(root, build, policy):
         assert c["real"]["ready"][name] >= ready - 1.0, (name, c)
 
 
+@pytest.mark.parametrize("policy", ["fifo", "bf", "ru", "rand", "bfa"])
+def test_real_run_that_deadlocked_before_finishes(root, build, policy):
+    """real.DEADLOCKED_BEFORE (519 MiB contexts): before the banker's check ru and rand left
+    both 4 GiB containers stopped for good, in the simulator and for real (the harness called
+    it after 2 s without progress). Every policy now finishes it, where the simulator says."""
+    cfg = real.DEADLOCKED_BEFORE
+    jobs, ov, seed = generate(cfg["n"], cfg["seed"]), OVERHEADS[cfg["overhead"]], cfg["seed"]
+    r = real.run_policy(policy, jobs, ov, seed, SCALE, 180.0, build / "standin" / "libcuda.so.1",
+                        build / "cgcaller", "sched-ci-safe")
+    c = real.compare(policy, jobs, ov, seed, 180.0, r)
+    assert r["errors"] == [] and not r["deadlock"], r["log"][-20:]
+    assert all(j["ready"] is not None and j["end"] is not None for j in r["jobs"])
+    assert r["peak"] <= CAPACITY
+    assert not c["sim"]["deadlock"] and c["same_outcome"]
+    # the simulator: 57.0 s for every policy (both 4 GiB containers after the first two)
+    assert c["sim"]["makespan"] == pytest.approx(57.0, abs=0.1)
+    assert c["sim"]["makespan"] - 1.0 <= r["makespan"] <= c["sim"]["makespan"] * 1.5 + 5.0, c
+    # the two 4 GiB containers start in the simulator's order, the older one first
+    ready = c["real"]["ready"]
+    assert ready["c02"] < ready["c03"], c
+    for name, at in c["sim"]["ready"].items():
+        assert ready[name] >= at - 1.0, (name, c)
+    assert not any("deadlocked" in line for line in r["log"]), r["log"][-20:]
+
+
 def test_resume_benchmark_shape(root, build, tmp_path):
     out = tmp_path / "resume.json"
     assert resume.main(["--trials", "5", "--seconds", "1", "--rates", "0,1000", "--settle", "0.02",

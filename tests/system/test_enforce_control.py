@@ -360,6 +360,30 @@ def test_restart_while_the_old_probes_detach_charges_nothing_twice(cgroups, buil
         enf.close()
 
 
+def test_kill_9_before_the_enforcer_heard_of_a_stall_still_resumes_it(cgroups, build, env5):
+    """BPF stops a process before the enforcer learns of it; an enforcer killed in between has
+    no state file entry for it (seen on the H100: kill -9 within a millisecond of a stall).
+    BPF lists every thread it stops in `held`, and the watchdog resumes them all. Here the
+    enforcer is frozen (SIGSTOP) while the process is stopped at its first call, then killed."""
+    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "1GiB")
+    p = None
+    try:
+        os.kill(enf.p.pid, signal.SIGSTOP)                    # it hears of nothing from now on
+        p = start_in(cgroups("late"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        wait_state(p.pid, "T")                                # stopped by BPF at its first call
+        state = json.load(open(f"{enf.run_dir}/held-{enf.p.pid}.json"))
+        assert p.pid not in state["pids"]
+        enf.p.kill()
+        enf.p.wait()
+        enf.wait_for("resumed 1 processes")
+        assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")   # admission is off
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        enf.close()
+
+
 def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, env5):
     """tests/unit/test_sim.py's hand-worked case with real processes: after A exits, ru gives
     the 2 GiB to C, which still misses 1 GiB while B holds 2 GiB it cannot run on either. Nobody

@@ -33,3 +33,24 @@ def test_unknown_container():
 def test_help_lists_commands():
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0 and "trace" in r.output and "doctor" in r.output
+
+
+def test_the_demo_only_where_nothing_is_named():
+    """--demo auto: the demo only on a host without a driver and with no --pid, --lib or
+    --container (each names what to watch); always / never as said."""
+    from convgpu.cli.trace import DemoMode, demo_wanted
+    auto, always, never = DemoMode.auto, DemoMode.always, DemoMode.never
+    cases = [((auto, False, [], [], None), True), ((auto, True, [], [], None), False),
+             ((auto, False, [42], [], None), False), ((auto, False, [], ["/x/libcuda.so.1"], None), False),
+             ((auto, False, [], [], "web"), False), ((always, True, [], [], None), True),
+             ((never, False, [], [], None), False)]
+    assert [(args, demo_wanted(*args)) for args, _ in cases] == cases
+
+
+def test_demo_always_with_a_filter_is_one_line_error():
+    r = runner.invoke(app, ["trace", "--demo", "always", "--pid", "1"])
+    assert r.exit_code == 1
+    assert r.output.strip() == ("convgpu: --demo always shows only the demo's own workers, and --pid 1 would hide "
+                                "them; drop --pid, or use --demo auto")
+    r = runner.invoke(app, ["trace", "--demo", "always", "--container", "web"])
+    assert r.exit_code == 1 and "--container web would hide them; drop --container" in r.output

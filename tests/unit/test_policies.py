@@ -11,6 +11,11 @@ from convgpu.enforcer.policies import (POLICIES, Grant, Waiter, assign_new, pick
 GiB = 1 << 30
 MiB = 1 << 20
 NAMES = ("fifo", "bf", "ru", "rand", "bfa")
+# A capacity with room for every limit in these cases, where they are about each policy's own
+# preference: the banker's check never binds (its own tests are in test_safety.py). Without
+# one, schedule() takes `free` plus the assignments as the capacity, and several of these
+# hand-made states have a limit above that (unsafe from the start).
+ROOMY = 64 * GiB
 
 
 def w(id, created, suspended_at, missing, need, limit=2 * GiB):
@@ -179,7 +184,8 @@ def test_bfa_holder_first_even_if_it_fits_worse():
     assert pick("bf", [exact, holder], 1 * GiB, 100, rng()) == exact
     assert pick("bfa", [exact, holder], 1 * GiB, 100, rng()) == holder
     # holder takes all 1 GiB (need 1 byte -> resumes, still 2 GiB short of its limit).
-    assert schedule("bfa", [exact, holder], 1 * GiB, 100, rng()) == [Grant("holder", 1 * GiB, True)]
+    assert schedule("bfa", [exact, holder], 1 * GiB, 100, rng(), capacity=ROOMY) == [
+        Grant("holder", 1 * GiB, True)]
 
 
 def test_bfa_holders_oldest_created_first_then_the_rest():
@@ -197,7 +203,8 @@ def test_bfa_overdue_served_first_even_if_it_fits_worse():
     assert pick("bfa", [good, bad], 1 * GiB, 100, rng(), 30) == bad
     assert pick("bfa", [good, bad], 1 * GiB, 100, rng()) == good   # default 180 s: not overdue
     # bad takes all 1 GiB (partial, need 1 byte -> resumes); nothing left for good.
-    assert schedule("bfa", [good, bad], 1 * GiB, 100, rng(), 30) == [Grant("bad", 1 * GiB, True)]
+    assert schedule("bfa", [good, bad], 1 * GiB, 100, rng(), 30, capacity=ROOMY) == [
+        Grant("bad", 1 * GiB, True)]
 
 
 def test_bfa_two_overdue_longest_waiting_first():
@@ -228,7 +235,8 @@ def test_bfa_leaves_at_most_one_waiter_partly_assigned():
                 ws.append(w(f"x{i}", r.randrange(10), r.uniform(0, 100),
                             r.randrange(1, limit) if i == 0 else limit, 1, limit=limit))
             assigned = {x.id: x.assigned for x in ws}
-            for g in schedule(policy, ws, r.randrange(1, 4 * GiB), 100, rng(), r.choice([0, 30, 1e9])):
+            for g in schedule(policy, ws, r.randrange(1, 4 * GiB), 100, rng(), r.choice([0, 30, 1e9]),
+                              capacity=ROOMY):
                 assigned[g.id] += g.amount
             seen = max(seen, sum(0 < assigned[x.id] < x.limit for x in ws))
         assert seen == most, policy   # bf: a holder left behind plus a new slice
@@ -275,7 +283,7 @@ def test_schedule_invariants_random():
         free = r.randrange(0, 6 * GiB)
         by_id = {x.id: x for x in ws}
         for policy in NAMES:
-            grants = schedule(policy, ws, free, 100, rng(r.random()))
+            grants = schedule(policy, ws, free, 100, rng(r.random()), capacity=ROOMY)
             assert sum(g.amount for g in grants) <= free
             assert len({g.id for g in grants}) == len(grants)
             for g in grants:

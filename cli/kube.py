@@ -1,0 +1,76 @@
+"""`convgpu kube`: the Kubernetes node agent next to `convgpu enforce` (docs/KUBERNETES.md).
+Serves the convgpu.io/gpu-memory device plugin to the kubelet and sends each pod's limit (its
+units x --unit, or its convgpu.io/gpu-memory-limit annotation) to the enforcer."""
+import logging
+import os
+
+import typer
+
+from ..errors import ConfigError
+from ..units import parse_size
+from . import common
+
+log = logging.getLogger("convgpu.cli.kube")
+PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+
+
+@common.handle_errors
+def kube(
+    unit: str = typer.Option("256MiB", "--unit", help="GPU memory per unit of convgpu.io/gpu-memory (a pod asking 16 gets 16 units)."),
+    gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory shared per GPU (default: NVML's total minus --reserve; give the enforcer's value)."),
+    reserve: str = typer.Option("512MiB", "--reserve", help="Kept free per GPU when the capacity comes from NVML (the enforcer's default)."),
+    resource: str = typer.Option("convgpu.io/gpu-memory", "--resource", help="The extended resource name."),
+    plugin_dir: str = typer.Option(PLUGIN_DIR, "--plugin-dir", help="The kubelet's device-plugins dir (kubelet.sock and our socket)."),
+    pod_resources: str = typer.Option("/var/lib/kubelet/pod-resources/kubelet.sock", "--pod-resources", help="The kubelet's pod-resources socket."),
+    api: str = typer.Option("auto", "--api", help="Pods' annotations and container ids from the API server: auto (when the kubernetes client and a config are there), on, off."),
+    node_name: str = typer.Option(None, "--node-name", envvar="NODE_NAME", help="This node's name (the DaemonSet sets NODE_NAME)."),
+    log_root: str = typer.Option("/var/log", "--log-root", help="Where the kubelet keeps pods/ and containers/ logs (container ids without the API server)."),
+    limits: bool = typer.Option(True, "--limits/--no-limits", help="Send pods' limits to the enforcer (off: device plugin only)."),
+    sync: float = typer.Option(2.0, "--sync", min=0.1, help="Seconds between pod-resources listings."),
+    duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until SIGTERM)."),
+    run_dir: str = typer.Option("/run/convgpu", "--run-dir", help="The enforcer's run dir (control.sock)."),
+):
+    """Kubernetes node agent: the convgpu.io/gpu-memory device plugin and limits from pods."""
+    from ..kube.agent import Agent, inventory
+    from ..kube.plugin import DevicePlugin
+    from ..kube.pods import ApiServerPods, KubeletLogPods, PodSync
+    from ..probes.nvml import Nvml
+    common.decisions_visible()
+    unit_b = parse_size(unit, "--unit")
+    if unit_b < 1 << 20:
+        raise ConfigError(f"--unit {unit} is below 1 MiB", "give a unit like 256MiB")
+    gm = parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    res_b = parse_size(reserve, "--reserve")
+    nvml = Nvml()
+    gpus = inventory(nvml, gm, res_b)
+    if not gpus:
+        raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'})",
+                          "run on a GPU node, or give --gpu-memory for one GPU")
+    plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource)
+    sources = []
+    if api not in ("auto", "on", "off"):
+        raise ConfigError(f"invalid --api {api!r}", "give auto, on or off")
+    if api != "off":
+        try:
+            if not node_name:
+                raise ConfigError("no node name", "set NODE_NAME or --node-name")
+            sources.append(ApiServerPods(node_name))
+        except Exception as e:
+            if api == "on":
+                raise ConfigError(f"cannot read pods from the API server: {e}",
+                                  "pip install 'convgpu[k8s]', give the pod a service account allowed to list pods") from None
+            log.warning("API server not used (%s): no annotations; container ids from %s", e, log_root)
+    sources.append(KubeletLogPods(log_root))
+    syncer = PodSync(os.path.join(run_dir, "control.sock"), sources, unit_b, pod_resources, resource) if limits else None
+    common.stop_on_signals()
+    agent = Agent(plugin, syncer, lambda: inventory(nvml, gm, res_b) or gpus, sync)
+    log.info("serving %s: %d units of %s on %d GPU(s); plugin socket %s", resource, len(plugin.ids),
+                unit, len(gpus), plugin.socket)
+    try:
+        agent.run(duration)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.stop.set()
+        plugin.close()
+        nvml.close()

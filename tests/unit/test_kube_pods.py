@@ -1,0 +1,214 @@
+"""Limits from pods, without an enforcer: the pod-resources List answered by the test-side
+kubelet (gRPC), container ids from the kubelet's log links, annotations from an API server
+stand-in speaking HTTP/JSON to the real `kubernetes` client."""
+import http.server
+import json
+import threading
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from convgpu.kube import api
+from convgpu.kube.pods import ANNOTATION, ApiServerPods, Assigned, KubeletLogPods, PodMeta, limits, list_assigned
+from kubelet_side import Kubelet
+
+MiB = 1 << 20
+UNIT = 256 * MiB
+CID = {n: (c * 64) for n, c in (("train", "a"), ("side", "b"), ("infer", "c"), ("note", "d"))}
+UID = {"trainer": "11111111-2222-3333-4444-555555555555", "server": "66666666-7777-8888-9999-000000000000",
+       "notebook": "abcdefab-cdef-abcd-efab-cdefabcdefab"}
+
+
+def pod(m, ns, name, *containers):
+    return m.PodResources(namespace=ns, name=name, containers=[
+        m.ContainerResources(name=c, devices=[m.ContainerDevices(resource_name=r, device_ids=i) for r, i in devs])
+        for c, devs in containers])
+
+
+@pytest.fixture
+def listing(tmp_path):
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    k = Kubelet(str(d), str(tmp_path / "pod-resources.sock"))
+    m, _ = api.podresources()
+    k.pods = [
+        pod(m, "ml", "trainer", ("train", [("convgpu.io/gpu-memory", ["g::0", "g::1", "g::2"]),
+                                           ("example.com/other", ["x"])]), ("side", [])),
+        pod(m, "ml", "server", ("infer", [("convgpu.io/gpu-memory", ["g::3"])])),
+        pod(m, "dev", "notebook", ("note", [])),
+    ]
+    k.start()
+    yield str(tmp_path / "pod-resources.sock")
+    k.stop()
+
+
+def test_pod_resources_list_gives_each_containers_units(listing):
+    assert list_assigned(listing) == [
+        Assigned("ml", "trainer", "train", ("g::0", "g::1", "g::2")), Assigned("ml", "trainer", "side", ()),
+        Assigned("ml", "server", "infer", ("g::3",)), Assigned("dev", "notebook", "note", ())]
+
+
+def test_kubelet_log_links_name_container_ids(tmp_path):
+    (tmp_path / "pods" / f"ml_trainer_{UID['trainer']}").mkdir(parents=True)
+    (tmp_path / "pods" / f"ml_server_{UID['server']}").mkdir(parents=True)
+    (tmp_path / "pods" / "not-a-pod-dir").mkdir(parents=True)
+    (tmp_path / "containers").mkdir()
+    for name in (f"trainer_ml_train-{CID['train']}.log", f"trainer_ml_side-{CID['side']}.log",
+                 f"trainer_ml_train-{'e' * 64}.log",          # train restarted: a second id
+                 "kube-proxy-x_kube-system_kube-proxy-123.log"):   # not a 64-hex id: ignored
+        (tmp_path / "containers" / name).symlink_to("/nonexistent")
+    got = KubeletLogPods(str(tmp_path)).pods()
+    assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {}, {"train": {CID["train"], "e" * 64},
+                                                                   "side": {CID["side"]}}),
+                   ("ml", "server"): PodMeta(UID["server"], {}, {})}
+
+
+def test_limits_units_then_annotation_keyed_by_container_and_single_container_pod(listing):
+    metas = {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "3GiB"}, {"train": {CID["train"]}, "side": {CID["side"]}}),
+             ("ml", "server"): PodMeta(UID["server"], {}, {}),          # container not started yet
+             ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": {CID["note"]}})}
+    got = limits(list_assigned(listing), metas, UNIT)
+    assert got == {
+        CID["train"]: (768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory"),  # units win
+        CID["side"]: (3 << 30, f"pod ml/trainer annotation {ANNOTATION}"),    # no units: the annotation
+        UID["server"]: (256 * MiB, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory"),  # by pod uid
+        CID["note"]: (1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}"),
+        UID["notebook"]: (1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}")}
+    # a bad annotation is skipped (the enforcer's default applies), units unaffected
+    metas[("dev", "notebook")].annotations[ANNOTATION] = "lots"
+    metas[("ml", "trainer")].annotations.clear()
+    got = limits(list_assigned(listing), metas, UNIT)
+    assert sorted(got) == sorted([CID["train"], UID["server"]])
+
+
+def test_api_server_pods_through_the_kubernetes_client(tmp_path, monkeypatch):
+    seen = []
+    body = {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
+        "metadata": {"name": "trainer", "namespace": "ml", "uid": UID["trainer"],
+                     "annotations": {ANNOTATION: "2GiB", "other": "x"}},
+        "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "train"}, {"name": "side"}]},
+        "status": {"containerStatuses": [
+            {"name": "train", "containerID": f"containerd://{CID['train']}", "image": "i", "imageID": "",
+             "ready": True, "restartCount": 0},
+            {"name": "side", "image": "i", "imageID": "", "ready": False, "restartCount": 0}]}}]}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            u = urlparse(self.path)
+            seen.append((u.path, parse_qs(u.query)))
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    cfg = tmp_path / "kubeconfig"
+    cfg.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{srv.server_address[1]}"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "x"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(cfg))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    try:
+        got = ApiServerPods("gpu-node-1").pods()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert seen == [("/api/v1/pods", {"fieldSelector": ["spec.nodeName=gpu-node-1"]})]
+    assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "2GiB", "other": "x"},
+                                              {"train": {CID["train"]}})}
+
+
+class _Control:
+    """A stand-in enforcer control socket (JSON lines): answers ping with `pid`, records pod-limits."""
+
+    def __init__(self, path):
+        from convgpu.enforcer.server import Handler, Server
+        ctl = self
+        self.pid, self.got = 100, []
+
+        class H(Handler):
+            def handle(self, peer, msg):
+                if msg["cmd"] == "ping":
+                    return {"ok": True, "pid": ctl.pid}
+                ctl.got.append(msg)
+                return {"ok": True, "keys": len(msg["limits"]), "changed": 0}
+        self.server = Server(path, H(), root_only=False)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        from convgpu.enforcer import server
+        while not self.stop.is_set():
+            server.serve(self.server.sel, 0.05)
+
+
+def test_pod_sync_sends_on_change_and_to_a_restarted_enforcer(listing, tmp_path):
+    from convgpu.kube.pods import PodSync
+    ctl = _Control(str(tmp_path / "control.sock"))
+    (tmp_path / "log" / "pods" / f"ml_server_{UID['server']}").mkdir(parents=True)
+    try:
+        sync = PodSync(str(tmp_path / "control.sock"), [KubeletLogPods(str(tmp_path / "log"))], UNIT, listing)
+        want = {UID["server"]: (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")}
+        assert sync.round() == want and sync.round() == want
+        assert ctl.got == [{"cmd": "pod-limits", "limits": {UID["server"]: [UNIT, want[UID["server"]][1]]}}]
+        ctl.pid = 101                       # a new enforcer knows nothing: sent again
+        sync.round()
+        assert len(ctl.got) == 2
+        (tmp_path / "log" / "pods" / f"ml_trainer_{UID['trainer']}").mkdir()   # trainer has 2 containers:
+        sync.round()                                                              # no key by uid, no change
+        assert len(ctl.got) == 2
+        (tmp_path / "log" / "containers").mkdir()
+        (tmp_path / "log" / "containers" / f"trainer_ml_train-{CID['train']}.log").symlink_to("/nonexistent")
+        assert sync.round()[CID["train"]] == (3 * UNIT, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory")
+        assert len(ctl.got) == 3 and set(ctl.got[-1]["limits"]) == {UID["server"], CID["train"]}
+    finally:
+        ctl.stop.set()
+        ctl.thread.join(timeout=5)
+
+
+def test_pod_sync_asks_a_source_with_a_ttl_again_only_when_it_must(listing, tmp_path):
+    from convgpu.kube import pods
+    ctl = _Control(str(tmp_path / "control.sock"))
+    clock = [1000.0]
+
+    class Api:
+        ttl = 30.0
+        calls = 0
+        known = {("ml", "trainer"): PodMeta(UID["trainer"], {}, {"train": {CID["train"]}}),
+                 ("ml", "server"): PodMeta(UID["server"], {}, {"infer": {CID["infer"]}})}
+
+        def pods(self):
+            Api.calls += 1
+            return dict(Api.known)
+    try:
+        sync = pods.PodSync(str(tmp_path / "control.sock"), [Api()], UNIT, listing, clock=lambda: clock[0])
+        sync.round()
+        assert Api.calls == 1                 # dev/notebook is unknown to it: asked again after 2 s
+        clock[0] += 1
+        sync.round()
+        assert Api.calls == 1
+        clock[0] += 1
+        sync.round()
+        assert Api.calls == 2
+        Api.known[("dev", "notebook")] = PodMeta(UID["notebook"], {}, {})
+        clock[0] += 2
+        sync.round()
+        assert Api.calls == 3                 # now everything is known: only the ttl
+        clock[0] += 29
+        sync.round()
+        assert Api.calls == 3
+        clock[0] += 1
+        assert sync.round()[CID["infer"]] == (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")
+        assert Api.calls == 4
+    finally:
+        ctl.stop.set()
+        ctl.thread.join(timeout=5)
