@@ -379,8 +379,7 @@ class Enforcing:
         self.run_dir = run_dir or run_dir_for("run")
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
-                                   "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else []),
-                                   *([] if "--state-dir" in args else ["--state-dir", self.run_dir])],
+                                   "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
                                   stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self.wait_for("enforcing:")
