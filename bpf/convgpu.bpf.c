@@ -307,11 +307,15 @@ static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts
 
 // U_c without reservations. u64 arithmetic wraps: a process placed after it had allocated
 // is adopted by the enforcer (a->adopted), and its later frees take those bytes from `used`,
-// so `used` alone may "go below zero" while the sum stays exact.
+// so `used` alone may "go below zero" while the sum stays exact. Every context costs the
+// device's estimate from its first moment; extra_overhead turns it into NVML's measurement
+// for the contexts measured. A sum below zero is a measured context gone before the enforcer
+// saw it: it holds nothing.
 static __always_inline u64 charged(struct cg_cgstate *s, struct cg_assign *a, struct cg_control *ctl)
 {
-    return s->used + a->adopted + (s->contexts + a->adopted_contexts) * ctl->ctx_overhead
-           + a->extra_overhead;
+    s64 v = s->used + a->adopted + (s->contexts + a->adopted_contexts) * a->ctx_charge
+            + a->extra_overhead;
+    return v < 0 ? 0 : v;
 }
 
 // Give back what a call reserved: at its return, after its bytes were charged (so the

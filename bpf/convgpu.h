@@ -151,7 +151,7 @@ struct cg_obj {
 
 /* Enforcement. The enforcer places each process in a container (members: tgid -> key) and
  * writes cg_assign; BPF alone writes cg_cgstate (atomics), so neither side overwrites the
- * other's counters. Admission: used + contexts * ctx_overhead + extra_overhead + reserved must
+ * other's counters. Admission: used + contexts * ctx_charge + extra_overhead + reserved must
  * stay <= assigned, checked at the entry of every call that takes device memory. */
 #define SHIM_MEMBER (1ULL << 63)   /* members value bit: managed by the preload shim */
 struct cg_limit_key {
@@ -162,9 +162,12 @@ struct cg_limit_key {
 struct cg_assign {     /* written by the enforcer */
     __u64 limit;       /* L_c */
     __u64 assigned;    /* A_c */
-    __u64 extra_overhead;  /* measured context overhead beyond contexts * ctx_overhead */
+    __s64 extra_overhead;  /* NVML-measured context overhead less ctx_charge for each context
+                            * it measured (negative where the estimate was high) */
     __u64 adopted;     /* live bytes its processes had when placed (BPF charged them nowhere) */
     __s64 adopted_contexts;
+    __u64 ctx_charge;  /* per context on this device until NVML measures it: the device's
+                        * estimate (enforcer/ctxest.py) */
 };
 struct cg_cgstate {    /* written by BPF */
     __u64 used;        /* live bytes of the container's processes */
@@ -174,7 +177,8 @@ struct cg_cgstate {    /* written by BPF */
 };
 struct cg_control {
     __u64 heartbeat_ns;    /* the enforcer's last sign of life (bpf_ktime_get_ns clock) */
-    __u64 ctx_overhead;    /* bytes charged per context before NVML measures it */
+    __u64 ctx_overhead;    /* reserved for a context call of a process not placed yet: the
+                            * largest per-device estimate (placed: cg_assign.ctx_charge) */
     __u32 enforcing;
     __u32 over_limit_kill; /* 1: SIGKILL a request above the limit instead of stopping it */
     __u32 waiters;         /* containers waiting for memory: frees and exits wake the enforcer */

@@ -8,7 +8,7 @@ from enum import Enum
 
 import typer
 
-from ..enforcer import config as cfg, policies
+from ..enforcer import config as cfg, ctxest, policies
 from ..enforcer.daemon import Enforcer
 from ..enforcer.engines import EngineLookup
 from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
@@ -26,7 +26,8 @@ DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
-            "run_dir": "/run/convgpu", "libs": [], "discover": True, "probes": True, "unprobed": "stall"}
+            "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
+            "probes": True, "unprobed": "stall"}
 
 
 class Policy(str, Enum):
@@ -95,7 +96,7 @@ def enforce(
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
     unprobed: Unprobed = typer.Option(None, "--unprobed", help="A process that opens a driver file which cannot be probed (its calls would go unchecked): stall it until it is killed (default; `convgpu status` says why), kill it, or allow it to run unchecked."),
-    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context at admission (default 0); with NVML the measured overhead is added."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where neither a median learned on this GPU nor a measured default for its architecture exists (default 0)."),
     max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
@@ -105,6 +106,7 @@ def enforce(
     metrics_port: int = typer.Option(None, "--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port (default 0: off)."),
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
+    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
     common.decisions_visible()
@@ -118,7 +120,7 @@ def enforce(
            "stall": stall.value if stall else None, "over_limit": over_limit.value if over_limit else None,
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
-           "metrics_address": metrics_address, "run_dir": run_dir, "libs": list(lib) or None,
+           "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
@@ -142,7 +144,7 @@ def enforce(
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
-                   unprobed=s["unprobed"])
+                   unprobed=s["unprobed"], state_dir=s["state_dir"])
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

@@ -13,18 +13,24 @@ def table(st: dict) -> Table:
     caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])} assigned"
                      for d, g in st["gpus"].items())
     unchecked = st.get("unchecked_calls", 0)
+    # per GPU: what a context is charged before NVML measures it, and where that comes from
+    est = "; ".join(f"GPU{d} context {format_size(g['ctx_estimate']['bytes'])} ({g['ctx_estimate']['source']})"
+                    for d, g in st["gpus"].items() if "ctx_estimate" in g)
+    notes = [est] if est else []
+    if unchecked:
+        notes.append(f"{unchecked} allocations ran unchecked while the enforcer's heartbeat had lapsed "
+                     f"(see its log)")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
-              title_justify="left", caption_justify="left",
-              caption=f"{unchecked} allocations ran unchecked while the enforcer's heartbeat had lapsed "
-                      f"(see its log)" if unchecked else None)
-    for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "state", "stalled", "stalls"):
+              title_justify="left", caption_justify="left", caption="\n".join(notes) or None)
+    for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "ctx from", "state", "stalled", "stalls"):
         t.add_column(col, justify="left" if col in ("container", "state") else "right")
     for c in st["containers"]:
         for dev, g in c["gpus"].items():
             state = ("over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
                      if g["waiting"] else "running")
             t.add_row(c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
-                      format_size(g["used"]), format_size(g["context_overhead"]), state,
+                      format_size(g["used"]), format_size(g["context_overhead"]),
+                      g.get("context_source", "-"), state,
                       f"{c['stalled_s']:.1f}s", str(c["stalls"]))
     return t
 

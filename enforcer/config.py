@@ -33,13 +33,14 @@ SETTINGS = {
     "metrics_port": ("port", None),
     "metrics_address": ("str", None),
     "run_dir": ("str", None),
+    "state_dir": ("str", None),
     "libs": ("strs", None),
     "discover": ("bool", None),
     "probes": ("bool", None),
     "unprobed": ("choice", ("stall", "kill", "allow")),
 }
 # changing these needs a restart: a reload only warns
-RESTART_KEYS = ("stall", "run_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
+RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
                 "libs", "discover", "probes", "unprobed")
 MATCHES = ("name", "id", "cgroup", "label")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..units import format_size
-from . import policies
+from . import ctxest, policies
 from .accounting import Accountant
 from .broker import SHIM_MEMBER, ShimBroker
 from .containers import Container, container_of_pid
@@ -32,6 +32,7 @@ HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without
 LOOP_LATE = 1.0          # s between two passes of the loop that gets a warning
 LOOP_HUNG = 30.0         # s without a pass: the heartbeat stops (enforcer/heartbeat.py)
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
+LEARN_SAVE_EVERY = 10.0  # s at most between two writes of the learned context estimates
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)
@@ -74,7 +75,8 @@ class Enforcer:
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
-                 reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall"):
+                 reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
+                 state_dir: str | None = None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
@@ -122,7 +124,14 @@ class Enforcer:
         self.servers: list[server.Server] = []
         self._exits: dict[int, tuple[int, float, dict]] = {}   # pidfd -> (pid, give up at, {dev: bytes held})
         self.sampler = None                # NVML's per-process memory, sampled in a thread
-        self.excess: dict[tuple[int, int], int] = {}   # (pid, dev) -> its last measured excess
+        # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
+        self.excess: dict[tuple[int, int], tuple[int, int]] = {}
+        # what a context costs before NVML measures it, per device (enforcer/ctxest.py)
+        self.learned = ctxest.LearnedStore(state_dir)
+        self.devices = self._devices()
+        self.est = {d: self._choose(d) for d in self.devices}
+        self._peak: dict[tuple[int, int], int] = {}    # (pid, dev) -> largest measured per context
+        self._learn_saved = 0.0
 
     # --- BPF maps ---
     def _t(self, name):
@@ -131,7 +140,9 @@ class Enforcer:
     def _control(self, enforcing: bool) -> int:
         """Writes the control map; returns the waiters count BPF knew before."""
         told, self._told = self._told, sum(len(b.waiting) for b in self.boxes.values())
-        self._leaf = dict(ctx_overhead=self.ctx_overhead, enforcing=int(enforcing), exempt=self._exempt,
+        # a context call of a process not placed yet reserves this (placed: its device's estimate)
+        self._leaf = dict(ctx_overhead=max((e.bytes for e in self.est.values()), default=self.ctx_overhead),
+                          enforcing=int(enforcing), exempt=self._exempt,
                           over_limit_kill=int(self.over_limit == "kill"), waiters=self._told,
                           owner=self.owner, quiet=int(enforcing and self._quiet()))
         self._write_control()
@@ -152,7 +163,8 @@ class Enforcer:
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=box.limit, assigned=box.assigned[dev],
                                                       extra_overhead=box.extra.get(dev, 0),
-                                                      adopted=nbytes, adopted_contexts=nctx)
+                                                      adopted=nbytes, adopted_contexts=nctx,
+                                                      ctx_charge=self._ctx(dev))
 
     def _state(self, box: Box, dev: int):
         t = self._t("cgstate")
@@ -167,7 +179,8 @@ class Enforcer:
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         if self.nvml is not None and self.nvml.ok:
             from ..probes.nvml import Sampler
-            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight).start()
+            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight,
+                                   contexts=True).start()
         # the control socket first: a second enforcer on the same run dir fails here, before
         # its probes could stall anything
         if _answers(self.control_path):
@@ -275,6 +288,7 @@ class Enforcer:
             for k, a in list(t.items()):
                 if k.container not in pids:
                     del t[k]
+        charge = {}   # (container, dev) -> the per-context charge the old enforcer wrote
         for k, a in self._t("assign").items():
             box = self.by_key.get(k.container)
             if box is None:
@@ -296,8 +310,13 @@ class Enforcer:
             box.assigned[k.dev] = a.assigned
             box.extra[k.dev] = a.extra_overhead
             box.adopted[k.dev] = (a.adopted, a.adopted_contexts)
+            charge[(box.key, k.dev)] = a.ctx_charge
         for box in self.boxes.values():
             for dev in box.assigned:
+                # its extra was relative to the old per-context charge (our estimate may differ,
+                # e.g. a median learned but not yet saved): keep the container's total as it was
+                _, contexts, _ = self._usage(box, dev)
+                box.extra[dev] += contexts * (charge.get((box.key, dev), self._ctx(dev)) - self._ctx(dev))
                 self._write_assign(box, dev)
         self._next_key = max(self.by_key, default=0) + 1
         log.info("took over from enforcer %s: %d containers, %s assigned", 
@@ -334,6 +353,10 @@ class Enforcer:
             self.metrics.close()
         if self.sampler is not None:
             self.sampler.close()
+        for (pid, dev), per_ctx in sorted(self._peak.items()):   # still running: learned too
+            self.learned.add(self.devices[dev].key, per_ctx)
+        self._peak.clear()
+        self._save_learned(force=True)
         # admission is off and nobody waits: the probes may detach after we are gone (seconds
         # to minutes for hundreds of probes: a stop, or a restart by systemd, need not wait)
         self.tracer.close(background=True)
@@ -405,7 +428,7 @@ class Enforcer:
                 self._gone(e.pid)
                 dirty = True
             elif e.op == "exit":
-                self._exiting(e.pid, e.size + e.live * self.ctx_overhead, e.ts_ns)
+                self._exiting(e.pid, e.size, e.ts_ns, contexts=e.live)
                 dirty = True
             elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
@@ -419,6 +442,7 @@ class Enforcer:
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
+            self._save_learned()
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
@@ -445,19 +469,23 @@ class Enforcer:
         self._held_due = 0.0
         self._save_held()
 
-    def _exiting(self, pid: int, tracked: int = 0, at: int = 0):
+    def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0):
         """The last thread of pid is in exit: it leaves its container now, but the driver frees
         its device memory only when the kernel closes its files, after the event (do_exit: the
         tracepoint, exit_mm, exit_files), 55 ms later on the H100. Until its pidfd becomes
         readable (exit_notify) those bytes are held against the card's physical room (see
         _room), so a waiter resumes at once where the card has room for both, and only
         once they are back where it has not. tracked: its live bytes and context charges;
-        at: the exit tracepoint's time (CLOCK_MONOTONIC ns), for the timeline."""
+        at: the exit tracepoint's time (CLOCK_MONOTONIC ns), for the timeline; contexts: how
+        many it had (measured by NVML: what NVML said; else the estimate each)."""
         t = time.monotonic_ns()
         box = self.pid_box.get(pid)
         devs = sorted(box.assigned) if box else []
         # on every device of its container: the event gives one total (where, BPF has forgotten)
-        held = tracked + sum(self.excess.get((pid, d), 0) for d in devs)
+        measured = [self.excess[(pid, d)] for d in devs if (pid, d) in self.excess]
+        unmeasured = max(0, contexts - sum(n for _, n in measured))
+        held = (tracked + sum(over for over, _ in measured)
+                + unmeasured * max((self._ctx(d) for d in devs), default=self.ctx_overhead))
         log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
         self._gone(pid)
         if not held or not devs:
@@ -630,6 +658,7 @@ class Enforcer:
         return w
 
     def _gone(self, pid: int):
+        self._learn(pid)
         if pid in self.shimmed:
             self.broker.shim_gone(pid)
         box = self.pid_box.pop(pid, None)
@@ -672,8 +701,13 @@ class Enforcer:
         """U_c plus what is pending: everything the container needs to run on."""
         used, contexts, reserved = self._usage(box, dev)
         w = box.waiting.get(dev)
-        return (used + contexts * self.ctx_overhead + box.extra.get(dev, 0) + reserved
+        return (self._ctx_held(box, dev, used, contexts) + reserved
                 + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0))
+
+    def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
+        """used plus its contexts: the estimate each, turned into NVML's measurement for the
+        measured ones by box.extra (never below zero, as charged() in bpf/convgpu.bpf.c)."""
+        return max(0, used + contexts * self._ctx(dev) + box.extra.get(dev, 0))
 
     def schedule(self):
         now = time.monotonic()
@@ -775,7 +809,7 @@ class Enforcer:
     def _held(self, box: Box, dev: int) -> int:
         """What the container holds now: its demand less the requests it is stopped at."""
         used, contexts, _ = self._usage(box, dev)
-        return used + contexts * self.ctx_overhead + box.extra.get(dev, 0) + box.shim_pending.get(dev, 0)
+        return self._ctx_held(box, dev, used, contexts) + box.shim_pending.get(dev, 0)
 
     def _over_limit(self, box: Box, dev: int, demand: int):
         w = box.waiting[dev]
@@ -898,28 +932,90 @@ class Enforcer:
                  format_size(rules.default))
         return True
 
-    # --- measured context overhead ---
+    # --- context overhead: estimated from the first moment, measured once NVML can ---
+    def _devices(self) -> dict[int, ctxest.Device]:
+        """Each GPU's model and driver as NVML tells them (keys of what is learned)."""
+        gpus = {}
+        if self.nvml is not None and getattr(self.nvml, "ok", False):
+            try:
+                gpus = {g.index: g for g in self.nvml.gpus()}
+            except Exception as e:
+                log.warning("NVML cannot list the GPUs (%s): context estimates from --ctx-overhead", e)
+        driver = getattr(self.nvml, "driver", "") or ""
+        return {d: ctxest.Device(d, gpus[d].name, gpus[d].uuid, driver) if d in gpus else ctxest.Device(d)
+                for d in self.capacity}
+
+    def _choose(self, dev: int) -> ctxest.Estimate:
+        return ctxest.choose(self.learned.get(self.devices[dev].key), self.devices[dev], self.ctx_overhead)
+
+    def _ctx(self, dev: int) -> int:
+        """Bytes charged per context on dev until NVML measures it."""
+        e = self.est.get(dev)
+        return e.bytes if e is not None else self.ctx_overhead
+
     def _measure_overhead(self) -> bool:
         """NVML's per-process memory beyond the bytes the probes track is each process's real
-        context overhead (FACTS.md: ~519 MiB on the H100); what exceeds the per-context charge
-        of --ctx-overhead is added to the container's usage at admission."""
+        context overhead (FACTS.md: ~519 MiB on the H100). BPF charges every context the
+        device's estimate from its first moment; for each process NVML has measured, the
+        container's extra_overhead replaces that estimate with the measurement (measured less
+        contexts x estimate, negative where the estimate was high), so no context is charged
+        both ways."""
         nv = self.sampler.take() if self.sampler is not None else None
         if nv is None:
             return False
         self.excess = nv
+        for (pid, dev), (over, n) in nv.items():
+            if n > 0 and dev in self.devices:
+                self._peak[(pid, dev)] = max(self._peak.get((pid, dev), 0), over // n)
+        return self._recharge()
+
+    def _recharge(self, devs=None) -> bool:
+        """box.extra from the last NVML sample and the estimates in force; written where changed."""
         changed = False
         for box in self.boxes.values():
             for dev in box.assigned:
-                extra = sum(nv.get((pid, dev), 0) for pid in box.pids)
-                if extra != box.extra.get(dev, 0):
+                if devs is not None and dev not in devs:
+                    continue
+                est = self._ctx(dev)
+                extra = sum(over - n * est for over, n in
+                            (self.excess[(pid, dev)] for pid in box.pids if (pid, dev) in self.excess))
+                if extra != box.extra.get(dev, 0) or devs is not None:
                     box.extra[dev] = extra
                     self._write_assign(box, dev)
                     changed = True
         return changed
 
-    def _tracked(self) -> dict[tuple[int, int], int]:
-        """(pid, dev) -> what the probes track: live bytes and the per-context charge."""
-        return {(u.pid, u.dev): u.live + max(u.contexts, 0) * self.ctx_overhead for u in self.tracer.usage()}
+    def _learn(self, pid: int):
+        """A process leaves: what NVML measured for its contexts (at their largest) is learned
+        for its device, and the device's estimate follows the new median."""
+        for dev in sorted(d for p, d in self._peak if p == pid):
+            per_ctx = self._peak.pop((pid, dev))
+            self.learned.add(self.devices[dev].key, per_ctx)
+            self._reestimate(dev)
+
+    def _reestimate(self, dev: int):
+        new = self._choose(dev)
+        old = self.est.get(dev)
+        if new == old:
+            return
+        self.est[dev] = new
+        if old is None or new.bytes != old.bytes:
+            log.info("GPU%d: a context is charged %s before NVML measures it (%s: %s)", dev,
+                     format_size(new.bytes), new.source, new.detail)
+            if self.tracer.b is not None:
+                self._recharge({dev})   # extra is relative to the estimate: both change at once
+                self._control(bool(self._leaf.get("enforcing")))
+
+    def _save_learned(self, force: bool = False):
+        now = time.monotonic()
+        if self.learned.dirty and (force or now - self._learn_saved >= LEARN_SAVE_EVERY):
+            self._learn_saved = now
+            self.learned.save()
+
+    def _tracked(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(pid, dev) -> (live bytes, contexts) as the probes track them: NVML's excess over
+        the bytes is the process's measured overhead, for that many contexts."""
+        return {(u.pid, u.dev): (u.live, max(u.contexts, 0)) for u in self.tracer.usage()}
 
     # --- what `convgpu status`, metrics and trace show ---
     def status(self) -> dict:
@@ -927,8 +1023,10 @@ class Enforcer:
         gpus = {}
         for dev, cap in sorted(self.capacity.items()):
             assigned = self._assigned(dev)
+            est = self.est.get(dev) or ctxest.Estimate(self.ctx_overhead, "ctx-overhead", "--ctx-overhead")
             gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned,
-                              "physical": self.physical[dev], "tearing_down": self._tearing(dev)}
+                              "physical": self.physical[dev], "tearing_down": self._tearing(dev),
+                              "ctx_estimate": est.to_json()}
         rows = []
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}
@@ -937,7 +1035,8 @@ class Enforcer:
                 w = box.waiting.get(dev)
                 per[str(dev)] = {
                     "assigned": box.assigned[dev], "used": used,
-                    "context_overhead": contexts * self.ctx_overhead + box.extra.get(dev, 0),
+                    "context_overhead": self._ctx_held(box, dev, 0, contexts),
+                    "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit),
@@ -963,6 +1062,16 @@ class Enforcer:
         return {"discovery": {"on": d.enabled, "stops": d.stops, "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
+
+    def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:
+        """Where a container's context charge on dev comes from: NVML measured all of it, some
+        of it (the rest: the device's estimate), or none yet."""
+        if not contexts:
+            return "none"
+        measured = sum(self.excess[(p, dev)][1] for p in box.pids if (p, dev) in self.excess)
+        if not measured:
+            return self.est[dev].source if dev in self.est else "ctx-overhead"
+        return "measured" if measured >= contexts else "measured+" + (self.est[dev].source if dev in self.est else "ctx-overhead")
 
     def snapshot(self, pids=None, container=None) -> dict:
         """`convgpu trace`'s view, with our state in it. A view turns alloc/free events on (from

@@ -90,8 +90,9 @@ class Sampler:
     reads high: a free the probes settle at its entry while the driver still holds the memory.
     Hence a process's excess is the smaller of its last two clean samples."""
 
-    def __init__(self, nvml: "Nvml", every: float, tracked, busy=lambda: set()):
+    def __init__(self, nvml: "Nvml", every: float, tracked, busy=lambda: set(), contexts: bool = False):
         self.nvml, self.every, self.tracked, self.busy = nvml, every, tracked, busy
+        self.contexts = contexts   # tracked() gives (bytes, contexts): see sample()
         self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
@@ -112,23 +113,34 @@ class Sampler:
 
     def sample(self) -> dict[tuple[int, int], int]:
         """(pid, dev) -> bytes NVML counts beyond the tracked ones. tracked(): (pid, dev) ->
-        the bytes the probes know of (allocations and the per-context charge); busy(): the
-        pids with a driver call in flight. Read in this order, any call that overlaps the
-        NVML sample is in flight at one read or moves the tracked bytes between them."""
+        the bytes the probes know of (allocations and the per-context charge), or with
+        `contexts` (bytes, contexts): then a change of contexts also counts as moving, and each value given out is
+        (excess, the contexts it was measured with); the smaller of two samples is taken only
+        when both saw the same contexts. busy(): the pids with a driver call in flight. Read in
+        this order, any call that overlaps the NVML sample is in flight at one read or moves the
+        tracked bytes between them."""
         before = self.tracked()
         moving = self.busy()
         used = self.nvml.process_memory()
         moving |= self.busy()
         after = self.tracked()
         out, seen = {}, {}
+        none = (0, 0) if self.contexts else 0     # a process the probes never saw
         for k, nbytes in used.items():
-            if k[0] in moving or before.get(k, 0) != after.get(k, 0):
+            if k[0] in moving or before.get(k, none) != after.get(k, none):
                 if k in self._out:
                     out[k] = self._out[k]
                 if k in self._seen:
                     seen[k] = self._seen[k]
                 continue
-            now = max(0, nbytes - after.get(k, 0))
+            t = after.get(k, none)
+            if self.contexts:
+                now = max(0, nbytes - t[0])
+                last = self._seen.get(k)
+                out[k] = (min(now, last[0]) if last and last[1] == t[1] else now, t[1])
+                seen[k] = (now, t[1])
+                continue
+            now = max(0, nbytes - t)
             out[k] = min(now, self._seen.get(k, now))
             seen[k] = now
         self._seen, self._out = seen, out   # processes NVML no longer lists are forgotten

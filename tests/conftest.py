@@ -324,8 +324,55 @@ def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, 
     from convgpu.enforcer.daemon import Enforcer
     from convgpu.enforcer.limits import LimitRules
     from convgpu.probes.tracer import Tracer
+    run_dir = run_dir_for(tag)
+    kw.setdefault("state_dir", run_dir)     # learned context estimates: this test's own
     return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", capacity or {0: 4 * GiB},
-                    LimitRules({}, limit), run_dir=run_dir_for(tag), **kw)
+                    LimitRules({}, limit), run_dir=run_dir, **kw)
+
+
+class StandinNvml:
+    """process_memory() as NVML answers it, from the stand-in driver's shared segment (its
+    per-process slots count allocations and each context's CONVGPU_STANDIN_CTX_OVERHEAD): slot
+    i at 352 + 144 i holds (i32 pid, u32, u64 start time, u64 used[16])
+    (tests/standin/standin_shm.h). name/driver: what gpus() and .driver tell (none: no GPU
+    facts, as when NVML lists no device)."""
+
+    ok = True
+
+    def __init__(self, shm: str, name: str = "", driver: str = "", devices: int = 1):
+        self.path = f"/dev/shm/{shm.lstrip('/')}"
+        self.seg = None
+        self.name, self.driver, self.devices = name, driver, devices
+        self._segment()
+
+    def _segment(self):
+        """Mapped once the first stand-in process has made the segment."""
+        if self.seg is None and os.path.exists(self.path):
+            import mmap
+            fd = os.open(self.path, os.O_RDONLY)
+            self.seg = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            os.close(fd)
+        return self.seg
+
+    def process_memory(self) -> dict[tuple[int, int], int]:
+        import struct
+        if self._segment() is None:
+            return {}
+        nslots, hiwater = struct.unpack_from("<I4xI", self.seg, 12)
+        out = {}
+        for i in range(min(nslots, hiwater)):
+            pid, = struct.unpack_from("<i", self.seg, 352 + 144 * i)
+            used = struct.unpack_from("<16Q", self.seg, 352 + 144 * i + 16)
+            for dev, n in enumerate(used):
+                if pid > 0 and n:
+                    out[(pid, dev)] = n
+        return out
+
+    def gpus(self) -> list:
+        if not self.name:
+            return []       # totals come from --gpu-memory here
+        from convgpu.probes.nvml import GpuInfo
+        return [GpuInfo(d, self.name, 80 * GiB, 0, f"GPU-standin-{d}") for d in range(self.devices)]
 
 
 def pytest_sessionfinish(session, exitstatus):

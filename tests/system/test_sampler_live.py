@@ -3,15 +3,12 @@ per-process memory (the driver's own count: allocations and each context's overh
 probes do not see), and CONVGPU_STANDIN_FREE_MS makes cuMemFree_v2 keep its bytes for a while,
 as a large free does on the H100 while BPF has already settled it at its entry.
 In-process enforcer on the stand-in, real cgroups."""
-import mmap
-import os
-import struct
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import GiB, MiB, inprocess_enforcer, serving, until
+from conftest import GiB, MiB, StandinNvml, inprocess_enforcer, serving, until
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.sched.resume import Worker  # noqa: E402
@@ -19,32 +16,6 @@ from bench.sched.resume import Worker  # noqa: E402
 pytestmark = pytest.mark.system
 CTX = 64 * MiB          # what the stand-in driver counts per context; the enforcer charges 0
 FREE_MS = 4500          # a free spanning four samples (one a second), and longer than SETTLE_NS
-
-
-class StandinNvml:
-    """process_memory() as NVML answers it, from the stand-in's shared segment: slot i at
-    352 + 144 i holds (i32 pid, u32, u64 start time, u64 used[16]) (tests/standin/standin_shm.h)."""
-
-    ok = True
-
-    def __init__(self, shm: str):
-        fd = os.open(f"/dev/shm/{shm.lstrip('/')}", os.O_RDONLY)
-        self.seg = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        os.close(fd)
-
-    def process_memory(self) -> dict[tuple[int, int], int]:
-        nslots, hiwater = struct.unpack_from("<I4xI", self.seg, 12)
-        out = {}
-        for i in range(min(nslots, hiwater)):
-            pid, = struct.unpack_from("<i", self.seg, 352 + 144 * i)
-            used = struct.unpack_from("<16Q", self.seg, 352 + 144 * i + 16)
-            for dev, n in enumerate(used):
-                if pid > 0 and n:
-                    out[(pid, dev)] = n
-        return out
-
-    def gpus(self) -> list:
-        return []       # totals come from --gpu-memory here
 
 
 def standin_env(caller_env: dict, free_ms: int) -> dict:
@@ -115,6 +86,6 @@ def test_samples_during_frees_still_in_the_driver_are_not_taken_as_context(root,
                 w.send("r")
                 assert w.line(timeout=5).startswith("d ")
             out = [g.get((w.p.pid, 0)) for g in given[n:]]
-            assert len(out) >= 5 and set(out) == {CTX}, out
+            assert len(out) >= 5 and set(out) == {(CTX, 0)}, out   # made before the probes: 0 seen
     finally:
         w.kill()

@@ -20,10 +20,10 @@ class Script:
         return self.tracked.pop(0)
 
 
-def sampler(nvml, tracked, busy=None):
+def sampler(nvml, tracked, busy=None, contexts=False):
     s = Script(nvml, tracked)
     busy = list(busy or [])
-    return Sampler(s, 1.0, s.track, lambda: busy.pop(0) if busy else set())
+    return Sampler(s, 1.0, s.track, lambda: busy.pop(0) if busy else set(), contexts=contexts)
 
 
 def test_excess_is_nvml_less_tracked_read_together():
@@ -87,3 +87,18 @@ def test_a_value_read_high_twice_is_undone_by_the_next_steady_read():
     assert s.sample() == {K: 3600 * MiB}
     assert s.sample() == {K: 3600 * MiB}
     assert s.sample() == {K: 519 * MiB}
+
+
+def test_with_contexts_each_value_says_how_many_contexts_it_measured():
+    """tracked() as (bytes, contexts): the excess over the bytes, with the contexts it covers."""
+    s = sampler([{K: 4600 * MiB, (7, 0): 500 * MiB}, {K: 4610 * MiB}], [{K: (4096 * MiB, 1)}] * 4, contexts=True)
+    assert s.sample() == {K: (504 * MiB, 1), (7, 0): (500 * MiB, 0)}   # 7: never seen by the probes
+    assert s.sample() == {K: (504 * MiB, 1)}       # the smaller of two: a rise shows next time
+
+
+def test_with_contexts_a_new_context_moves_and_then_is_not_mixed_with_the_old_reading():
+    s = sampler([{K: 600 * MiB}, {K: 1100 * MiB}, {K: 1100 * MiB}],
+                [{K: (0, 1)}, {K: (0, 1)}, {K: (0, 1)}, {K: (0, 2)}, {K: (0, 2)}, {K: (0, 2)}], contexts=True)
+    assert s.sample() == {K: (600 * MiB, 1)}
+    assert s.sample() == {K: (600 * MiB, 1)}       # contexts changed during the sample: kept
+    assert s.sample() == {K: (1100 * MiB, 2)}      # not min(600, 1100): 600 was one context

@@ -1,0 +1,141 @@
+"""What a CUDA context costs on each GPU before NVML has measured it (issue 14, part 2).
+
+A context takes half a gigabyte on an H100 the moment it exists (FACTS.md: 518-550 MiB per
+process), and no allocation call shows it; NVML shows it about a sample later. A container
+that allocates its whole assignment in that second has that much more on the card than it was
+given, and on a full card that is someone else's out-of-memory error. So every context is
+charged an estimate from its first moment, chosen per device, best first:
+
+1. learned: the median of what NVML measured for earlier processes on this device (this GPU
+   model and driver), kept across restarts in the state directory;
+2. architecture: the table below, measured on real cards;
+3. --ctx-overhead.
+
+Once NVML has measured a process, its measured overhead replaces the estimate for it (the
+enforcer charges the difference, enforcer/daemon.py _measure_overhead). The choice is a pure
+function; LearnedStore is the only part that touches a file."""
+import json
+import logging
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+KEEP = 32            # measurements kept per device: the median of the recent ones
+STATE_FILE = "ctx-overhead.json"
+DEFAULT_STATE_DIR = "/var/lib/convgpu"
+
+# (GPU name contains, driver major, bytes per context, where it was measured). The top of the
+# measured range, not its middle: an estimate too high holds a few MiB back for one NVML sample
+# (then the measured value replaces it); one too low lets a container past its assignment.
+ARCH_DEFAULTS = (
+    ("H100", 580, 550 * MiB,
+     "H100 80GB HBM3, driver 580.159.04: 518 MiB driver API and nvcc static runtime "
+     "(docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB PyTorch (FACTS.md, 2026-11-23)"),
+)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What NVML tells about a GPU: enough to key what was learned and to find a default."""
+    index: int
+    name: str = ""
+    uuid: str = ""
+    driver: str = ""
+
+    @property
+    def key(self) -> str:
+        """Learned values belong to this card and driver (a new driver: learned again)."""
+        ident = self.uuid or f"GPU{self.index}" + (f" {self.name}" if self.name else "")
+        return f"{ident} driver {self.driver}" if self.driver else ident
+
+
+@dataclass(frozen=True)
+class Estimate:
+    bytes: int
+    source: str      # "learned" | "architecture" | "ctx-overhead"
+    detail: str
+
+    def to_json(self) -> dict:
+        return {"bytes": self.bytes, "source": self.source, "detail": self.detail}
+
+
+def driver_major(driver: str) -> int | None:
+    try:
+        return int(driver.split(".")[0])
+    except ValueError:
+        return None
+
+
+def arch_default(name: str, driver: str) -> tuple[int, str] | None:
+    major = driver_major(driver)
+    for part, drv, nbytes, where in ARCH_DEFAULTS:
+        if part in name and drv == major:
+            return nbytes, where
+    return None
+
+
+def choose(learned: list[int], dev: Device, ctx_overhead: int) -> Estimate:
+    """The estimate in force for a device's next context."""
+    if learned:
+        med = int(statistics.median(learned))
+        return Estimate(med, "learned", f"median of {len(learned)} measured on {dev.key}")
+    found = arch_default(dev.name, dev.driver)
+    if found:
+        return Estimate(found[0], "architecture", found[1])
+    return Estimate(ctx_overhead, "ctx-overhead", "--ctx-overhead (nothing measured or known for "
+                    f"{dev.name or f'GPU{dev.index}'}{' driver ' + dev.driver if dev.driver else ''})")
+
+
+class LearnedStore:
+    """Measured per-context overheads per device key, in <state dir>/ctx-overhead.json:
+    {"version": 1, "devices": {key: [bytes, ...]}}. No directory: kept in memory only. A file
+    that cannot be read is one warning and a fresh start (and is replaced at the next save)."""
+
+    def __init__(self, state_dir: str | None):
+        self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
+        self.values: dict[str, list[int]] = {}
+        self.dirty = False
+        if self.path:
+            self.values = self._load()
+
+    def _load(self) -> dict[str, list[int]]:
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring %s (%s): context estimates start from defaults", self.path, e)
+            return {}
+        devs = doc.get("devices") if isinstance(doc, dict) else None
+        if not isinstance(devs, dict) or not all(
+                isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v) for v in devs.values()):
+            log.warning("ignoring %s (not a convgpu context file): context estimates start from "
+                        "defaults", self.path)
+            return {}
+        return {k: v[-KEEP:] for k, v in devs.items()}
+
+    def get(self, key: str) -> list[int]:
+        return self.values.get(key, [])
+
+    def add(self, key: str, nbytes: int):
+        self.values[key] = (self.values.get(key, []) + [int(nbytes)])[-KEEP:]
+        self.dirty = True
+
+    def save(self):
+        """Atomically (write, then rename); a failure is one warning, the values stay in memory."""
+        if not self.path or not self.dirty:
+            return
+        self.dirty = False
+        d = os.path.dirname(self.path)
+        try:
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".ctx-", dir=d)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": 1, "devices": self.values}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("cannot save context estimates to %s: %s", self.path, e)

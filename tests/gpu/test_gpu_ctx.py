@@ -1,0 +1,146 @@
+"""Issue 14, part 2, on the real driver: a card filled to its --gpu-memory by three containers,
+each a framework process (PyTorch or CuPy) that makes a context and at once allocates blocks
+until it is stopped (CuPy: 2 MiB blocks, so each ends within 2 MiB of what it is charged, and
+an estimate short by more than that shows). NVML's memory per container (one process each), sampled every few
+ms from the first context on, never exceeds its assignment by more than 2 MiB: the context is
+charged its device's estimate (the H100 table's 550 MiB on a fresh state dir) before NVML has
+measured it. A second enforcer on the same state dir starts from the learned median."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import lines_until, need
+
+pytestmark = pytest.mark.gpu
+MiB, GiB = 1 << 20, 1 << 30
+N, LIMIT, SLACK = 3, 2 * GiB, 2 * MiB
+WORK = {
+    # torch.empty launches no kernel: the context and the blocks, nothing else. 20 MiB: PyTorch's
+    # caching allocator asks cudaMalloc for exactly that (it carves 1-10 MiB requests out of
+    # 20 MiB segments), so every block is one cuMemAlloc_v2
+    "torch": r"""
+import torch
+keep = [torch.empty(20 << 20, dtype=torch.uint8, device="cuda") for i in range(1000)]
+""",
+    "cupy": r"""
+import cupy
+cupy.cuda.set_allocator(None)          # every block a cuMemAlloc_v2 of 2 MiB, no pool
+keep = [cupy.empty(2 << 20, dtype=cupy.uint8) for i in range(10000)]
+""",
+}
+
+
+def nvml_sampler(pids, stop, peaks):
+    import pynvml
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    while not stop.is_set():
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid in pids and p.usedGpuMemory is not None and p.usedGpuMemory < (1 << 62):
+                peaks[p.pid] = max(peaks.get(p.pid, 0), p.usedGpuMemory)
+        time.sleep(0.002)
+    pynvml.nvmlShutdown()
+
+
+def one_round(framework, base, run_dir, state_dir, log):
+    from convgpu.enforcer.server import request
+    enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", f"{N * LIMIT // GiB}GiB",
+                            "--default-limit", f"{LIMIT // GiB}GiB", "--policy", "fifo", "--run-dir", run_dir,
+                            "--state-dir", state_dir], stderr=subprocess.PIPE, text=True, cwd="/")
+    procs, peaks, stop = [], {}, threading.Event()
+    sampler = None
+
+    def status():
+        return request(f"{run_dir}/control.sock", {"cmd": "status"})["status"]
+
+    try:
+        lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 60, "enforcer log")
+        estimate = status()["gpus"]["0"]["ctx_estimate"]
+        for i in range(N):
+            cg = base / f"c{i}"
+            cg.mkdir(parents=True, exist_ok=True)
+            argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', sys.executable, "-c",
+                    WORK[framework]]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        pids = {p.pid for p in procs}
+        sampler = threading.Thread(target=nvml_sampler, args=(pids, stop, peaks), daemon=True)
+        sampler.start()
+        deadline = time.monotonic() + 120
+        while True:    # every container stopped at the block that would take it past its assignment
+            rows = [c["gpus"].get("0") for c in status()["containers"]]
+            if len(rows) == N and all(g and g["waiting"] and g["used"] > 0 for g in rows):
+                break
+            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs if p.poll() is not None]
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10    # NVML's measurement replaces the estimate
+        while not all(c["gpus"]["0"]["context_source"] == "measured" for c in status()["containers"]):
+            assert time.monotonic() < deadline, status()["containers"]
+            time.sleep(0.1)
+        time.sleep(1.5)
+        stop.set()
+        sampler.join()
+        st = status()
+        return estimate, st, peaks, pids
+    finally:
+        stop.set()
+        for p in procs:
+            p.kill()
+            p.wait()
+        enf.terminate()
+        enf.wait(timeout=30)
+        log += enf.stderr.read().splitlines()
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_fresh_contexts_on_a_full_card_stay_within_their_assignments(root, tmp_path, framework):
+    from convgpu.enforcer.containers import cgroup_layout
+    lay = cgroup_layout()
+    need(lay.v2_root is not None, "no cgroup2")
+    if framework == "cupy":
+        pytest.importorskip("cupy")
+    from convgpu.enforcer.ctxest import arch_default
+    from convgpu.probes.nvml import Nvml
+    nv = Nvml()
+    need(nv.ok and nv.gpus(), f"no NVML ({nv.error})")
+    name = nv.gpus()[0].name
+    need(arch_default(name, nv.driver) is not None,
+         f"no measured context default for {name} driver {nv.driver} (enforcer/ctxest.py ARCH_DEFAULTS)")
+    nv.close()
+    base = Path(lay.v2_root) / f"convgpu-gpu-ctx-{os.getpid()}"
+    state_dir = str(tmp_path / "state")
+    log, result = [], {"scenario": f"context at admission, {framework}"}
+    try:
+        for rnd, source in ((1, "architecture"), (2, "learned")):
+            estimate, st, peaks, pids = one_round(framework, base, str(tmp_path / f"run{rnd}"), state_dir, log)
+            rows = {c["pids"][0]: c["gpus"]["0"] for c in st["containers"]}
+            result[f"round{rnd}"] = {"estimate": estimate, "nvml_peak_mib": {p: peaks.get(p, 0) / MiB for p in pids},
+                                     "rows": rows}
+            assert estimate["source"] == source, estimate
+            assert st["gpus"]["0"]["assigned"] == N * LIMIT
+            over = {p: (peaks[p] - LIMIT) / MiB for p in pids if peaks.get(p, 0) > LIMIT + SLACK}
+            assert not over, f"MiB above the assignment: {over}; {result}"
+            for pid, g in rows.items():
+                assert g["assigned"] == LIMIT and g["context_source"] == "measured", g
+                assert peaks[pid] >= g["used"] + g["context_overhead"] - SLACK, (peaks, g)
+        learned = json.load(open(os.path.join(state_dir, "ctx-overhead.json")))["devices"]
+        assert len(learned) == 1 and len(next(iter(learned.values()))) == 2 * N, learned
+    finally:
+        if os.environ.get("CONVGPU_GPU_LOG"):
+            with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
+                f.write(json.dumps({**result, "log": log[-60:]}, default=str) + "\n")
+        for i in range(N):
+            try:
+                (base / f"c{i}").rmdir()
+            except OSError:
+                pass
+        try:
+            base.rmdir()
+        except OSError:
+            pass

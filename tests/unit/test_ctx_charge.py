@@ -1,0 +1,124 @@
+"""The enforcer's context charge, without BPF (the ledger stands in for the maps): every
+context costs its device's estimate from its first moment; once NVML has measured a process,
+extra_overhead turns its estimate into the measurement, never both; a process that leaves
+teaches its device's estimate. charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
++ extra_overhead: charged() below is the same sum over what the enforcer wrote."""
+import os
+import subprocess
+
+from convgpu.enforcer.containers import Container
+from convgpu.enforcer.ctxest import STATE_FILE, LearnedStore
+from convgpu.enforcer.daemon import Enforcer
+from convgpu.enforcer.limits import LimitRules
+from convgpu.probes.ledger import Ledger
+from convgpu.probes.nvml import GpuInfo
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+class Nvml:
+    ok, driver = True, "580.159.04"
+
+    def gpus(self):
+        return [GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * GiB, 0, "GPU-0"), GpuInfo(1, "NVIDIA A100", 80 * GiB, 0, "GPU-1")]
+
+
+def enforcer(tmp_path, box_of=None):
+    led = Ledger().start()
+    box_of = box_of or {10: "a", 11: "a", 20: "b"}
+    enf = Enforcer(led, "fifo", {0: 8 * GiB, 1: 8 * GiB}, LimitRules({}, 4 * GiB), ctx_overhead=100 * MiB,
+                   container_of=lambda pid: Container("cgroup", box_of[pid], "/" + box_of[pid]),
+                   run_dir=str(tmp_path / "run"), nvml=Nvml(), state_dir=str(tmp_path))
+    return enf, led
+
+
+def charged(enf, box, dev):
+    a = enf._t("assign")[enf._t("assign").Key(container=box.key, dev=dev)]
+    used, contexts, _ = enf._usage(box, dev)
+    return max(0, used + contexts * a.ctx_charge + a.extra_overhead)
+
+
+def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
+    enf, led = enforcer(tmp_path)
+    assert {d: (e.source, e.bytes) for d, e in enf.est.items()} == {0: ("architecture", 550 * MiB),
+                                                                    1: ("ctx-overhead", 100 * MiB)}
+    assert enf._leaf == {} and enf._control(True) == 0 and enf._leaf["ctx_overhead"] == 550 * MiB
+    for pid in (10, 11, 20):
+        led.context(pid, 0, True)
+        enf._place(pid, 0, 0)
+    led.alloc(10, 0, 100 * MiB)
+    a, b = enf.boxes["a"], enf.boxes["b"]
+    assert charged(enf, a, 0) == 100 * MiB + 2 * 550 * MiB and charged(enf, b, 0) == 550 * MiB
+    # NVML measures pid 10 (518 MiB) and pid 20 (600 MiB, above the estimate); 11 not yet
+    enf.excess = {(10, 0): (518 * MiB, 1), (20, 0): (600 * MiB, 1)}
+    assert enf._recharge()
+    assert charged(enf, a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
+    assert charged(enf, b, 0) == 600 * MiB
+    st = {c["id"]: c["gpus"]["0"] for c in enf.status()["containers"]}
+    assert st["a"]["context_source"] == "measured+architecture" and st["b"]["context_source"] == "measured"
+    assert st["a"]["context_overhead"] == 518 * MiB + 550 * MiB
+    assert enf.status()["gpus"]["0"]["ctx_estimate"]["source"] == "architecture"
+    assert enf._demand(b, 0) == 600 * MiB and enf._held(a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
+
+
+def test_a_process_that_leaves_teaches_its_device(tmp_path):
+    enf, led = enforcer(tmp_path)
+    enf._control(True)
+    for pid in (10, 20):
+        led.context(pid, 0, True)
+        enf._place(pid, 0, 0)
+    enf.sampler = type("S", (), {"take": lambda self: {(10, 0): (530 * MiB, 1), (20, 0): (520 * MiB, 1)}})()
+    enf._measure_overhead()
+    enf.sampler = type("S", (), {"take": lambda self: {(10, 0): (540 * MiB, 1), (20, 0): (520 * MiB, 1)}})()
+    enf._measure_overhead()                         # grew: the largest reading is what is learned
+    enf._gone(10)
+    e = enf.est[0]
+    assert (e.source, e.bytes) == ("learned", 540 * MiB) and enf._leaf["ctx_overhead"] == 540 * MiB
+    b = enf.boxes["b"]
+    assert charged(enf, b, 0) == 520 * MiB          # still its measurement, relative to the new estimate
+    assert enf._t("assign")[enf._t("assign").Key(container=b.key, dev=0)].ctx_charge == 540 * MiB
+    enf._save_learned(force=True)
+    assert LearnedStore(str(tmp_path)).get("GPU-0 driver 580.159.04") == [540 * MiB]
+    assert os.path.exists(tmp_path / STATE_FILE)
+    # a new enforcer on the same state dir starts from it
+    enf2, _ = enforcer(tmp_path)
+    assert (enf2.est[0].source, enf2.est[0].bytes, enf2.est[1].source) == ("learned", 540 * MiB, "ctx-overhead")
+
+
+def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
+    """Until the driver has freed it (its pidfd), what an exiting process held stays counted."""
+    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    p, q = (k.pid for k in kids)
+    try:
+        enf, led = enforcer(tmp_path, {p: "a", q: "b"})
+        for pid in (p, q):
+            led.context(pid, 0, True)
+            enf._place(pid, 0, 0)
+        enf.excess = {(p, 0): (518 * MiB, 1)}
+        enf._exiting(p, 64 * MiB, contexts=1)
+        enf._exiting(q, 0, contexts=1)
+        assert {pid: h[0] for pid, _, h in enf._exits.values()} == {p: 64 * MiB + 518 * MiB, q: 550 * MiB}
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+        for fd in list(enf._exits):
+            os.close(fd)
+
+
+def test_status_table_names_the_estimate_and_where_each_charge_comes_from():
+    from rich.console import Console
+
+    from convgpu.cli.status import table
+    st = {"pid": 1, "policy": "fifo", "stall": "signal",
+          "gpus": {"0": {"assigned": 2 * GiB, "capacity": 6 * GiB,
+                         "ctx_estimate": {"bytes": 550 * MiB, "source": "architecture", "detail": "H100"}}},
+          "containers": [{"name": "c0", "limit": 2 * GiB, "stalled_s": 1.0, "stalls": 1,
+                          "gpus": {"0": {"assigned": 2 * GiB, "used": 1472 * MiB, "context_overhead": 522 * MiB,
+                                         "context_source": "measured", "over_limit": True, "waiting": True,
+                                         "waiting_s": 1.0}}}]}
+    c = Console(width=120, record=True)
+    c.print(table(st))
+    out = c.export_text()
+    assert "GPU0 context 550.0 MiB (architecture)" in out and "measured" in out and "522.0 MiB" in out
+    assert max(len(line) for line in out.splitlines()) <= 110
