@@ -23,10 +23,13 @@ def test_sigint_ends_trace_at_once_on_every_gpu(root, build):
     gpus = [g.index for g in n.gpus()]
     n.close()
     tr = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events",
-                           "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd="/")   # the source tree's convgpu/ must not shadow the installed package
     callers = []
     try:
-        assert json.loads(tr.stdout.readline())["mode"] == "driver"
+        first = tr.stdout.readline()
+        assert first, tr.stderr.read()[-2000:]
+        assert json.loads(first)["mode"] == "driver"
         for dev in gpus:   # the real driver: cgcaller without the stand-in on its library path
             env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
             callers.append(Caller([str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(64 * MiB), "-d", str(dev),
