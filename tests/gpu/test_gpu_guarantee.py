@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lines_until, need, rest_of
+from conftest import lines_until, rest_of
 
 pytestmark = pytest.mark.gpu
 GiB, MiB = 1 << 30, 1 << 20
@@ -49,30 +49,6 @@ def record(name, **data):
     if LOG:
         with open(LOG, "a") as f:
             f.write(json.dumps({"scenario": name, **data}) + "\n")
-
-
-@pytest.fixture
-def cgroup():
-    from convgpu.enforcer.containers import cgroup_layout
-    lay = cgroup_layout()
-    need(lay.v2_root is not None, "no cgroup2")
-    base = Path(lay.v2_root) / f"convgpu-gpu14-{os.getpid()}-{time.monotonic_ns()}"
-    made = []
-
-    def make(name):
-        (base / name).mkdir(parents=True, exist_ok=True)
-        made.append(base / name)
-        return base / name
-    yield make
-    for d in made + [base]:
-        for _ in range(50):
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def start_in(cg, code, *args, env=None):
@@ -149,14 +125,14 @@ def test_fresh_driver_copy_is_traced_from_the_first_call(root, driver_copy):
         tr.wait(timeout=30)
 
 
-def test_fresh_driver_copy_is_enforced_from_the_first_call(root, driver_copy, cgroup):
+def test_fresh_driver_copy_is_enforced_from_the_first_call(root, driver_copy, cgroups):
     """Limit 2 GiB: PyTorch's 1 GiB (beside its ~0.5 GiB context) runs, its next 1 GiB would
     exceed the limit and is stopped before it runs: NVML never shows it."""
     path, env = driver_copy
     enf = GpuEnforcer("--gpu-memory", "8GiB", "--default-limit", "2GiB", "--ctx-overhead", "600MiB")
     p = None
     try:
-        p = start_in(cgroup("fresh"), TORCH_EAGER, 1024, 1024, env=env)
+        p = start_in(cgroups("fresh"), TORCH_EAGER, 1024, 1024, env=env)
         first = json.loads(p.stdout.readline())["first"]
         enf.wait_for("above its limit")
         from conftest import wait_state
@@ -179,7 +155,7 @@ def test_fresh_driver_copy_is_enforced_from_the_first_call(root, driver_copy, cg
         enf.close("fresh copy enforced log")
 
 
-def test_restart_after_kill_9_with_a_large_stalled_call(root, cgroup):
+def test_restart_after_kill_9_with_a_large_stalled_call(root, cgroups):
     """The H100 sequence: JAX's 60 GB preallocation stalls over a 4 GiB limit; kill -9; the
     watchdog resumes it, it runs and exits; a new enforcer at once; two CuPy jobs (1 GiB, 3 s,
     1 GiB more) under 3 GiB limits on 5 GiB: both finish, and the books hold no reservation."""
@@ -193,7 +169,7 @@ def test_restart_after_kill_9_with_a_large_stalled_call(root, cgroup):
         print(what, got, time.strftime("%T"), flush=True)
         return got
     try:
-        jx = start_in(cgroup("jax"), JAX_PREALLOC)
+        jx = start_in(cgroups("jax"), JAX_PREALLOC)
         procs.append(jx)
         enf.wait_for("above its limit", 120)
         enf.p.send_signal(signal.SIGKILL)
@@ -202,7 +178,7 @@ def test_restart_after_kill_9_with_a_large_stalled_call(root, cgroup):
         assert line(jx, "jax", 120).startswith("ran")
         assert jx.wait(timeout=60) == 0
         enf2 = GpuEnforcer("--gpu-memory", "5GiB", "--default-limit", "3GiB", run_dir=enf.run_dir)
-        jobs = [start_in(cgroup(n), CUPY_JOB) for n in ("one", "two")]
+        jobs = [start_in(cgroups(n), CUPY_JOB) for n in ("one", "two")]
         procs += jobs
         for j in jobs:
             assert line(j, "job first") == "first"
