@@ -4,6 +4,15 @@
 // call once the driver has answered: CUresult != 0 changes nothing. Accounting lives in maps
 // (exact, read by user space at any time); the ring buffer only carries events for the live
 // view, without wake-ups (FACTS.md: a wake-up per event costs the caller 10-16 us).
+//
+// Contents (one file: bcc rewrites map calls such as threads.lookup() only in the main source)
+//   maps and helpers ........... the accounting state (pinned under enforce), `held`, events
+//   enforce .................... admission at entry, the second-instruction recheck, retired()
+//   accounting helpers ......... objects, bytes and contexts in and out
+//   entry (probes/table.py) .... saves arguments, admits; frees settle at entry
+//   return ..................... one program per family settles the call
+//   exit and exec .............. the kernel's tracepoints release everything a process held
+//   discovery .................. a process opening a driver file waits until it is probed
 #include <uapi/linux/ptrace.h>
 #include "convgpu.h"
 
@@ -425,6 +434,8 @@ int recheck(struct pt_regs *ctx)
     stop_then_tell(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, ctl);
     return 0;
 }
+
+// ---- accounting helpers: objects, bytes and contexts in and out ----
 
 // Bytes obtained: remember the object, add to the (process, device) totals.
 static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
