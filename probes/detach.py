@@ -44,6 +44,11 @@ def hand_off(b) -> subprocess.Popen | None:
         return None
     for fd in fds:
         os.close(fd)
+    # bcc counts the uprobes a process holds against a quota (1000, BCC_PROBE_LIMIT) in a module
+    # global that only its own detach lowers: without this, a process that closes tracers in
+    # the background (the test suite's in-process enforcers) is soon refused every attach
+    import bcc
+    bcc._num_open_probes -= len(b.uprobe_fds)
     for t in tables:
         t.clear()
     log.debug("%d probes handed to pid %d to detach", len(fds), child.pid)

@@ -79,3 +79,18 @@ def test_sigint_ends_trace_at_once_with_two_gpus(root, build, caller_env):
     while mine & detachers() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not mine & detachers(), "the detaching child is still running after 180 s"
+
+
+def test_background_detach_gives_back_bcc_probe_quota(root, build):
+    """bcc refuses attaches past 1000 open uprobes per process, counted in a global only its own
+    detach lowers: a tracer closed in the background must give its count back, or a long-lived
+    process (the test suite's in-process enforcers) is soon refused every attach."""
+    import bcc
+    from convgpu.probes.tracer import Tracer
+    before = bcc._num_open_probes
+    for _ in range(2):
+        t = Tracer(libraries=(str(build / "standin" / "libcuda.so.1"),), discover=False, selftest=False).start()
+        held = len(t.b.uprobe_fds)
+        assert held > 40 and bcc._num_open_probes == before + held
+        t.close(background=True)
+        assert bcc._num_open_probes == before
