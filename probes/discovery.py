@@ -18,6 +18,7 @@ import ctypes as ct
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from .libs import Library, resolve_in_root
@@ -86,6 +87,7 @@ class Discovery:
             return
         self._write(False)
         self.enabled = False
+        time.sleep(0.02)   # a program past its check when `on` went to 0 may still stop one
         for key in self._held():
             self._resume(key)
         self.unprobed.clear()
