@@ -12,7 +12,7 @@ charged an estimate from its first moment, chosen per device, best first:
 3. --ctx-overhead.
 
 Once NVML has measured a process, its measured overhead replaces the estimate for it (the
-enforcer charges the difference, enforcer/daemon.py _measure_overhead). The choice is a pure
+enforcer charges the difference, enforcer/overhead.py _measure_overhead). The choice is a pure
 function; LearnedStore is the only part that touches a file."""
 import json
 import logging

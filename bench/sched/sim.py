@@ -1,7 +1,7 @@
 """Discrete-event simulator of `convgpu enforce` on the paper's scheduling workload.
 
 It calls the daemon's own pure policy code (`enforcer/policies.py`: `assign_new`, `Waiter`,
-`Claim`, `safe_assignment`, `schedule`, `reclaim`: the banker's check included), and `_Sim.schedule` mirrors `Enforcer.schedule` in enforcer/daemon.py line for
+`Claim`, `safe_assignment`, `schedule`, `reclaim`: the banker's check included), and `_Sim.schedule` mirrors `Enforcer.schedule` in enforcer/decisions.py line for
 line, so a policy measured here is the policy the enforcer runs. What the daemon learns from BPF
 events, the simulator knows directly:
 

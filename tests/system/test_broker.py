@@ -109,8 +109,8 @@ def test_an_exit_whose_pidfd_never_fires_is_given_up(enforcer, cgroups, monkeypa
     """An exit's bytes are held against the card until the process's pidfd fires (its files
     closed, its device memory freed); a pid reused in between never fires it, so the hold ends
     after EXIT_WAIT all the same. It leaves its container at once."""
-    from convgpu.enforcer import daemon
-    monkeypatch.setattr(daemon, "EXIT_WAIT", 0.2)
+    from convgpu.enforcer import events
+    monkeypatch.setattr(events, "EXIT_WAIT", 0.2)
     enf, cg = enforcer, cgroups("reused")
     s = subprocess.Popen(["/bin/sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec sleep 60"])
     try:

@@ -1,0 +1,123 @@
+"""Actions out: the BPF maps the probes read (control, assign, cgstate), and resuming or
+thawing who waited. The only module of the enforcer that writes the maps."""
+import contextlib
+import ctypes as ct
+import logging
+import os
+import signal
+import time
+
+from .books import Box
+from .stall import SignalStopper, Target
+
+log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
+VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)
+
+
+class Actions:
+    """Part of Enforcer (enforcer/daemon.py): writes to BPF's maps, resumes and thaws."""
+
+    def _t(self, name):
+        return self.tracer.b[name.encode()]
+
+    def _control(self, enforcing: bool) -> int:
+        """Writes the control map; returns the waiters count BPF knew before."""
+        told, self._told = self._told, sum(len(b.waiting) for b in self.boxes.values())
+        # a context call of a process not placed yet reserves this (placed: its device's estimate)
+        self._leaf = dict(ctx_overhead=max((e.bytes for e in self.est.values()), default=self.ctx_overhead),
+                          enforcing=int(enforcing), exempt=self._exempt,
+                          over_limit_kill=int(self.over_limit == "kill"), waiters=self._told,
+                          owner=self.owner, quiet=int(enforcing and self._quiet()))
+        self._write_control()
+        return told
+
+    def _write_control(self):
+        """The latest fields with a fresh heartbeat: read under the lock, so the heartbeat
+        thread never writes back fields older than the loop's last write."""
+        with self._control_lock:
+            t = self._t("control")
+            t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), **self._leaf)
+
+    def _quiet(self) -> bool:
+        return time.monotonic() - self._viewed > VIEW_GRACE
+
+    def _write_assign(self, box: Box, dev: int):
+        t = self._t("assign")
+        nbytes, nctx = box.adopted.get(dev, (0, 0))
+        t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=box.limit, assigned=box.assigned[dev],
+                                                      extra_overhead=box.extra.get(dev, 0),
+                                                      adopted=nbytes, adopted_contexts=nctx,
+                                                      ctx_charge=self._ctx(dev))
+
+    def _state(self, box: Box, dev: int):
+        t = self._t("cgstate")
+        try:
+            return t[t.Key(container=box.key, dev=dev)]
+        except KeyError:
+            return None
+
+    def _ensure_state(self, box: Box, dev: int):
+        """BPF charges a container's bytes on a device once this entry exists (never reset:
+        a shim process may have been charged before the device was assigned)."""
+        st = self._t("cgstate")
+        k = st.Key(container=box.key, dev=dev)
+        try:
+            st[k]
+        except KeyError:
+            st[k] = st.Leaf()
+
+    @contextlib.contextmanager
+    def _exempting(self, pid: int):
+        """BPF does not admit pid meanwhile: a self-test child that calls every symbol of a
+        library just attached (it would stall). Everyone else stays checked: turning admission
+        off instead let any process allocate unchecked while the child ran. Admission itself
+        stays as it was (off during start-up, until the watchdog runs)."""
+        enforcing = bool(self._leaf.get("enforcing"))
+        self._exempt = pid
+        self._control(enforcing)
+        try:
+            yield
+        finally:
+            self._exempt = 0
+            self._control(enforcing)
+
+    def _resume(self, box: Box, dev: int, why: str):
+        w = box.waiting.pop(dev, None)
+        if w is None:
+            return
+        box.stalled_s += time.monotonic() - w.since
+        self._stuck.discard(dev)
+        self.broker.granted(box, dev, w.wakes, {"grant": True})
+        if isinstance(self.stopper, SignalStopper):
+            self.stopper.resume(Target(tuple(w.pids - self.shimmed)))
+        elif box.waiting:   # freezer: thawed, its process on another GPU would meet no grant
+            log.info("resume %s on GPU%d after %.3f s (%s); it stays frozen until GPU%s %s",
+                     box.name, dev, time.monotonic() - w.since, why,
+                     ", GPU".join(map(str, sorted(box.waiting))), "settles" if len(box.waiting) == 1 else "settle")
+            return
+        else:
+            self._thaw(box)
+        log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
+        log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)
+
+    def _thaw(self, box: Box):
+        """Freezer: the container runs again, and no process of it stays signal-stopped. Only
+        once none of its devices waits: a container frozen on two GPUs has both grants settled
+        first (schedule() grants per device, and a thaw at the first grant let the process
+        waiting on the other GPU into its call before that GPU's grant)."""
+        self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
+        self._signal(box.pids, signal.SIGCONT)
+
+    @staticmethod
+    def _signal(pids, sig):
+        for p in pids:
+            if alive(p):
+                os.kill(p, sig)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,0 +1,122 @@
+"""The enforcer's books: per container and device, what it was assigned, holds, reserves and
+waits for (Box, Wait), and the sums the decisions read (room, free, claims). Reads only: the
+BPF counters through Actions._state, never a write."""
+import logging
+from dataclasses import dataclass, field
+
+from ..units import format_size
+from . import policies
+from .containers import Container
+
+log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
+MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Wait:
+    since: float
+    pids: set[int]
+    unreserved: int = 0      # requests stopped before placement: not reserved in BPF
+    over_limit: bool = False
+    wakes: list = field(default_factory=list)   # shim waiters: (pid, size, wake(answer))
+
+
+@dataclass
+class Box:
+    """A container under enforcement."""
+    key: int
+    container: Container
+    name: str
+    created: float
+    limit: int
+    source: str
+    pids: set[int] = field(default_factory=set)
+    assigned: dict[int, int] = field(default_factory=dict)   # device -> A_c
+    waiting: dict[int, Wait] = field(default_factory=dict)   # device -> pending stall
+    stalled_s: float = 0.0
+    stalls: int = 0
+    grants: int = 0
+    over_limits: int = 0
+    restalls: int = 0
+    extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
+    labels: dict | None = None
+    adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
+    shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
+
+
+class Books:
+    """Part of Enforcer (enforcer/daemon.py): what the books say, per container and device."""
+
+    def _usage(self, box: Box, dev: int) -> tuple[int, int, int]:
+        """(live bytes, contexts, reserved) of a container on a device: BPF's counters plus
+        what was adopted at placement (BPF's `used` may have wrapped below zero: see charged()
+        in bpf/convgpu.bpf.c)."""
+        s = self._state(box, dev)
+        nbytes, nctx = box.adopted.get(dev, (0, 0))
+        if s is None:
+            return nbytes, nctx, 0
+        return (s.used + nbytes) & MASK64, max(s.contexts + nctx, 0), s.reserved
+
+    def _demand(self, box: Box, dev: int) -> int:
+        """U_c plus what is pending: everything the container needs to run on."""
+        used, contexts, reserved = self._usage(box, dev)
+        w = box.waiting.get(dev)
+        return (self._ctx_held(box, dev, used, contexts) + reserved
+                + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0))
+
+    def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
+        """used plus its contexts: the estimate each, turned into NVML's measurement for the
+        measured ones by box.extra (never below zero, as charged() in bpf/convgpu.bpf.c)."""
+        return max(0, used + contexts * self._ctx(dev) + box.extra.get(dev, 0))
+
+    def _held(self, box: Box, dev: int) -> int:
+        """What the container holds now: its demand less the requests it is stopped at."""
+        used, contexts, _ = self._usage(box, dev)
+        return self._ctx_held(box, dev, used, contexts) + box.shim_pending.get(dev, 0)
+
+    def _tearing(self, dev: int) -> int:
+        """Bytes of exited processes that the driver has not freed yet."""
+        return sum(held.get(dev, 0) for _, _, held in self._exits.values())
+
+    def _assigned(self, dev: int) -> int:
+        return sum(b.assigned.get(dev, 0) for b in self.boxes.values())
+
+    def _room(self, dev: int) -> int:
+        """The card's physical room once every container fills its assignment, with what
+        exiting processes still hold: a resume needs it >= 0 (a grant, too, after it)."""
+        return self.physical.get(dev, 0) - self._assigned(dev) - self._tearing(dev)
+
+    def _free(self, dev: int) -> int:
+        """What may be assigned on dev: the capacity's unassigned memory, within the room."""
+        return max(0, min(self.capacity.get(dev, 0) - self._assigned(dev), self._room(dev)))
+
+    def _claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
+        """The banker's view of dev (policies.schedule says why): a running container holds its
+        assignment (it allocates up to it without asking), a waiter what it uses (its unused
+        assignment can be reclaimed), a waiter over its limit the same, for good (stuck)."""
+        out = []
+        for b in self.boxes.values():
+            if dev not in b.assigned or b is but:
+                continue
+            held = self._held(b, dev)
+            w = b.waiting.get(dev)
+            out.append(policies.Claim(b.container.id, b.limit,
+                                      max(held, b.assigned[dev]) if w is None else held,
+                                      stuck=w is not None and (w.over_limit or self._demand(b, dev) > b.limit)))
+        return out
+
+    def find(self, container: str) -> Box:
+        for box in self.boxes.values():
+            if container in (box.name, box.container.id, box.container.short, box.container.cgroup):
+                return box
+        for box in self.boxes.values():
+            if len(container) >= 6 and box.container.id.startswith(container):
+                return box
+        raise KeyError(container)
+
+    def _capped(self, name: str, limit: int) -> int:
+        cap = max(self.capacity.values())
+        if limit > cap:
+            log.warning("container %s: limit %s above capacity %s: capped", name,
+                        format_size(limit), format_size(cap))
+        return min(limit, cap)

@@ -1,0 +1,238 @@
+"""Events in: a process's first CUDA call places it in its container (a Box, a first
+assignment on the device), a stall makes it a waiter, an exit (and its pidfd, when the driver
+has freed its memory) takes it out of the books."""
+import ctypes as ct
+import logging
+import os
+import select
+import selectors
+import signal
+import time
+
+from ..units import format_size
+from . import policies
+from .actions import alive
+from .books import Box, Wait
+from .stall import SignalStopper, Target
+
+log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
+EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)
+
+
+class Events:
+    """Part of Enforcer (enforcer/daemon.py): placement, stalls and exits as the probes report them."""
+
+    def _take(self, events, now: float) -> bool:
+        """The probes' events and the exits whose pidfd fired (or that waited EXIT_WAIT) into
+        the books; True if that changed what schedule() may decide."""
+        dirty = False
+        if self._exits:     # for callers of step() alone; run() wakes on them in select()
+            late = [fd for fd, (_, until, _) in self._exits.items() if now > until]
+            for fd in set(select.select(list(self._exits), [], [], 0)[0] + late):
+                self._reap(fd)
+                dirty = True
+        for e in events:
+            if e.op == "unknown":
+                if e.restall:
+                    self._restalled(e)
+                self._place(e.pid, max(e.dev, 0), e.size)
+                dirty = True
+            elif e.op in ("stall", "over_limit"):
+                box = self.by_key.get(e.addr)
+                if box is not None:
+                    if e.restall:
+                        self._restalled(e, box)
+                    else:
+                        log.info("stall %s pid %d on GPU%d: %s %s would bring it to %s (assigned %s)",
+                                 box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
+                                 format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
+                    self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
+                dirty = True
+            elif e.op == "exec":
+                self._gone(e.pid)
+                dirty = True
+            elif e.op == "exit":
+                self._exiting(e.pid, e.size, e.ts_ns, contexts=e.live)
+                dirty = True
+            elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
+                dirty = dirty or any(b.waiting for b in self.boxes.values())
+        return dirty
+
+    def _box_for(self, pid: int) -> Box | None:
+        try:
+            c = self.container_of(pid)
+        except Exception:
+            return None
+        box = self.boxes.get(c.id)
+        if box is None:
+            meta = self.engines.lookup_sync(c) if self.engines is not None else None
+            name = meta.name if meta and meta.name else self.names.get(c.cgroup, c.short)
+            labels = meta.labels if meta else None
+            limit, source = self.rules.limit_for(c, name, labels)
+            box = Box(self._next_key, c, name, time.monotonic(), self._capped(name, limit), source,
+                      labels=labels)
+            self._next_key += 1
+            self.boxes[c.id] = box
+            self.by_key[box.key] = box
+            log.info("container %s (%s): limit %s from %s", name, c.kind, format_size(limit), source)
+            usage = self.tracer.usage()   # its other processes that already use the GPU join too
+            for u in {u.pid for u in usage} - set(self.pid_box) - {pid}:
+                try:
+                    if self.container_of(u).id == c.id:
+                        self._join(box, u, usage=usage)
+                except Exception:
+                    pass
+        return box
+
+    def _place(self, pid: int, dev: int, request: int):
+        box = self._box_for(pid)
+        if box is None:     # gone before we could place it: nothing to hold
+            os.kill(pid, signal.SIGCONT) if alive(pid) else None
+            return
+        self._join(box, pid, dev, request)
+        self._waiter(box, dev, pid, request, count=False)
+        if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
+            box.stalls += 1
+            log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
+                     dev, format_size(box.assigned[dev]), format_size(self._demand(box, dev)))
+
+    def _join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None):
+        """pid is in box from now on. What it allocated before (while no enforcer admitted, or
+        in calls that are not admitted) was charged to no container: adopt it. Read before the
+        membership is written, so a racing free can only make this an over-count. A member
+        placed again (its first context on another GPU) adopts nothing on the GPUs the box has:
+        BPF charged its bytes there already."""
+        charged = set(box.assigned) if self.pid_box.get(pid) is box else set()
+        held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
+                if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}
+        self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
+        box.pids.add(pid)
+        self.pid_box[pid] = box
+        for d in sorted(set(held) | ({dev} if dev is not None else set())):
+            if d not in box.assigned:
+                self._new_device(box, d, request if d == dev else 0)
+        for d, (nbytes, nctx) in held.items():
+            b0, c0 = box.adopted.get(d, (0, 0))
+            box.adopted[d] = (b0 + nbytes, c0 + nctx)
+            self._write_assign(box, d)
+            log.info("container %s GPU%d: pid %d already held %s in %d contexts: adopted", box.name,
+                     d, pid, format_size(nbytes), nctx)
+
+    def _new_device(self, box: Box, dev: int, request: int = 0):
+        """First context of a container on a device: A_c = min(L_c, unassigned), cut to what
+        keeps the device safe, 0 (it waits) where even the call it is stopped at (`request`,
+        on top of what it already holds) is not (policies.assign_new)."""
+        free = self._free(dev)
+        held = self._held(box, dev)
+        box.assigned[dev] = policies.assign_new(box.limit, free, self._claims(dev, but=box),
+                                                self.capacity.get(dev, 0), held, held + request,
+                                                box.container.id)
+        self._ensure_state(box, dev)
+        self._write_assign(box, dev)
+        log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
+                 format_size(box.assigned[dev]), format_size(box.limit))
+
+    def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
+        self.broker.revoke(box, dev)   # credit of the container's shim processes: for the waiter
+        w = box.waiting.get(dev)
+        if w is None:
+            w = box.waiting[dev] = Wait(time.monotonic(), set())
+            box.stalls += count
+        if pid not in w.pids or pid in self.shimmed:   # a re-stall is not a second request
+            w.unreserved += unreserved
+        w.pids.add(pid)
+        if isinstance(self.stopper, SignalStopper) or pid in self.shimmed:
+            return w
+        # freezer mode: hold the whole container in its cgroup, then drop the signal stop,
+        # so that no SIGCONT from inside the container can undo the stall
+        try:
+            self.stopper.stall(Target(tuple(box.pids), box.container.cgroup))
+            for p in box.pids:
+                os.kill(p, signal.SIGCONT) if alive(p) else None
+        except Exception as e:
+            log.warning("container %s: freezer failed (%s); it stays signal-stopped", box.name, e)
+        return w
+
+    def _restalled(self, e, box: Box | None = None):
+        if box is not None:
+            box.restalls += 1
+        log.warning("pid %d%s resumed without a grant (SIGCONT from outside?): stopped again "
+                    "before its %s ran", e.pid, f" of {box.name}" if box else "", e.api)
+
+    def _gone(self, pid: int):
+        self._learn(pid)
+        if pid in self.shimmed:
+            self.broker.shim_gone(pid)
+        box = self.pid_box.pop(pid, None)
+        if box is None:
+            return
+        box.pids.discard(pid)
+        settled = False
+        for dev, w in list(box.waiting.items()):
+            w.pids.discard(pid)
+            if not w.pids:
+                del box.waiting[dev]
+                settled = True
+        if settled and box.pids and not box.waiting and not isinstance(self.stopper, SignalStopper):
+            self._thaw(box)   # its last wait went with the process: the others run again
+        if not box.pids:     # the container's last process: its assignment returns to the pool
+            for dev in box.assigned:
+                for name in ("assign", "cgstate"):
+                    t = self._t(name)
+                    try:
+                        del t[t.Key(container=box.key, dev=dev)]
+                    except KeyError:
+                        pass
+            del self.boxes[box.container.id]
+            del self.by_key[box.key]
+            log.info("container %s exited: %s back to the pool", box.name,
+                     format_size(sum(box.assigned.values())))
+
+    def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0):
+        """The last thread of pid is in exit: it leaves its container now, but the driver frees
+        its device memory only when the kernel closes its files, after the event (do_exit: the
+        tracepoint, exit_mm, exit_files), 55 ms later on the H100. Until its pidfd becomes
+        readable (exit_notify) those bytes are held against the card's physical room (see
+        _room), so a waiter resumes at once where the card has room for both, and only
+        once they are back where it has not. tracked: its live bytes and context charges;
+        at: the exit tracepoint's time (CLOCK_MONOTONIC ns), for the timeline; contexts: how
+        many it had (measured by NVML: what NVML said; else the estimate each)."""
+        t = time.monotonic_ns()
+        box = self.pid_box.get(pid)
+        devs = sorted(box.assigned) if box else []
+        # on every device of its container: the event gives one total (where, BPF has forgotten)
+        measured = [self.excess[(pid, d)] for d in devs if (pid, d) in self.excess]
+        unmeasured = max(0, contexts - sum(n for _, n in measured))
+        held = (tracked + sum(over for over, _ in measured)
+                + unmeasured * max((self._ctx(d) for d in devs), default=self.ctx_overhead))
+        log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
+        self._gone(pid)
+        if not held or not devs:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:     # reaped already
+            return
+        self._exits[fd] = (pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs})
+        if select.select([fd], [], [], 0)[0]:
+            self._reap(fd)
+            return
+        self.sel.register(fd, selectors.EVENT_READ, lambda _mask, fd=fd: (self._reap(fd), self._changed()))
+
+    def _reap(self, fd: int):
+        pid, _, _ = self._exits.pop(fd)
+        try:
+            self.sel.unregister(fd)
+        except KeyError:
+            pass
+        os.close(fd)
+        log.debug("pid %d gone (t=%d)", pid, time.monotonic_ns())
+
+    def _unprobed(self, pid: int, lib, reason: str) -> str:
+        """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls
+        would go unchecked, so by default it stays stopped (fail closed; `status` says why)."""
+        what = {"stall": "kept stopped until it is killed or the enforcer stops",
+                "kill": "killed", "allow": "let run UNCHECKED"}[self.unprobed]
+        log.error("pid %d opened %s, which cannot be probed (%s): %s (--unprobed %s)", pid, lib, reason,
+                  what, self.unprobed)
+        return self.unprobed

@@ -1,0 +1,103 @@
+"""Reporting: `convgpu status` (and the metrics built from it), `convgpu trace`'s snapshot,
+and the state file the watchdog reads to resume whoever we held if we die."""
+import os
+import time
+
+from ..units import format_size
+from . import ctxest
+from .books import Box
+from .stall import SignalStopper
+from .watchdog import write_state
+
+
+class Reporting:
+    """Part of Enforcer (enforcer/daemon.py): what it shows and what it leaves for the watchdog."""
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        gpus = {}
+        for dev, cap in sorted(self.capacity.items()):
+            assigned = self._assigned(dev)
+            est = self.est.get(dev) or ctxest.Estimate(self.ctx_overhead, "ctx-overhead", "--ctx-overhead")
+            gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned,
+                              "physical": self.physical[dev], "tearing_down": self._tearing(dev),
+                              "ctx_estimate": est.to_json()}
+        rows = []
+        for box in sorted(self.boxes.values(), key=lambda b: b.created):
+            per = {}
+            for dev in sorted(box.assigned):
+                used, contexts, reserved = self._usage(box, dev)
+                w = box.waiting.get(dev)
+                per[str(dev)] = {
+                    "assigned": box.assigned[dev], "used": used,
+                    "context_overhead": self._ctx_held(box, dev, 0, contexts),
+                    "context_source": self._ctx_source(box, dev, contexts),
+                    "reserved": reserved, "contexts": contexts, "waiting": w is not None,
+                    "shim_credit": self.broker.unspent(box, dev),
+                    "over_limit": bool(w and w.over_limit),
+                    "waiting_s": round(now - w.since, 3) if w else 0.0,
+                    "waiting_pids": sorted(w.pids) if w else []}
+            stalled = box.stalled_s + sum(now - w.since for w in box.waiting.values())
+            rows.append({"id": box.container.id, "name": box.name, "kind": box.container.kind,
+                         "cgroup": box.container.cgroup, "limit": box.limit, "source": box.source,
+                         "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
+                         "stalls": box.stalls, "grants": box.grants,
+                         "over_limit_events": box.over_limits, "restalls": box.restalls})
+        return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
+                "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
+                "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
+                "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows,
+                # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
+                "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status()}
+
+    def _discovery_status(self) -> dict:
+        d = getattr(self.tracer, "discovery", None)
+        if d is None:   # --no-probes
+            return {}
+        return {"discovery": {"on": d.enabled, "stops": d.stops, "unprobed_policy": self.unprobed},
+                "unprobed": [vars(u) for u in d.unprobed.values()]}
+
+    def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:
+        """Where a container's context charge on dev comes from: NVML measured all of it, some
+        of it (the rest: the device's estimate), or none yet."""
+        if not contexts:
+            return "none"
+        measured = sum(self.excess[(p, dev)][1] for p in box.pids if (p, dev) in self.excess)
+        if not measured:
+            return self.est[dev].source if dev in self.est else "ctx-overhead"
+        return "measured" if measured >= contexts else "measured+" + (self.est[dev].source if dev in self.est else "ctx-overhead")
+
+    def snapshot(self, pids=None, container=None) -> dict:
+        """`convgpu trace`'s view, with our state in it. A view turns alloc/free events on (from
+        now: what came before was not kept) until VIEW_GRACE after its last snapshot."""
+        was_quiet = self._quiet()
+        self._viewed = time.monotonic()
+        if was_quiet:
+            self._control(True)
+        snap = self.acct.snapshot(self.tracer.usage(), libraries=[str(x) for x in self.tracer.libraries],
+                                  drops=self.tracer.stats()["drops"], pids=pids, container=container)
+        d = snap.to_json()
+        d["enforce"] = self.status()
+        return {"snapshot": d, "events": [e.to_json() for e in self.acct.recent]}
+
+    def _save_held(self):
+        """What the watchdog must undo if we die: every waiting pid, every frozen cgroup."""
+        pids, cgroups = set(), set()
+        for box in self.boxes.values():
+            for w in box.waiting.values():
+                pids |= w.pids
+                if not isinstance(self.stopper, SignalStopper):
+                    pids |= box.pids
+                    cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
+        boxes = {str(b.key): {"name": b.name, "created": int(time.time() - (time.monotonic() - b.created)),
+                              "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
+                              "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
+                 for b in self.boxes.values()}
+        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog.pid if self.watchdog else None)
+        if state == self._saved:   # the file is rewritten (rename) only when it changes
+            return
+        self._saved = state
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
+
+    def _capacity_text(self) -> str:
+        return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items()))
