@@ -5,9 +5,10 @@
 #             typer rich nvidia-ml-py pyroute2 prometheus_client pytest setuptools
 #   build   = `make` output (stand-in driver, cgcaller, alloc_bench; glibc 2.36 binaries run there)
 # The machine's python3 has PyTorch; the package and its deps go to a --target folder on
-# PYTHONPATH, so that python3 (and the PyTorch child processes) keep their own packages;
-# python3 -P keeps the source folder convgpu/ from shadowing the installed package, and bench/
-# goes on the path alone (python3 -P -m bench.X).
+# PYTHONPATH, so that python3 (and the PyTorch child processes) keep their own packages. No
+# folder of the tree is named convgpu (the package's own modules are in core/), so run from the
+# repo root python3 finds the installed package and bench/ alike; /tmp/benchpath is for runs
+# from elsewhere (bench.e2e runs in /tmp).
 OUT=${OUT:-/tmp/convgpu-out}; mkdir -p "$OUT"
 source .bcc/bcc-env.sh
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nproc

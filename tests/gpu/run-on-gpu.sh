@@ -5,7 +5,7 @@
 set -u
 source tests/gpu/env.sh
 export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
-[ -n "${NO_TESTS:-}" ] || { timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA "$@" > "$OUT/pytest-gpu.txt" 2>&1
+[ -n "${NO_TESTS:-}" ] || { timeout ${TEST_TIMEOUT:-360} python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA "$@" > "$OUT/pytest-gpu.txt" 2>&1
   tail -25 "$OUT/pytest-gpu.txt"; }
-[ -n "${NO_BENCH:-}" ] || { timeout ${BENCH_TIMEOUT:-230} python3 -P -m bench.probe_latency ${LATENCY_ARGS:---rounds 3 --iters 500} --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
-[ -z "${E2E:-}" ] || { (cd /tmp && timeout ${E2E_TIMEOUT:-260} python3 -P -m bench.e2e ${E2E_ARGS:---reps 4} --json "$OUT/e2e.json") > "$OUT/e2e.txt" 2>&1; cat "$OUT/e2e.txt"; }
+[ -n "${NO_BENCH:-}" ] || { timeout ${BENCH_TIMEOUT:-230} python3 -m bench.probe_latency ${LATENCY_ARGS:---rounds 3 --iters 500} --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
+[ -z "${E2E:-}" ] || { (cd /tmp && timeout ${E2E_TIMEOUT:-260} python3 -m bench.e2e ${E2E_ARGS:---reps 4} --json "$OUT/e2e.json") > "$OUT/e2e.txt" 2>&1; cat "$OUT/e2e.txt"; }

@@ -18,7 +18,7 @@ from convgpu.enforcer.containers import cgroup_layout
 pytestmark = pytest.mark.system
 TRACE = [sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events", "--interval", "0.3", "--no-discover"]
 DEAD_OWNER = "999999999:1"   # no such pid: an owner that is gone
-LABEL, OWNER_LABEL = "convgpu.demo", "convgpu.demo.owner"   # on every demo container (convgpu/demo.py)
+LABEL, OWNER_LABEL = "convgpu.demo", "convgpu.demo.owner"   # on every demo container (core/demo.py)
 CGROUP_DIR = "convgpu-demo"   # the cgroups kind's, under the cgroup2 root
 
 

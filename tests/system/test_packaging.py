@@ -29,6 +29,26 @@ def test_vagrantfile_validates(gpu, tmp_path):
     assert r.returncode == 0 and "Vagrantfile validated successfully." in r.stdout, r.stdout + r.stderr
 
 
+def test_the_tree_runs_in_place_as_the_package():
+    """From the repository root, whose folder is first on sys.path (no -P), `python -m convgpu`
+    is the package that scripts/setup.sh installed: no folder at the root is named convgpu and
+    shadows it (core/ holds the package's own modules: pyproject.toml's package-dir)."""
+    r = subprocess.run([sys.executable, "-m", "convgpu", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Usage: python -m convgpu" in r.stdout
+    for command in ("trace", "enforce", "status", "limit", "run", "doctor", "shim"):
+        assert re.search(rf"│ {command} ", r.stdout), command
+    # the same package with the root on sys.path (python -c puts it first) as without (-P): the
+    # editable install's finder papers over a shadowing folder for submodules, a --target
+    # install (the GPU machine's) does not
+    where = "import convgpu, convgpu.enforcer.daemon as d; print(convgpu.__file__, d.__file__)"
+    found = [subprocess.run([sys.executable, *flag, "-c", where], cwd=REPO, capture_output=True, text=True,
+                            timeout=120) for flag in ((), ("-P",))]
+    assert [r.returncode for r in found] == [0, 0], [r.stderr for r in found]
+    assert found[0].stdout == found[1].stdout, [r.stdout for r in found]
+
+
 def test_vagrant_provisions_with_the_readme_commands():
     """One set-up script, not a copy: the VM runs the README's set-up and test command."""
     setup, test = readme_commands()[0].split(" && ")[0], readme_commands()[1]
