@@ -6,11 +6,10 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import typer
 
-from ..enforcer.containers import cgroup_layout
+from ..enforcer.containers import cgroup_layout, remove_cgroup
 from ..errors import ConvgpuError
 from ..units import parse_size
 from . import common
@@ -37,17 +36,6 @@ def _join(dirs):
             with open(os.path.join(d, "cgroup.procs"), "w") as f:
                 f.write("0")   # 0: the writing process, i.e. the child before exec
     return preexec
-
-
-def _remove(d: str):
-    for _ in range(200):   # the kernel moves the last exited task out shortly after wait()
-        try:
-            os.rmdir(d)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
 
 
 @common.handle_errors
@@ -78,5 +66,5 @@ def run(cmd: list[str] = typer.Argument(..., help="The command and its arguments
         rc = child.wait()
     finally:
         for d in dirs:
-            _remove(d)
+            remove_cgroup(d)
     raise typer.Exit(rc if rc >= 0 else 128 - rc)

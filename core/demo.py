@@ -14,10 +14,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from .enforcer.containers import cgroup_layout
+from .enforcer.containers import cgroup_layout, remove_cgroup
 from .errors import ConvgpuError, PrerequisiteError
 from .paths import REPO, standin_libcuda
 
@@ -150,7 +149,7 @@ class Demo:
             if self.containers or ids:
                 _podman("rm", "-f", "-t", "0", "--ignore", *self.containers, *ids)
         for cg in self.cgroups:
-            _remove_cgroup(cg)
+            remove_cgroup(cg, 100, 0.05)
         if self.cgroups:
             try:
                 self.cgroups[0].parent.rmdir()
@@ -201,17 +200,6 @@ def _worker_owner(pid: int) -> str:
     return argv[argv.index("--owner") + 1] if "--owner" in argv[:-1] else ""
 
 
-def _remove_cgroup(cg: Path) -> None:
-    for _ in range(100):   # a cgroup can be removed once its last task is gone
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.05)
-
-
 def leftovers() -> dict[str, list]:
     """What demos left on this host: {"containers": [(id, owner)], "workers": [(pid, owner, cgroup)]}."""
     out: dict[str, list] = {"containers": [], "workers": []}
@@ -253,7 +241,7 @@ def clear_leftovers(me: str | None = None) -> dict[str, list]:
             except ProcessLookupError:
                 pass
         for cg in sorted({cg for _, _, cg in found["workers"]}):
-            _remove_cgroup(cg)
+            remove_cgroup(cg, 100, 0.05)
     root = cgroup_layout().v2_root
     base = Path(root) / CGROUP_DIR if root else None
     if base is not None and base.is_dir():   # empty ones too (a worker that ended alone)

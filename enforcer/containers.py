@@ -356,3 +356,16 @@ class CgroupIndex:
                     r = f"{rel}/{e.name}"
                     self._by_id[ino] = r
                     stack.append((e.path, r))
+
+
+def remove_cgroup(d, tries: int = 200, pause: float = 0.01) -> None:
+    """rmdir of a cgroup directory: it succeeds once the kernel has moved the last (killed)
+    task out, so it is retried `tries` times, `pause` s apart. Gone already: done."""
+    for _ in range(tries):
+        try:
+            os.rmdir(d)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(pause)

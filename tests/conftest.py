@@ -1,9 +1,11 @@
 """Shared fixtures. System tests need root, bcc and the built stand-in driver; when the README's
 test command runs them (CONVGPU_REQUIRE_SYSTEM=1, also in CI) a missing prerequisite FAILS
 instead of skipping, so a broken set-up cannot pass as 'skipped'."""
+import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from convgpu.enforcer.containers import remove_cgroup  # noqa: F401  (the tests' too)
 from convgpu.paths import build_dir
 from convgpu.probes.ledger import footprint  # noqa: F401  (bytes an allocation takes: BPF's rule)
 
@@ -105,6 +108,43 @@ def lines_until(stream, match, sink: list, timeout: float = 30, what: str = "out
         sink.append(line)
         if match(line):
             return line
+
+
+def stop_all(procs, *enforcers):
+    """A test's finally: each process (None: not started) killed and reaped, then each
+    enforcer (None: not started) closed."""
+    for p in procs:
+        if p:
+            p.kill()
+            p.wait()
+    for e in enforcers:
+        if e:
+            e.close()
+
+
+def trace_rows_until(tr, ready, timeout: float) -> list[tuple[int, int, int]]:
+    """`convgpu trace --json`'s (tr) snapshots read until ready(rows) or `timeout` s; rows:
+    (pid, gpu, live bytes) of every process the last one showed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = json.loads(tr.stdout.readline())
+        rows = [(p["pid"], p["gpu"], p["live"]) for c in snap["containers"] for p in c["processes"]]
+        if ready(rows) or time.monotonic() > deadline:
+            return rows
+
+
+def sigint_took(p, timeout: float) -> tuple[int, float]:
+    """SIGINT to p: (its exit code, the seconds it took to end)."""
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=timeout)
+    return rc, time.monotonic() - t0
+
+
+def kill_if_running(p):
+    if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 class Caller:
@@ -239,18 +279,6 @@ def cgroups(root):
         remove_cgroup(d)
 
 
-def remove_cgroup(d: Path, tries: int = 200) -> None:
-    """rmdir succeeds once the kernel has moved the last (killed) task out."""
-    for _ in range(tries):
-        try:
-            d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
 # --- the enforcer on the stand-in driver (tests/system/test_enforce*.py) ---
 
 @pytest.fixture
@@ -262,11 +290,17 @@ def env5(caller_env):
     subprocess.run([e["LD_LIBRARY_PATH"] + "/standin-usage", "--unlink"], env=e, capture_output=True)
 
 
-def start_in(cg, build, env, *args):
-    """cgcaller started inside cgroup `cg` (joins before exec: its first CUDA call is there)."""
-    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', str(build / "cgcaller"), *map(str, args)]
+def popen_in(cg, *argv, env=None):
+    """argv started inside cgroup `cg` (joins before exec: its first CUDA call is there), its
+    stdin, stdout and stderr piped (text)."""
+    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', *map(str, argv)]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
+
+
+def start_in(cg, build, env, *args):
+    """cgcaller started inside cgroup `cg`."""
+    return popen_in(cg, build / "cgcaller", *args, env=env)
 
 
 def read_until(p, word, timeout=20):

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from convgpu.enforcer import policies
-from convgpu.enforcer.containers import cgroup_layout
+from convgpu.enforcer.containers import cgroup_layout, remove_cgroup
 from convgpu.paths import build_dir
 from convgpu.units import parse_size
 
@@ -142,14 +142,7 @@ def cgroup_dirs(base_name: str, names):
         yield cgs
     finally:
         for d in list(cgs.values()) + [base]:
-            for _ in range(200):   # rmdir succeeds once the kernel has moved the last task out
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
+            remove_cgroup(d)
 
 
 def in_cgroup(cg: Path, *argv: str) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lines_until, rest_of
+from conftest import lines_until, popen_in, rest_of
 
 pytestmark = pytest.mark.gpu
 GiB, MiB = 1 << 30, 1 << 20
@@ -52,9 +52,7 @@ def record(name, **data):
 
 
 def start_in(cg, code, *args, env=None):
-    argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', sys.executable, "-c", code, *map(str, args)]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return popen_in(cg, sys.executable, "-c", code, *args, env=env)
 
 
 class GpuEnforcer:

@@ -3,14 +3,12 @@
 afterwards (probes/detach.py). Run on a GPU machine: pytest -m gpu tests/gpu/test_gpu_trace_exit.py"""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import Caller, MiB
+from conftest import Caller, MiB, kill_if_running, sigint_took, trace_rows_until
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +21,7 @@ def test_sigint_ends_trace_at_once_on_every_gpu(root, build):
     gpus = [g.index for g in n.gpus()]
     n.close()
     tr = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events",
-                           "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd="/")   # the source tree's convgpu/ must not shadow the installed package
+                           "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     callers = []
     try:
         first = tr.stdout.readline()
@@ -34,21 +31,12 @@ def test_sigint_ends_trace_at_once_on_every_gpu(root, build):
             env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
             callers.append(Caller([str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(64 * MiB), "-d", str(dev),
                                    "--hold"], env))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            snap = json.loads(tr.stdout.readline())
-            seen = {(p["pid"], p["gpu"]) for c in snap["containers"] for p in c["processes"]}
-            if {(c.p.pid, d) for c, d in zip(callers, gpus)} <= seen:
-                break
-        assert {(c.p.pid, d) for c, d in zip(callers, gpus)} <= seen
-        t0 = time.monotonic()
-        tr.send_signal(signal.SIGINT)
-        rc = tr.wait(timeout=120)
-        took = time.monotonic() - t0
+        want = {(c.p.pid, d) for c, d in zip(callers, gpus)}
+        rows = trace_rows_until(tr, lambda rows: want <= {(pid, gpu) for pid, gpu, _ in rows}, 30)
+        assert want <= {(pid, gpu) for pid, gpu, _ in rows}
+        rc, took = sigint_took(tr, 120)
     finally:
-        if tr.poll() is None:
-            tr.kill()
-            tr.wait()
+        kill_if_running(tr)
         for c in callers:
             c.kill()
     print(f"\n{len(gpus)} GPU(s): trace ended {took:.2f} s after SIGINT")

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, need, proc_state, prom_samples, read_until, remove_cgroup, start_in, wait_state
+from conftest import Enforcing, GiB, MiB, need, proc_state, prom_samples, read_until, remove_cgroup, start_in, stop_all, wait_state
 
 pytestmark = pytest.mark.system
 
@@ -72,11 +72,7 @@ def test_sibling_sigcont_is_stopped_again_before_the_allocation(cgroups, build, 
         assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")
         assert usage(build, env5)["peak"] == 2 * GiB         # never both at once
     finally:
-        for p in (a, b):
-            if p:
-                p.kill()
-                p.wait()
-        enf.close()
+        stop_all((a, b), enf)
 
 
 def test_status_limit_set_and_metrics(cgroups, build, env5):
@@ -234,11 +230,7 @@ def test_waiter_killed_or_its_container_stopped_while_stalled(cgroups, build, en
         c.kill()
         c.wait()
     finally:
-        for p in (a, b):
-            if p:
-                p.kill()
-                p.wait()
-        enf.close()
+        stop_all((a, b), enf)
 
 
 def test_v1_freezer_under_the_enforcer(cgroups, build, env5):
@@ -271,11 +263,7 @@ def test_v1_freezer_under_the_enforcer(cgroups, build, env5):
         assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")
         assert open(f"{v1}/freezer.state").read().strip() == "THAWED"
     finally:
-        for p in (a, b):
-            if p:
-                p.kill()
-                p.wait()
-        enf.close()
+        stop_all((a, b), enf)
         remove_cgroup(__import__("pathlib").Path(v1))
 
 
@@ -316,12 +304,7 @@ def test_kill_9_then_restart_takes_over_the_accounting_exactly(cgroups, build, e
         assert sum(got.values()) == usage(build, env5)["used"]   # the driver's own count
         assert not os.path.exists(f"{enf.run_dir}/held-{enf.p.pid}.json")   # retired
     finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
-        if enf2:
-            enf2.close()
-        enf.close()
+        stop_all(procs.values(), enf2, enf)
 
 
 def test_restart_while_the_old_probes_detach_charges_nothing_twice(cgroups, build, env5):
@@ -362,12 +345,7 @@ def test_restart_while_the_old_probes_detach_charges_nothing_twice(cgroups, buil
         assert usage(build, env5)["used"] == 4 * GiB
         assert old_probes_attached, "the jobs ran after the old probes had gone: the test proves nothing"
     finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
-        if enf2:
-            enf2.close()
-        enf.close()
+        stop_all(procs.values(), enf2, enf)
 
 
 def test_kill_9_before_the_enforcer_heard_of_a_stall_still_resumes_it(cgroups, build, env5):

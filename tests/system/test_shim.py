@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import GiB, MiB, Enforcing, cuda_prelude, proc_state, read_until, shim_env, start_in
+from conftest import Enforcing, GiB, MiB, cuda_prelude, proc_state, read_until, shim_env, start_in, stop_all
 
 pytestmark = pytest.mark.system
 
@@ -57,11 +57,7 @@ def test_deny_meminfo_and_wait_in_the_thread(cgroups, build, env5):
         row = next(c for c in st["containers"] if c["name"] == "shimmed")
         assert row["gpus"]["0"]["used"] == 2 * GiB and row["stalls"] >= 1      # counted once, by BPF
     finally:
-        for p in (a, b):
-            if p:
-                p.kill()
-                p.wait()
-        enf.close()
+        stop_all((a, b), enf)
 
 
 def test_credit_spares_the_asking_and_comes_back_for_a_sibling(cgroups, build, env5):

@@ -4,14 +4,13 @@ and the prompt (6-30 s here, past 20 s on the two-GPU host). Real uprobes, the C
 subprocess."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import footprint, lines_until
+from conftest import footprint, kill_if_running, lines_until, sigint_took, trace_rows_until
 
 pytestmark = pytest.mark.system
 TWO_GPUS = r"""
@@ -52,21 +51,12 @@ def test_sigint_ends_trace_at_once_with_two_gpus(root, build, caller_env):
         holder = subprocess.Popen([sys.executable, "-c", TWO_GPUS, lib], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=dict(caller_env, CONVGPU_STANDIN_DEVICES="2"))
         lines_until(holder.stdout, lambda line: line == "ready", [], 20, "the two-GPU process")
-        deadline = time.monotonic() + 20
-        while True:
-            snap = json.loads(tr.stdout.readline())
-            rows = [(p["pid"], p["gpu"], p["live"]) for c in snap["containers"] for p in c["processes"]]
-            if rows == [(holder.pid, 0, footprint(2 << 20)), (holder.pid, 1, footprint(2 << 20))] or time.monotonic() > deadline:
-                break
-        assert rows == [(holder.pid, 0, footprint(2 << 20)), (holder.pid, 1, footprint(2 << 20))]
-        t0 = time.monotonic()
-        tr.send_signal(signal.SIGINT)
-        rc = tr.wait(timeout=60)
-        took = time.monotonic() - t0
+        want = [(holder.pid, 0, footprint(2 << 20)), (holder.pid, 1, footprint(2 << 20))]
+        rows = trace_rows_until(tr, lambda rows: rows == want, 20)
+        assert rows == want
+        rc, took = sigint_took(tr, 60)
     finally:
-        if tr.poll() is None:
-            tr.kill()
-            tr.wait()
+        kill_if_running(tr)
         if holder:
             holder.kill()
             holder.wait()

@@ -340,3 +340,30 @@ def test_engine_lookup_no_engines(tmp_path, monkeypatch):
     eng.close()
     assert eng.lookup(container_of_path(f"/docker/{H1}")) is None
 
+
+
+def test_remove_cgroup_retries_until_the_directory_goes(tmp_path, monkeypatch):
+    """A cgroup's rmdir fails (EBUSY) until the kernel has moved its last task out: retried
+    `tries` times; a directory already gone is done; one that never goes is left, quietly."""
+    from convgpu.enforcer import containers
+    d = tmp_path / "cg"
+    d.mkdir()
+    calls, busy = [], [2]
+    real = os.rmdir
+
+    def rmdir(path):
+        calls.append(path)
+        if busy[0]:
+            busy[0] -= 1
+            raise OSError(16, "Device or resource busy")
+        real(path)
+    monkeypatch.setattr(containers.os, "rmdir", rmdir)
+    containers.remove_cgroup(d, tries=5, pause=0)
+    assert len(calls) == 3 and not d.exists()
+    calls.clear()
+    containers.remove_cgroup(d, tries=5, pause=0)          # gone: one try
+    assert len(calls) == 1
+    calls.clear()
+    busy[0] = 99
+    containers.remove_cgroup(tmp_path, tries=4, pause=0)   # never goes: 4 tries, no error
+    assert len(calls) == 4 and tmp_path.exists()
