@@ -425,7 +425,16 @@ class Enforcing:
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
                                   stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
-        self.wait_for("enforcing:", start_timeout)
+        try:
+            self.wait_for("enforcing:", start_timeout)
+        except BaseException:   # it may still start (its uprobe attaches wait on other jobs here):
+            self.p.terminate()  # then it would enforce on the stand-in under the next tests
+            try:
+                self.p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+            raise
 
     def capabilities(self) -> int:
         line = next(x for x in open(f"/proc/{self.p.pid}/status") if x.startswith("CapEff:"))
