@@ -146,12 +146,15 @@ class ShimBroker:
         context; used, what the container holds besides it (unspent credit is not held)."""
         enf = self.enf
         box = self._box(pid)
-        used, _, reserved = enf._usage(box, dev)
+        used, nctx, reserved = enf._usage(box, dev)
         used -= (used >> 63) << 64           # BPF's counter may have wrapped below zero
         w = box.waiting.get(dev)
         allocated = (used + reserved + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0)
                      - self.unspent(box, dev))
-        contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
+        if box.pids <= {pid}:    # alone in its container: its contexts are the container's
+            contexts = {pid: nctx}
+        else:                    # a walk of BPF's usage map: only where there are others to tell apart
+            contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
         procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), enf.excess.get((q, dev))) for q in box.pids}
         return memview.view(min(box.limit, enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
 
