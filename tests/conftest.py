@@ -391,7 +391,16 @@ class Enforcing:
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
                                   stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
-        self.wait_for("enforcing:", start_timeout)
+        try:
+            self.wait_for("enforcing:", start_timeout)
+        except BaseException:   # not started in time (a loaded host): never leave it running
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(timeout=60)
+            raise
 
     def capabilities(self) -> int:
         line = next(x for x in open(f"/proc/{self.p.pid}/status") if x.startswith("CapEff:"))
