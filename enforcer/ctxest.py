@@ -82,18 +82,20 @@ def driver_major(driver: str) -> int | None:
         return None
 
 
-def arch_default(name: str, driver: str) -> tuple[int, str] | None:
+def _arch_row(name: str, driver: str) -> tuple | None:
     major = driver_major(driver)
-    for part, drv, nbytes, _top, where in ARCH_DEFAULTS:
-        if part in name and drv == major:
-            return nbytes, where
-    return None
+    return next((row for row in ARCH_DEFAULTS if row[0] in name and row[1] == major), None)
+
+
+def arch_default(name: str, driver: str) -> tuple[int, str] | None:
+    row = _arch_row(name, driver)
+    return (row[2], row[4]) if row else None
 
 
 def arch_top(name: str, driver: str) -> int | None:
     """The largest context measured on this architecture and driver, if the table knows it."""
-    major = driver_major(driver)
-    return next((top for part, drv, _, top, _w in ARCH_DEFAULTS if part in name and drv == major), None)
+    row = _arch_row(name, driver)
+    return row[3] if row else None
 
 
 def choose(learned: list[int], dev: Device, ctx_overhead: int) -> Estimate:
