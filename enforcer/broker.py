@@ -18,6 +18,7 @@ from collections import defaultdict
 
 from ..probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
 from ..units import format_size
+from . import ctxest, memview
 from .credit import CreditPage
 
 log = logging.getLogger(__name__)
@@ -141,10 +142,29 @@ class ShimBroker:
             self.ledger.context(pid, dev, primary)
 
     def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
+        """(total, used) by the rule of enforcer/memview.py: the limit less this process's
+        context; used, what the container holds besides it (unspent credit is not held)."""
+        enf = self.enf
         box = self._box(pid)
-        total = min(box.limit, self.enf.capacity.get(dev, 0))
-        used = self.enf._demand(box, dev) - self.unspent(box, dev) if dev in box.assigned else 0
-        return total, max(0, min(used, total))
+        used, nctx, reserved = enf._usage(box, dev)
+        used -= (used >> 63) << 64           # BPF's counter may have wrapped below zero
+        w = box.waiting.get(dev)
+        allocated = (used + reserved + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0)
+                     - self.unspent(box, dev))
+        if box.pids <= {pid}:    # alone in its container: its contexts are the container's
+            contexts = {pid: nctx}
+        else:                    # a walk of BPF's usage map: only where there are others to tell apart
+            contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
+        procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), enf.excess.get((q, dev))) for q in box.pids}
+        return memview.view(min(box.limit, enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
+
+    def ceiling(self, dev: int) -> ctxest.Estimate:
+        """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""
+        enf = self.enf
+        est = enf.est.get(dev) or ctxest.Estimate(enf.ctx_overhead, "ctx-overhead", "--ctx-overhead")
+        if dev not in enf.devices:
+            return ctxest.ceiling([], ctxest.Device(dev), est, DEV_PAGE)
+        return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)
 
     def shim_gone(self, pid: int):
         page = self.pages.pop(pid, None)

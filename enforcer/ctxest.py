@@ -13,7 +13,13 @@ charged an estimate from its first moment, chosen per device, best first:
 
 Once NVML has measured a process, its measured overhead replaces the estimate for it (the
 enforcer charges the difference, enforcer/overhead.py _measure_overhead). The choice is a pure
-function; LearnedStore is the only part that touches a file."""
+function; LearnedStore is the only part that touches a file.
+
+The *ceiling* (`ceiling`) is a second, higher figure: what the preload shim takes off the
+total it reports for each unmeasured context (issue 18, enforcer/memview.py). Admission may
+charge the median and correct it a second later; a framework reads the total once, early,
+and sizes itself from it for good, so that figure must cover a context larger than the median
+(PyTorch with cuBLAS: 612 MiB against a 518-550 MiB median on the H100)."""
 import json
 import logging
 import os
@@ -27,14 +33,21 @@ KEEP = 32            # measurements kept per device: the median of the recent on
 STATE_FILE = "ctx-overhead.json"
 DEFAULT_STATE_DIR = "/var/lib/convgpu"
 
-# (GPU name contains, driver major, bytes per context, where it was measured). The top of the
-# measured range, not its middle: an estimate too high holds a few MiB back for one NVML sample
-# (then the measured value replaces it); one too low lets a container past its assignment.
+# (GPU name contains, driver major, bytes per context, largest context measured, where). The
+# estimate is the top of the measured range of a bare context, not its middle: an estimate too
+# high holds a few MiB back for one NVML sample (then the measured value replaces it); one too
+# low lets a container past its assignment. The largest is a framework's context with its
+# libraries loaded, what the shim's reported total must leave room for (ceiling below).
 ARCH_DEFAULTS = (
-    ("H100", 580, 550 * MiB,
-     "H100 80GB HBM3, driver 580.159.04: 518 MiB driver API and nvcc static runtime "
-     "(docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB PyTorch (FACTS.md, 2026-11-23)"),
+    ("H100", 580, 550 * MiB, 612 * MiB,
+     "H100 80GB HBM3, driver 580.159.04: 518 MiB driver API and nvcc static runtime, 611.9 MiB "
+     "PyTorch with cuBLAS loaded (docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB "
+     "PyTorch (FACTS.md, 2026-11-23)"),
 )
+# The ceiling's margin over the largest figure known: a context grows as a framework loads more
+# kernels (CUDA's lazy loading), and PyTorch with cuBLAS measured 11 % above the architecture
+# estimate, 18 % above a bare context. 1/8 of the largest figure, in whole device pages.
+CEILING_MARGIN = 8           # the ceiling adds 1/CEILING_MARGIN
 
 
 @dataclass(frozen=True)
@@ -69,12 +82,20 @@ def driver_major(driver: str) -> int | None:
         return None
 
 
-def arch_default(name: str, driver: str) -> tuple[int, str] | None:
+def _arch_row(name: str, driver: str) -> tuple | None:
     major = driver_major(driver)
-    for part, drv, nbytes, where in ARCH_DEFAULTS:
-        if part in name and drv == major:
-            return nbytes, where
-    return None
+    return next((row for row in ARCH_DEFAULTS if row[0] in name and row[1] == major), None)
+
+
+def arch_default(name: str, driver: str) -> tuple[int, str] | None:
+    row = _arch_row(name, driver)
+    return (row[2], row[4]) if row else None
+
+
+def arch_top(name: str, driver: str) -> int | None:
+    """The largest context measured on this architecture and driver, if the table knows it."""
+    row = _arch_row(name, driver)
+    return row[3] if row else None
 
 
 def choose(learned: list[int], dev: Device, ctx_overhead: int) -> Estimate:
@@ -87,6 +108,27 @@ def choose(learned: list[int], dev: Device, ctx_overhead: int) -> Estimate:
         return Estimate(found[0], "architecture", found[1])
     return Estimate(ctx_overhead, "ctx-overhead", "--ctx-overhead (nothing measured or known for "
                     f"{dev.name or f'GPU{dev.index}'}{' driver ' + dev.driver if dev.driver else ''})")
+
+
+def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estimate:
+    """What the shim's reported total leaves for each context NVML has not measured (issue 18):
+    the largest of the estimate in force, the learned values' 90th percentile (nearest rank)
+    and the architecture table's largest context, plus 1/8, rounded up to whole pages (`page`).
+    Only --ctx-overhead alone is taken as it is: the operator's figure, nothing known beside it.
+    Never below the estimate, so a reported total never promises what admission would refuse."""
+    if est.source == "ctx-overhead":
+        return Estimate(est.bytes, "ctx-overhead", "--ctx-overhead (no margin: the operator's figure)")
+    figures = {"estimate": est.bytes}
+    if learned:   # a percentile, not the maximum: one stray high reading (a free in flight read
+        #           as context, docs/SCHEDULING.md) must not set it alone once 10 are kept
+        ranked = sorted(learned)
+        figures["learned p90"] = ranked[max(0, -(-len(ranked) * 9 // 10) - 1)]
+    top = arch_top(dev.name, dev.driver)
+    if top is not None:
+        figures["architecture top"] = top
+    name, base = max(figures.items(), key=lambda kv: kv[1])
+    nbytes = -(-(base + base // CEILING_MARGIN) // page) * page
+    return Estimate(nbytes, name, f"{name} {base} bytes + 1/{CEILING_MARGIN}, in {page}-byte pages")
 
 
 class LearnedStore:

@@ -46,7 +46,10 @@ class Reporting:
         return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
-                "started": self.started, "shim_asks": self.broker.asks, "gpus": gpus, "containers": rows,
+                "started": self.started, "shim_asks": self.broker.asks,
+                # per GPU, what the shim's memory queries leave for a context NVML has not measured
+                "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},
+                "gpus": gpus, "containers": rows,
                 # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
                 "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status()}
 

@@ -414,9 +414,11 @@ CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev), de
 CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev), dev, 0)
 CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev), dev, 0)
 
-/* What the container may see of GPU dev: total = min(limit, the GPU's), used = its own use,
- * free = what is left of that (never more than the GPU has free). Never an error: without an
- * answer from the enforcer the driver's numbers stay. used may be NULL (CUDA has none). */
+/* What this process may see of GPU dev, by the enforcer's rule (enforcer/memview.py): total =
+ * the limit less this process's context, used = what its container holds besides that context,
+ * free = what is left of the total (never more than the GPU has free). The same for CUDA and
+ * NVML. Never an error: without an answer from the enforcer the driver's numbers stay. used
+ * may be NULL (CUDA has none). */
 static void container_view(int dev, unsigned long long *total, unsigned long long *free_b,
                            unsigned long long *used)
 {

@@ -1,7 +1,8 @@
 """The preload shim on the real driver, under the running enforcer: PyTorch under a 1 GiB limit
-gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit in mem_get_info, and still trains a
-small model; an nvcc program (static cudart) is limited through its driver calls; nvidia-smi and
-pynvml show the limit as the GPU's memory. Both with the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
+gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit less its context in mem_get_info
+(issue 18: enforcer/memview.py), and still trains a small model; an nvcc program (static
+cudart) is limited through its driver calls; nvidia-smi and pynvml show the limit less a
+context as the GPU's memory. Both with the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
 import json
 import os
 import shutil
@@ -16,6 +17,16 @@ from conftest import lines_until
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
 HERE = Path(__file__).parent
+RUN_DIR = "/run/convgpu-gpu-shim"
+
+
+def ceiling() -> int:
+    """What the enforcer's memory answers leave for a context NVML has not measured yet (a
+    process's first query comes before any measurement)."""
+    from convgpu.enforcer.server import request
+    return request(f"{RUN_DIR}/control.sock", {"cmd": "status"})["status"]["shim_ctx_ceiling"]["0"]["bytes"]
+
+
 TRAIN = r"""
 import json, torch
 free, total = torch.cuda.mem_get_info()
@@ -43,7 +54,7 @@ print(json.dumps({"free": free, "total": total, "oom": oom, "first": losses[0], 
 def enforcer(root, request):
     from convgpu.enforcer.containers import cgroup_layout
     base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-shim-{os.getpid()}"
-    run_dir = "/run/convgpu-gpu-shim"
+    run_dir = RUN_DIR
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "16GiB",
                             "--limit", "torch=1GiB", "--limit", "nvcc64=64MiB", "--limit", "nvcc1g=1GiB",
                             "--run-dir", run_dir, *(["--no-probes"] if request.param == "shim-only" else [])],
@@ -68,11 +79,12 @@ def enforcer(root, request):
 
 
 def test_pytorch_under_a_1gib_limit(enforcer):
+    ceil = ceiling()       # before the job: its exit may teach the enforcer a larger context
     r = enforcer("torch", [sys.executable, "-c", TRAIN])
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     print(out)
-    assert out["oom"] is True and out["total"] == GiB and 0 <= out["free"] <= GiB
+    assert out["oom"] is True and out["total"] == GiB - ceil and 0 <= out["free"] <= out["total"]
     assert out["last"] < out["first"] * 0.8          # it trained
 
 
@@ -87,16 +99,18 @@ def test_nvcc_static_program_limited_through_driver_calls(enforcer, tmp_path):
 
 
 def test_nvidia_smi_and_pynvml_show_the_limit(enforcer):
-    """NVML's memory queries inside a limited container: the limit, not the card's 80 GiB."""
+    """NVML's memory queries inside a limited container: the limit less the context a process
+    needs (issue 18; none made here yet: counted at the ceiling), not the card's 80 GiB."""
     smi = shutil.which("nvidia-smi")
     assert smi, "nvidia-smi is on every GPU host this runs on"
     r = enforcer("torch", [smi, "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits", "-i", "0"])
     assert r.returncode == 0, r.stderr
     print(r.stdout.strip())
-    assert [int(x) for x in r.stdout.split(",")] == [1024, 0]     # MiB: the 1 GiB limit, nothing used
+    # MiB: the 1 GiB limit less the context a process needs (whole MiB: ceilings are in 2 MiB pages)
+    assert [int(x) for x in r.stdout.split(",")] == [(GiB - ceiling()) // (1 << 20), 0]
     r = enforcer("torch", [sys.executable, "-c", "import pynvml; pynvml.nvmlInit(); "
                            "h = pynvml.nvmlDeviceGetHandleByIndex(0); m = pynvml.nvmlDeviceGetMemoryInfo(h); "
                            "v = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2); "
                            "print(m.total, m.used, v.total, v.used)"])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [str(GiB), "0", str(GiB), "0"]
+    assert r.stdout.split() == [str(GiB - ceiling()), "0", str(GiB - ceiling()), "0"]
