@@ -67,5 +67,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
+# A checkout from before the package's own modules moved to core/ keeps a convgpu/ folder
+# holding only the old build's lib*.so and caches: as a namespace package it would shadow the
+# real one for anything run from the repo root. It holds nothing tracked any more.
+if [ -d convgpu ] && [ -z "$(find convgpu -name '*.py' -print -quit)" ]; then rm -rf convgpu; fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench,k8s]'   # bench: the plots' CI test; k8s: the agent's
 make -s
