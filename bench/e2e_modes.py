@@ -118,14 +118,15 @@ class Mode:
             self.snaps = []
             nowhere = tempfile.mkdtemp(prefix="convgpu-e2e-run-")   # no enforcer answers there
             argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "trace", "--json", "--no-events",
-                    "--interval", "1", "--pid", str(self.pid), "--run-dir", nowhere]
+                    "--interval", "0.5", "--pid", str(self.pid), "--run-dir", nowhere]
             argv += (["--no-discover", "--demo", "never"] if self.standin else []) + [f"--lib={x}" for x in self.libs]
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             first = self.proc.stdout.readline()
             if not first:
                 raise SystemExit(f"convgpu trace ended before its first snapshot (exit {self.proc.wait()})")
             self._snap(first)
-            threading.Thread(target=self._read, daemon=True).start()
+            self.reader = threading.Thread(target=self._read, daemon=True)
+            self.reader.start()
         elif self.name == "enforced":
             self.proc, self.run_dir = start_enforcer(self.libs, self.standin)
             self.info = {"placed_s": self._placed(self.place_timeout)}
@@ -155,6 +156,9 @@ class Mode:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=120)
         elif self.name == "probed" and self.proc:
+            t, end = time.monotonic_ns(), time.monotonic() + 5
+            while self.snaps[-1][0] < t and time.monotonic() < end and self.proc.poll() is None:
+                time.sleep(0.05)   # one snapshot after the block (SIGINT prints none): the count's end
             self.proc.send_signal(signal.SIGINT)
             self.proc.wait(timeout=120)
         self.proc = None

@@ -14,7 +14,7 @@ warm-up, one line `ready PID` on stdout, then one line per step, `T_END_NS ALLOC
 T_END_NS the CLOCK_MONOTONIC end of the step (the harness's clock too), ALLOCS the driver
 allocations the workload made itself so far (the stand-in's; 0 where a framework allocates) and
 CPU_NS the stepping thread's CPU time (user and system: a uprobe's trap is the thread's system
-time), which other processes' load does not stretch (E2E_CLOCK=cpu: the CPU machine's check). A step is the
+time), which waiting for a CPU does not stretch (bench.e2e_toggle --clock cpu). A step is the
 time from one end to the next, so nothing the loop does falls between steps. The file named by
 E2E_CONTROL (8 bytes, mmapped) holds an injected delay in ns that every step busy-waits at its
 end: the harness's known truth."""
@@ -42,9 +42,9 @@ class Control:
         return struct.unpack_from("<q", self.mm, 0)[0] if self.mm else 0
 
 
-def spin(ns: int, clock=time.monotonic_ns) -> None:
-    end = clock() + ns
-    while clock() < end:
+def spin(ns: int) -> None:
+    end = time.monotonic_ns() + ns
+    while time.monotonic_ns() < end:
         pass
 
 
@@ -174,13 +174,13 @@ def main(argv=None) -> int:
         step()
     out.write(f"ready {os.getpid()}\n")
     allocs, write, cpu = 0, out.write, time.thread_time_ns
-    # the delay is exact on the clock the harness measures: wall, or this thread's CPU time
-    clock = cpu if os.environ.get("E2E_CLOCK") == "cpu" else time.monotonic_ns
     while True:
         allocs += step()
         d = ctl.delay_ns()
         if d:
-            spin(d, clock)
+            # on the wall clock (vDSO): spinning on thread_time_ns, a system call each turn, added
+            # 40 % more than the delay to the steps here (their caches and TLB flushed)
+            spin(d)
         try:
             write(f"{time.monotonic_ns()} {allocs} {cpu()}\n")
         except BrokenPipeError:   # the harness is done
