@@ -16,11 +16,18 @@ import time
 
 from convgpu.probes.libs import kind_of
 from convgpu.probes.loader import import_bcc
-from convgpu.probes.table import PROBES
+from convgpu.probes.table import ADMITTED, PROBES
 
 from bench.modes import start_enforcer
 
 INT3 = 0xCC
+PUSH_RBP = 0x55   # one byte: the driver's entry points start with it (FACTS.md)
+
+
+def _first_byte(path: str, pid: int, off: int) -> int:
+    with open(f"/proc/{pid}/root{path}", "rb") as f:
+        f.seek(off)
+        return f.read(1)[0]
 
 
 class Hooks:
@@ -48,6 +55,9 @@ class Hooks:
                 for lo, hi, moff in spans:
                     if moff <= off < moff + hi - lo:
                         self.addrs[f"{os.path.basename(path)}:{p.symbol}"] = lo + off - moff
+                        if p.symbol in ADMITTED and _first_byte(path, pid, off) == PUSH_RBP:
+                            # the enforcer's recheck probe, on the second instruction
+                            self.addrs[f"{os.path.basename(path)}:{p.symbol}+1"] = lo + off - moff + 1
         if not any(k.endswith(":cuMemAlloc_v2") for k in self.addrs):
             raise SystemExit(f"process {pid} has no libcuda.so.1 with cuMemAlloc_v2 mapped")
 
@@ -98,14 +108,15 @@ class Mode:
     bench/modes.py starts it (64 GiB capacity, 60 GiB default limit: the workload stays under
     it and nothing stalls), ready at its "enforcing:" line."""
 
-    def __init__(self, name: str, pid: int, libs: tuple, standin: bool, control: Control, delay_ns: int = 0):
+    def __init__(self, name: str, pid: int, libs: tuple, standin: bool, control: Control, delay_ns: int = 0,
+                 place_timeout: float = 3.0):
         self.name, self.pid, self.libs, self.standin = name, pid, libs, standin
         self.control, self.delay_ns = control, delay_ns
         self.proc = None
         self.run_dir = None
         self.snaps: list = []   # (monotonic ns of receipt, the workload's allocs so far)
         self.info: dict = {}
-        self.place_timeout = 10.0
+        self.place_timeout = place_timeout
 
     @property
     def probes(self) -> bool:
