@@ -83,6 +83,25 @@ def summarize(blocks: list[dict], reps: int = 10000) -> dict:
     return modes
 
 
+def summarize_run(blocks: list) -> dict:
+    """summarize, plus the allocation rate and the transitions' medians per mode, and
+    the delay's truth (the injected wait over bare's step around each delay block)."""
+    modes = summarize(blocks)
+    for mode, m in modes.items():
+        rates = [b.get("alloc_rate") or b.get("own_alloc_rate") for b in blocks if b["mode"] == mode]
+        rates = [r for r in rates if r is not None]
+        m["alloc_rate"] = statistics.median(rates) if rates else None
+        for k in ("ready_s", "off_s", "detach_wait_s"):
+            xs = [b[k] for b in blocks if b["mode"] == mode and k in b]
+            if xs:
+                m[k] = statistics.median(xs)
+    delays = [p for p in paired(blocks) if p["mode"] == "delay"]
+    if delays:
+        modes["delay"]["truth_ratio"] = statistics.fmean(1 + p["delay_ns"] / p["ref_ns"] for p in delays)
+        modes["delay"]["truth_added_us"] = statistics.fmean(p["delay_ns"] for p in delays) / 1e3
+    return modes
+
+
 def table(modes: dict) -> str:
     """Plain text: one row per mode."""
     rows = [f"{'mode':>9} {'blocks':>6} {'steps':>7} {'median ms':>10} {'ratio':>8} {'95% CI':>19} {'+/- %':>7}"

@@ -216,27 +216,8 @@ def run(a) -> dict:
                 w.stop()
     finally:
         control.close()
-    return {**head, "wall_s": time.monotonic() - t_start, "modes": summary(blocks), "blocks": blocks,
+    return {**head, "wall_s": time.monotonic() - t_start, "modes": e2e_stats.summarize_run(blocks), "blocks": blocks,
             "dropped": dropped}
-
-
-def summary(blocks: list) -> dict:
-    """e2e_stats.summarize, plus the allocation rate and the transitions' medians per mode, and
-    the delay's truth (the injected wait over bare's step around each delay block)."""
-    modes = e2e_stats.summarize(blocks)
-    for mode, m in modes.items():
-        rates = [b.get("alloc_rate") or b.get("own_alloc_rate") for b in blocks if b["mode"] == mode]
-        rates = [r for r in rates if r is not None]
-        m["alloc_rate"] = statistics.median(rates) if rates else None
-        for k in ("ready_s", "off_s", "detach_wait_s"):
-            xs = [b[k] for b in blocks if b["mode"] == mode and k in b]
-            if xs:
-                m[k] = statistics.median(xs)
-    delays = [p for p in e2e_stats.paired(blocks) if p["mode"] == "delay"]
-    if delays:
-        modes["delay"]["truth_ratio"] = statistics.fmean(1 + p["delay_ns"] / p["ref_ns"] for p in delays)
-        modes["delay"]["truth_added_us"] = statistics.fmean(p["delay_ns"] for p in delays) / 1e3
-    return modes
 
 
 def main(argv=None) -> int:

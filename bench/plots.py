@@ -130,7 +130,10 @@ def plot_toggle(runs: list[tuple[dict, Path]], out: Path) -> Path:
     """One panel per workload: per mode the mean ratio to the neighbouring bare blocks with its
     bootstrap interval (bar), every block's own ratio (dots), the injected truth of `delay`
     (a cross); under each mode its allocation rate and the interval's half-width."""
-    from bench.e2e_stats import paired
+    from bench.e2e_stats import paired, summarize_run
+    for data, _ in runs:   # a run cut short by its time limit has its blocks only
+        if "modes" not in data:
+            data["modes"] = summarize_run(data["blocks"])
     fig, axes = plt.subplots(1, len(runs), figsize=(max(7.0, 4.6 * len(runs)), 5.2), squeeze=False)
     for ax, (data, src) in zip(axes[0], runs):
         modes = [m for m, v in data["modes"].items() if "ratio" in v]

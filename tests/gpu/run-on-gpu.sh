@@ -22,6 +22,6 @@ for w in ${E2E_TOGGLE:-}; do
   esac
   m=${E2E_MINUTES:-3}
   case $w in *-shim) ;; *) a="$a --modes ${E2E_MODES:-probed,enforced,delay}" ;; esac
-  (cd /tmp && timeout $(awk "BEGIN{print int($m * 60 + 60)}") python3 -P -m bench.e2e_toggle $a --minutes $m ${E2E_TOGGLE_ARGS:---block 5 --settle 1 --delay-frac 0.002} \
+  (cd /tmp && timeout $(awk "BEGIN{print int($m * 60 + 30)}") python3 -P -m bench.e2e_toggle $a --minutes $m ${E2E_TOGGLE_ARGS:---block 5 --settle 1 --delay-frac 0.002} \
      --json "$OUT/e2e-$w.json") > "$OUT/e2e-$w.txt" 2>&1; tail -8 "$OUT/e2e-$w.txt"
 done

@@ -128,7 +128,14 @@ def test_toggle_plot_has_a_panel_per_workload(tmp_path):
         files.append(tmp_path / f"{i}.json")
         files[-1].write_text(json.dumps(made_up_toggle(label, gpu)))
     assert plots.main(["--toggle", *map(str, files[:1]), "--out", str(tmp_path / "one")]) == 0
-    assert plots.main(["--toggle", *map(str, files), "--out", str(tmp_path / "three")]) == 0
+    assert plots.main(["--toggle", *map(str, files[:3]), "--out", str(tmp_path / "three")]) == 0
+    cut = made_up_toggle("cut short", None)   # a run its time limit ended: blocks, no summary
+    del cut["modes"]
+    for b in cut["blocks"]:
+        b["delay_ns"] = 1000 if b["mode"] == "delay" else None
+    files.append(tmp_path / "cut.json")
+    files[-1].write_text(json.dumps(cut))
+    assert plots.main(["--toggle", str(files[-1]), "--out", str(tmp_path / "cut")]) == 0
     w1, h1 = png_size(tmp_path / "one" / "e2e_toggle.png")
     w3, h3 = png_size(tmp_path / "three" / "e2e_toggle.png")
     assert w3 > 2 * w1 * 0.9 and h3 == h1 and h1 >= 300   # three panels side by side
