@@ -128,7 +128,9 @@ def toggled(a, w: Workload, control: Control, libs: tuple, deadline: float, bloc
         t0 = time.monotonic()
         try:
             m.start()
-            ready_s = hooks.wait(probed=True, timeout=60) + (time.monotonic() - t0) if m.probes else time.monotonic() - t0
+            if m.probes:
+                hooks.wait(probed=True, timeout=60)
+            ready_s = time.monotonic() - t0
             start = time.monotonic_ns() + settle
             time.sleep(a.settle + a.block)
             stop = time.monotonic_ns()

@@ -16,7 +16,7 @@ def test_toggled_modes_under_a_running_pytorch_process(root, tmp_path):
     from bench import e2e_stats
     out = tmp_path / "e2e.json"
     r = subprocess.run([sys.executable, "-P", "-m", "bench.e2e_toggle", "torch", "--no-caching", "--blocks", "5",
-                        "--modes", "probed,enforced,delay,delay,delay", "--block", "3", "--settle", "1",
+                        "--modes", "probed,enforced,delay,delay,delay", "--block", "6", "--settle", "1",
                         "--delay-frac", "0.01", "--minutes", "6", "--json", str(out), "--", "--batch", "32"],
                        cwd="/", capture_output=True, text=True, timeout=600)   # not the source tree: -P
     assert r.returncode == 0, r.stderr[-3000:]
