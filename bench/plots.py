@@ -2,11 +2,12 @@
 (matplotlib: the optional `bench` extra). Every figure's title says how it was measured and on
 what machine, driver and date (bench/machine.py: from the JSON, else the machine.txt beside it).
 
-    python -m bench.plots [--latency FILE] [--e2e FILE] [--out docs/img/bench]
+    python -m bench.plots [--latency FILE] [--e2e FILE] [--toggle FILE...] [--out docs/img/bench]
 
 --latency (bench.probe_latency's JSON) -> latency.png: experiment 1, time per call as a ratio to
 bare, one panel per API and operation. --e2e (bench.e2e's) -> startup.png (experiment 2) and
-e2e.png (experiment 3)."""
+e2e.png (experiment 3, the old method). --toggle (bench.e2e_toggle's, one per workload) ->
+e2e_toggle.png: experiment 3, the ratio to bare per mode with its 95 % interval, a panel each."""
 from __future__ import annotations
 
 import argparse
@@ -125,10 +126,51 @@ def plot_e2e(data: dict, src: Path, out: Path) -> list[Path]:
     return files
 
 
+def plot_toggle(runs: list[tuple[dict, Path]], out: Path) -> Path:
+    """One panel per workload: per mode the mean ratio to the neighbouring bare blocks with its
+    bootstrap interval (bar), every block's own ratio (dots), the injected truth of `delay`
+    (a cross); under each mode its allocation rate and the interval's half-width."""
+    from bench.e2e_stats import paired, summarize_run
+    for data, _ in runs:   # a run cut short by its time limit has its blocks only
+        if "modes" not in data:
+            data["modes"] = summarize_run(data["blocks"])
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(7.0, 4.6 * len(runs)), 5.2), squeeze=False)
+    for ax, (data, src) in zip(axes[0], runs):
+        modes = [m for m, v in data["modes"].items() if "ratio" in v]
+        pairs = paired(data["blocks"])
+        for i, m in enumerate(modes):
+            v = data["modes"][m]
+            ax.scatter([i + 0.18] * sum(p["mode"] == m for p in pairs), [p["ratio"] for p in pairs if p["mode"] == m],
+                       color=COLORS.get(m, "gray"), alpha=0.45, s=12)
+            ax.errorbar([i], [v["ratio"]], yerr=[[v["ratio"] - v["ratio_lo"]], [v["ratio_hi"] - v["ratio"]]],
+                        fmt="o", color=COLORS.get(m, "gray"), capsize=6, linewidth=2)
+            if "truth_ratio" in v:
+                ax.scatter([i], [v["truth_ratio"]], marker="x", color="black", s=60, zorder=4, label="injected truth")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        rate = lambda m: data["modes"][m].get("alloc_rate")   # noqa: E731
+        ax.set_xticks(range(len(modes)), [f"{m}\n{data['modes'][m]['ratio']:.4f} +-{data['modes'][m]['half_pct']:.3f} %"
+                                         f"\n{data['modes'][m]['paired']} blocks" +
+                                         (f", {rate(m):,.0f} allocs/s" if rate(m) else "") for m in modes], fontsize=8)
+        ax.set_xlim(-0.5, len(modes) - 0.3)
+        bare = data["modes"]["bare"]
+        ax.set_title(f"{data['label']}\nbare step {bare['median_ms']:.3f} ms, {bare['blocks']} bare blocks\n"
+                     + textwrap.fill(describe(data, src), 60), fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        if any("truth_ratio" in data["modes"][m] for m in modes):
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("step time / neighbouring bare blocks'")
+    d0 = runs[0][0]
+    title(fig, "Experiment 3: end to end, the mode switched under one running workload\n"
+          f"bench.e2e_toggle: blocks of {d0['block_s']:g} s after {d0['settle_s']:g} s of settling, each against the "
+          "mean of its bare neighbours; mean ratio, 95 % bootstrap interval over blocks", 10)
+    return save(fig, out / "e2e_toggle.png", top=0.45)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--latency", type=Path, help="bench.probe_latency --json output")
     ap.add_argument("--e2e", type=Path, help="bench.e2e --json output")
+    ap.add_argument("--toggle", type=Path, nargs="+", help="bench.e2e_toggle --json outputs, a panel each")
     ap.add_argument("--out", type=Path, default=Path("docs/img/bench"))
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -137,8 +179,10 @@ def main(argv=None) -> int:
         files.append(plot_latency(json.loads(a.latency.read_text()), a.latency, a.out))
     if a.e2e:
         files += plot_e2e(json.loads(a.e2e.read_text()), a.e2e, a.out)
+    if a.toggle:
+        files.append(plot_toggle([(json.loads(p.read_text()), p) for p in a.toggle], a.out))
     if not files:
-        ap.error("nothing to plot: give --latency and/or --e2e")
+        ap.error("nothing to plot: give --latency, --e2e and/or --toggle")
     print("\n".join(str(f) for f in files))
     return 0
 

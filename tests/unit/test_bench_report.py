@@ -104,3 +104,38 @@ def test_plots_make_pngs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["e2e.png", "latency.png", "startup.png"]
     for p in (tmp_path / "b").iterdir():
         assert min(png_size(p)) >= 300, p
+
+
+def made_up_toggle(label: str, gpu: str | None) -> dict:
+    """bench.e2e_toggle's shape: bare blocks around probed, enforced and delay blocks."""
+    from bench import e2e_stats
+    seq = [("bare", 100), ("probed", 101), ("bare", 100), ("enforced", 102), ("bare", 99), ("delay", 101),
+           ("bare", 100), ("enforced", 101), ("bare", 100), ("probed", 100), ("bare", 101)]
+    blocks = [{"mode": m, "median_ns": v * 1000, "steps": 50} for m, v in seq]
+    modes = e2e_stats.summarize(blocks)
+    modes["delay"].update(truth_ratio=1.01, truth_added_us=1.0)
+    modes["probed"]["alloc_rate"] = 1234.0
+    return {"label": label, "block_s": 5, "settle_s": 1, "blocks": blocks, "modes": modes, "standin": gpu is None,
+            "machine": {"date": "2026-11-25 09:00 UTC", "kernel": "6.18", "cpus": 16, "gpu": gpu, "driver": "580.159.04"}}
+
+
+def test_toggle_plot_has_a_panel_per_workload(tmp_path):
+    need(importlib.util.find_spec("matplotlib") is not None, "matplotlib not installed: pip install -e '.[bench]'")
+    from bench import plots
+    files = []
+    for i, (label, gpu) in enumerate((("torch", "NVIDIA H100 80GB HBM3"), ("jax", "NVIDIA H100 80GB HBM3"),
+                                      ("standin", None))):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(made_up_toggle(label, gpu)))
+    assert plots.main(["--toggle", *map(str, files[:1]), "--out", str(tmp_path / "one")]) == 0
+    assert plots.main(["--toggle", *map(str, files[:3]), "--out", str(tmp_path / "three")]) == 0
+    cut = made_up_toggle("cut short", None)   # a run its time limit ended: blocks, no summary
+    del cut["modes"]
+    for b in cut["blocks"]:
+        b["delay_ns"] = 1000 if b["mode"] == "delay" else None
+    files.append(tmp_path / "cut.json")
+    files[-1].write_text(json.dumps(cut))
+    assert plots.main(["--toggle", str(files[-1]), "--out", str(tmp_path / "cut")]) == 0
+    w1, h1 = png_size(tmp_path / "one" / "e2e_toggle.png")
+    w3, h3 = png_size(tmp_path / "three" / "e2e_toggle.png")
+    assert w3 > 2 * w1 * 0.9 and h3 == h1 and h1 >= 300   # three panels side by side
