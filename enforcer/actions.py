@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+from ..probes.discovery import HELD_OPEN
 from .books import Box
 from .stall import SignalStopper, Target
 
@@ -99,6 +100,20 @@ class Actions:
             self._thaw(box)
         log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
         log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)
+
+    def _resume_unplaced(self) -> set[int]:
+        """At a stop, after admission went off: SIGCONT every process BPF stopped at a call that
+        the loop never heard of (stopped, then SIGTERM before the next pass: nobody placed it,
+        so no waiter resumes it). BPF lists each such thread in `held` with no HELD_OPEN bit
+        (an open held by discovery is the tracer's to resume); passing its recheck drops it."""
+        time.sleep(0.02)   # a program past its check when admission went off may still stop one
+        pids = {k.value >> 32 for k, v in self._t("held").items() if not v.value & HELD_OPEN}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        if pids:
+            log.info("stopping: resumed %d processes stopped before they were placed", len(pids))
+        return pids
 
     def _thaw(self, box: Box):
         """Freezer: the container runs again, and no process of it stays signal-stopped. Only

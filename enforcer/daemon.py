@@ -175,6 +175,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         for box in self.boxes.values():
             for dev in list(box.waiting):
                 self._resume(box, dev, "enforcer stopping")
+        if self.tracer.b is not None:
+            self._resume_unplaced()
         for srv in self.servers:
             srv.close()
         self.servers.clear()

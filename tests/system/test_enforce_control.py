@@ -372,6 +372,28 @@ def test_kill_9_before_the_enforcer_heard_of_a_stall_still_resumes_it(cgroups, b
         enf.close()
 
 
+def test_a_clean_stop_resumes_a_process_stopped_before_it_was_placed(cgroups, build, env5):
+    """SIGTERM between BPF's stop of a process at its first call and the loop's next pass:
+    nobody placed it, so no waiter resumed it, and the stopped watchdog did not either (found by
+    bench.e2e_toggle: its workload stayed in state T after an enforced block). Here the
+    enforcer is frozen while the process stops, and its SIGTERM is pending when it thaws."""
+    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "1GiB")
+    p = None
+    try:
+        os.kill(enf.p.pid, signal.SIGSTOP)                    # it hears of nothing from now on
+        p = start_in(cgroups("unplaced"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
+        wait_state(p.pid, "T")                                # stopped by BPF at its first call
+        os.kill(enf.p.pid, signal.SIGTERM)                    # handled first once it runs again
+        os.kill(enf.p.pid, signal.SIGCONT)
+        assert enf.p.wait(timeout=60) == 0
+        assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")   # admission is off
+    finally:
+        if p:
+            p.kill()
+            p.wait()
+        enf.close()
+
+
 def test_ru_partial_grants_are_reclaimed_instead_of_deadlocking(cgroups, build, env5):
     """tests/unit/test_sim.py's hand-worked case with real processes: after A exits, ru gives
     the 2 GiB to C, which still misses 1 GiB while B holds 2 GiB it cannot run on either. Nobody
