@@ -293,14 +293,6 @@ static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
     return cgstate.lookup(&lk);
 }
 
-// A process under the preload shim asks the enforcer before each allocation and waits in the
-// shim (or gets an out-of-memory error): it is accounted here but never stopped.
-static __always_inline int shim_managed(u32 tgid)
-{
-    u64 *m = members.lookup(&tgid);
-    return m && (*m & SHIM_MEMBER);
-}
-
 // Bytes and contexts that landed (or left): kept per container as well as per process.
 static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
 {
@@ -340,6 +332,23 @@ static __always_inline void release(struct cg_call *c)
     c->reserved = 0;
 }
 
+// Bytes that landed for a call that reserved them: charged, then its reservation given back
+// (never briefly under-counted), with one lookup of the container's state where the call
+// reserved in the container it is charged to (always, unless it was placed in between: then
+// release() after it finds the other container).
+static __always_inline void charge_call(u32 tgid, s32 dev, u64 size, struct cg_call *c)
+{
+    u64 key;
+    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    if (!s)
+        return;
+    __sync_fetch_and_add(&s->used, size);
+    if (c->reserved && key == c->container && dev == c->rdev) {
+        __sync_fetch_and_add(&s->reserved, -(s64)c->reserved);
+        c->reserved = 0;
+    }
+}
+
 // The stop is sent before the event that tells the enforcer, never after: the enforcer may
 // answer an event at once (a first context is placed and resumed within a millisecond) on
 // another CPU, and a SIGCONT sent before the SIGSTOP is generated would be lost, leaving the
@@ -364,13 +373,16 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (lapsed(ctl))
         return;
     u32 tgid = id >> 32;
-    if (shim_managed(tgid) || tgid == ctl->exempt)
+    // A process under the preload shim asks the enforcer before each allocation and waits in
+    // the shim (or gets an out-of-memory error): it is accounted here but never stopped.
+    u64 *m = members.lookup(&tgid);     // one lookup for that and for its container's state
+    if ((m && (*m & SHIM_MEMBER)) || tgid == ctl->exempt)
         return;
     if (is_ctx)
         size = ctl->ctx_overhead;
-    u64 key = 0;
-    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    u64 key = m ? *m & ~SHIM_MEMBER : 0;
     struct cg_limit_key lk = {.container = key, .dev = dev};
+    struct cg_cgstate *s = m ? cgstate.lookup(&lk) : 0;
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
     t->call.want = size;
     t->call.wdev = dev;
@@ -439,7 +451,7 @@ int recheck(struct pt_regs *ctx)
 
 // Bytes obtained: remember the object, add to the (process, device) totals.
 static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
-                                    u64 size, s32 dev, u8 flags)
+                                    u64 size, s32 dev, u8 flags, struct cg_call *c)
 {
     u32 tgid = id >> 32;
     struct cg_usage *u = find_usage(tgid, dev, p->gen);
@@ -455,7 +467,7 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
         }
         objs.update(&k, &o);
     }
-    cg_charge(tgid, dev, size, 0);
+    charge_call(tgid, dev, size, c);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -592,7 +604,11 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
                                        struct cg_control *ctl)
 {
     u32 tgid = id >> 32;
-    s32 dev = current_dev(id, procs.lookup(&tgid));
+    s32 dev = t->dev;               // current_dev() without looking the thread up again
+    if (dev < 0) {
+        struct cg_proc *p = procs.lookup(&tgid);
+        dev = p && p->last_dev >= 0 ? p->last_dev : 0;
+    }
     s32 loc[2] = {};
     switch (api) {
     case API_cuMemAlloc_v2: case API_cuMemAllocManaged: case API_cuMemAllocAsync:
@@ -812,7 +828,7 @@ int exit_alloc(struct pt_regs *ctx)
 {
     SETTLE();
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
-    obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0, &c);
     release(&c);
     return 0;
 }
@@ -825,7 +841,7 @@ int exit_pitch(struct pt_regs *ctx)
     u64 pitch = 0;
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
-    obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0, &c);
     release(&c);
     return 0;
 }
@@ -839,7 +855,7 @@ int exit_vmm_create(struct pt_regs *ctx)
     s32 loc[2] = {};
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(loc, sizeof(loc), (void *)(c.a2 + 8));
-    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0);
+    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0, &c);
     release(&c);
     return 0;
 }
@@ -945,7 +961,7 @@ int exit_array(struct pt_regs *ctx)
         if (l < levels)
             bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
     }
-    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE);
+    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE, &c);
     release(&c);
     return 0;
 }
