@@ -7,7 +7,7 @@
 //
 // Contents (one file: bcc rewrites map calls such as threads.lookup() only in the main source)
 //   maps and helpers ........... the accounting state (pinned under enforce), `held`, events
-//   enforce .................... admission at entry, the second-instruction recheck, retired()
+//   enforce .................... admission at entry, the recheck in the prologue, retired()
 //   accounting helpers ......... objects, bytes and contexts in and out
 //   entry (probes/table.py) .... saves arguments, admits; frees settle at entry
 //   return ..................... one program per family settles the call
@@ -404,7 +404,8 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     stop_then_tell(id, api, op, 0, dev, key, size, total, ctl);
 }
 
-// The second instruction of every admitted call. A call stopped at entry gets here once the
+// In the prologue of every admitted call, on the first emulated instruction after the entry
+// (probes/prologue.py: push %r12 at +4 on driver 580). A call stopped at entry gets here once the
 // process runs again: after the enforcer's grant (then it fits), or after a SIGCONT from anyone
 // allowed to signal the process, e.g. a sibling in its container. Either way this runs before
 // the call's body can allocate, so an unauthorized resume is stopped again here.

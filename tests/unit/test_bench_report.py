@@ -104,3 +104,14 @@ def test_plots_make_pngs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["e2e.png", "latency.png", "startup.png"]
     for p in (tmp_path / "b").iterdir():
         assert min(png_size(p)) >= 300, p
+
+
+def test_bpf_table_takes_medians_over_rounds_per_mode_and_program():
+    res = {"bpf_stats": {"enforced": [{"recheck": {"runs": 41, "ns_per_run": 100.0},
+                                       "exit_alloc": {"runs": 41, "ns_per_run": 900.0}},
+                                      {"recheck": {"runs": 43, "ns_per_run": 300.0}},
+                                      {"recheck": {"runs": 42, "ns_per_run": 200.0},
+                                       "exit_alloc": {"runs": 41, "ns_per_run": 700.0}}]}}
+    assert latency_report.bpf_table(res).splitlines() == [
+        "| mode | program | runs | ns/run |", "| --- | --- | ---: | ---: |",
+        "| enforced | exit_alloc | 41 | 800 |", "| enforced | recheck | 42 | 200 |"]
