@@ -332,23 +332,6 @@ static __always_inline void release(struct cg_call *c)
     c->reserved = 0;
 }
 
-// Bytes that landed for a call that reserved them: charged, then its reservation given back
-// (never briefly under-counted), with one lookup of the container's state where the call
-// reserved in the container it is charged to (always, unless it was placed in between: then
-// release() after it finds the other container).
-static __always_inline void charge_call(u32 tgid, s32 dev, u64 size, struct cg_call *c)
-{
-    u64 key;
-    struct cg_cgstate *s = state_of(tgid, dev, &key);
-    if (!s)
-        return;
-    __sync_fetch_and_add(&s->used, size);
-    if (c->reserved && key == c->container && dev == c->rdev) {
-        __sync_fetch_and_add(&s->reserved, -(s64)c->reserved);
-        c->reserved = 0;
-    }
-}
-
 // The stop is sent before the event that tells the enforcer, never after: the enforcer may
 // answer an event at once (a first context is placed and resumed within a millisecond) on
 // another CPU, and a SIGCONT sent before the SIGSTOP is generated would be lost, leaving the
@@ -452,7 +435,7 @@ int recheck(struct pt_regs *ctx)
 
 // Bytes obtained: remember the object, add to the (process, device) totals.
 static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
-                                    u64 size, s32 dev, u8 flags, struct cg_call *c)
+                                    u64 size, s32 dev, u8 flags)
 {
     u32 tgid = id >> 32;
     struct cg_usage *u = find_usage(tgid, dev, p->gen);
@@ -468,7 +451,7 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
         }
         objs.update(&k, &o);
     }
-    charge_call(tgid, dev, size, c);
+    cg_charge(tgid, dev, size, 0);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -543,7 +526,7 @@ static __always_inline void ctx_made(u64 id, struct cg_proc *p, u16 api, u64 ctx
         struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1};
         objs.update(&pk, &n);
     }
-    objs.update(&ck, &c);
+    objs.update(&ck);
     ctx_count(id, p, dev, 1, api, ctx);
 }
 
@@ -829,7 +812,7 @@ int exit_alloc(struct pt_regs *ctx)
 {
     SETTLE();
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
-    obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0, &c);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(c.a1), dev, 0);
     release(&c);
     return 0;
 }
@@ -842,7 +825,7 @@ int exit_pitch(struct pt_regs *ctx)
     u64 pitch = 0;
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(&pitch, sizeof(pitch), (void *)c.a1);
-    obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0, &c);
+    obj_add(id, p, c.api, NS_PTR, v, footprint(pitch * c.a3), dev, 0);
     release(&c);
     return 0;
 }
@@ -856,7 +839,7 @@ int exit_vmm_create(struct pt_regs *ctx)
     s32 loc[2] = {};
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(loc, sizeof(loc), (void *)(c.a2 + 8));
-    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0, &c);
+    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0);
     release(&c);
     return 0;
 }
@@ -962,7 +945,7 @@ int exit_array(struct pt_regs *ctx)
         if (l < levels)
             bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
     }
-    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE, &c);
+    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE);
     release(&c);
     return 0;
 }
