@@ -526,7 +526,7 @@ static __always_inline void ctx_made(u64 id, struct cg_proc *p, u16 api, u64 ctx
         struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1};
         objs.update(&pk, &n);
     }
-    objs.update(&ck);
+    objs.update(&ck, &c);
     ctx_count(id, p, dev, 1, api, ctx);
 }
 
