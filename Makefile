@@ -83,7 +83,7 @@ $(BUILD)/alloc_bench: bench/alloc_bench.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ bench/alloc_bench.c -L$(OUT) -l:libcuda.so.1 -ldl
 
 check-prologue: $(OUT)/libcuda.so.1 $(OUT)/libcudart.so.13
-	sh $(SI)/check-prologue.sh $(OUT)/libcuda.so.1 cu $(LIBCUDA_SYMS)
+	sh $(SI)/check-prologue.sh --driver $(OUT)/libcuda.so.1 cu $(LIBCUDA_SYMS)
 	sh $(SI)/check-prologue.sh $(OUT)/libcudart.so.13 cuda $(LIBCUDART_SYMS)
 
 clean:

@@ -5,7 +5,9 @@ JSON (version 2): the run's parameters, `machine`, and `cells`: one per (api, si
 "alloc", "free" or "call" (info APIs, size 0), each with `n` (calls timed per round), `bytes`
 (asked of the driver per call) and per mode `median_us` / `p99_us` (medians over rounds of the
 per-call median and p99), `added_us`, `ratio` / `p99_ratio` (to bare's) and `rounds` (the
-per-round [median, p99] in us). Version 1 (the runs of 2026-11-22 and -23): `rows` of cuMemAlloc_v2 /
+per-round [median, p99] in us). With --bpf-stats, `bpf_stats`: per mode, per round, per BPF
+program (names cut to 15 characters by the kernel) its `runs` and `ns_per_run` during the
+round's measurement. Version 1 (the runs of 2026-11-22 and -23): `rows` of cuMemAlloc_v2 /
 cuMemFree_v2 only, without p99 at first; `cells_of` reads both."""
 import json
 import statistics
@@ -75,4 +77,15 @@ def table(result: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     unavailable = result.get("unavailable") or {}
     lines += [f"{api}: unavailable ({why})" for api, why in unavailable.items()]
+    return "\n".join(lines)
+
+
+def bpf_table(result: dict) -> str:
+    """Markdown: per mode and BPF program, runs per round and mean ns per run (medians over rounds)."""
+    lines = ["| mode | program | runs | ns/run |", "| --- | --- | ---: | ---: |"]
+    for mode, rounds in result.get("bpf_stats", {}).items():
+        for name in sorted({n for r in rounds for n in r}):
+            got = [r[name] for r in rounds if name in r]
+            lines.append(f"| {mode} | {name} | {statistics.median(x['runs'] for x in got):.0f} | "
+                         f"{statistics.median(x['ns_per_run'] for x in got):.0f} |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ probed (the tracer attached), enforced (`convgpu enforce` running, nothing stall
     python -m bench.probe_latency [--standin] [--apis cuMemAlloc_v2,cudaMalloc,...]
         [--sizes 4K,64K,1M,16M,256M] [--iters 1000] [--rounds 3]
         [--modes bare,probed,enforced,shim] [--cudart PATH] [--json FILE]
+        [--baseline-pythonpath DIR] [--bpf-stats]
 
 APIs (`build/alloc_bench --list`): cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocPitch_v2,
 cuMemCreate+Map (reserve, create, map, set access; freed by unmap, release, address free),
@@ -19,8 +20,16 @@ Each round runs one `build/alloc_bench` process per mode, the modes one after an
 measure, detach, again), so drift of the machine hits all alike; every cell is ITERS calls, each
 timed alone. Cells: median over rounds of the per-call median and of the per-call p99, and both
 as ratios to bare. The JSON is rewritten after every round, so a run cut short keeps its rounds.
-Without --standin the real driver is used (the GPU machine); with it, build/standin."""
+Without --standin the real driver is used (the GPU machine); with it, build/standin.
+
+--baseline-pythonpath DIR adds the modes probed@base and enforced@base (unless --modes names
+the modes): the tracer or enforcer run from the package installed in DIR (`pip install --target
+DIR` of an older checkout), taking turns with the others in every round, for a before/after
+table from one run. --bpf-stats turns on the kernel's BPF run-time statistics (bench/bpf_stats.py)
+and reports, per mode, each program's runs and mean run time during the measurement; they add
+two clock reads to every program run, so take the latency table from a run without them."""
 import argparse
+import contextlib
 import glob
 import importlib.util
 import os
@@ -31,7 +40,7 @@ import sys
 from convgpu.paths import build_dir
 from convgpu.units import parse_size
 
-from bench import latency_report
+from bench import bpf_stats, latency_report
 from bench.machine import machine
 
 
@@ -67,9 +76,13 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="bare,probed,enforced,shim,shim-only")
     ap.add_argument("--cudart", help="the libcudart to time (default: see above)")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--baseline-pythonpath", help="an older install of the package: adds probed@base, enforced@base")
+    ap.add_argument("--bpf-stats", action="store_true", help="BPF run time per program and mode")
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     modes = a.modes.split(",")
+    if a.baseline_pythonpath and "--modes" not in (argv if argv is not None else sys.argv):
+        modes += ["probed@base", "enforced@base"]
     if "bare" not in modes:
         raise SystemExit("--modes must include bare: every cell is a ratio to it")
     env = dict(os.environ)
@@ -95,22 +108,35 @@ def main(argv=None) -> int:
     if runtime and any(x.startswith("cuda") for x in apis):
         libs.append(os.path.realpath(runtime))   # probed, as discovery would once a process maps it
     cells = [f"{api}:{s}" for api in apis for s in (sizes if listed[api][0] == "alloc" else [0])]
-    from bench.modes import running   # here, not at the top: it imports bcc, which the helpers above need not
+    from bench.modes import package_of, running   # here, not at the top: it imports bcc, which the helpers above need not
     raw: dict = {m: [] for m in modes}   # per mode, per round: the cells as alloc_bench printed them
     meta = {"iters": a.iters, "rounds": a.rounds, "standin": a.standin, "modes": modes, "apis": apis,
             "sizes": sizes, "cudart": runtime, "unavailable": unavailable,
-            "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
-    for r in range(a.rounds):
-        for mode in modes:
-            with running(mode, tuple(libs), a.standin) as (extra, tracer):
-                raw[mode].append([parse_cell(w) for w in alloc_bench([str(a.iters), *cells], {**env, **extra})])
-                if tracer:
-                    tracer.poll()
-        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-        result = latency_report.summarize(meta, raw)
-        if a.json:
-            latency_report.write(a.json, result)
+            "argv": sys.argv[1:] if argv is None else argv, "machine": machine(),
+            "package": package_of(None)}
+    if a.baseline_pythonpath:
+        meta["baseline"] = {"pythonpath": a.baseline_pythonpath, "package": package_of(a.baseline_pythonpath)}
+    stats: dict = {m: [] for m in modes if m != "bare"} if a.bpf_stats else {}
+    with bpf_stats.enabled() if a.bpf_stats else contextlib.nullcontext():
+        for r in range(a.rounds):
+            for mode in modes:
+                pids: list = []
+                with running(mode, tuple(libs), a.standin, baseline=a.baseline_pythonpath, pids=pids) as (extra, tracer):
+                    before = bpf_stats.snapshot(pids[0]) if mode in stats else None
+                    raw[mode].append([parse_cell(w) for w in alloc_bench([str(a.iters), *cells], {**env, **extra})])
+                    if mode in stats:
+                        stats[mode].append(bpf_stats.delta(before, bpf_stats.snapshot(pids[0])))
+                    if tracer:
+                        tracer.poll()
+            print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
+            result = latency_report.summarize(meta, raw)
+            if stats:
+                result["bpf_stats"] = stats
+            if a.json:
+                latency_report.write(a.json, result)
     print(latency_report.table(result))
+    if stats:
+        print(latency_report.bpf_table(result))
     return 0
 
 

@@ -7,7 +7,7 @@
 //
 // Contents (one file: bcc rewrites map calls such as threads.lookup() only in the main source)
 //   maps and helpers ........... the accounting state (pinned under enforce), `held`, events
-//   enforce .................... admission at entry, the second-instruction recheck, retired()
+//   enforce .................... admission at entry, the recheck in the prologue, retired()
 //   accounting helpers ......... objects, bytes and contexts in and out
 //   entry (probes/table.py) .... saves arguments, admits; frees settle at entry
 //   return ..................... one program per family settles the call
@@ -293,14 +293,6 @@ static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
     return cgstate.lookup(&lk);
 }
 
-// A process under the preload shim asks the enforcer before each allocation and waits in the
-// shim (or gets an out-of-memory error): it is accounted here but never stopped.
-static __always_inline int shim_managed(u32 tgid)
-{
-    u64 *m = members.lookup(&tgid);
-    return m && (*m & SHIM_MEMBER);
-}
-
 // Bytes and contexts that landed (or left): kept per container as well as per process.
 static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
 {
@@ -364,13 +356,16 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (lapsed(ctl))
         return;
     u32 tgid = id >> 32;
-    if (shim_managed(tgid) || tgid == ctl->exempt)
+    // A process under the preload shim asks the enforcer before each allocation and waits in
+    // the shim (or gets an out-of-memory error): it is accounted here but never stopped.
+    u64 *m = members.lookup(&tgid);     // one lookup for that and for its container's state
+    if ((m && (*m & SHIM_MEMBER)) || tgid == ctl->exempt)
         return;
     if (is_ctx)
         size = ctl->ctx_overhead;
-    u64 key = 0;
-    struct cg_cgstate *s = state_of(tgid, dev, &key);
+    u64 key = m ? *m & ~SHIM_MEMBER : 0;
     struct cg_limit_key lk = {.container = key, .dev = dev};
+    struct cg_cgstate *s = m ? cgstate.lookup(&lk) : 0;
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
     t->call.want = size;
     t->call.wdev = dev;
@@ -392,7 +387,8 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     stop_then_tell(id, api, op, 0, dev, key, size, total, ctl);
 }
 
-// The second instruction of every admitted call. A call stopped at entry gets here once the
+// In the prologue of every admitted call, on the first emulated instruction after the entry
+// (probes/prologue.py: push %r12 at +4 on driver 580). A call stopped at entry gets here once the
 // process runs again: after the enforcer's grant (then it fits), or after a SIGCONT from anyone
 // allowed to signal the process, e.g. a sibling in its container. Either way this runs before
 // the call's body can allocate, so an unauthorized resume is stopped again here.
@@ -592,7 +588,11 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
                                        struct cg_control *ctl)
 {
     u32 tgid = id >> 32;
-    s32 dev = current_dev(id, procs.lookup(&tgid));
+    s32 dev = t->dev;               // current_dev() without looking the thread up again
+    if (dev < 0) {
+        struct cg_proc *p = procs.lookup(&tgid);
+        dev = p && p->last_dev >= 0 ? p->last_dev : 0;
+    }
     s32 loc[2] = {};
     switch (api) {
     case API_cuMemAlloc_v2: case API_cuMemAllocManaged: case API_cuMemAllocAsync:

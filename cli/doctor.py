@@ -68,6 +68,8 @@ def run_checks() -> list[Check]:
     cuda = [lib for lib in libs if lib.kind == "cuda"]
     checks.append(Check("libcuda", bool(cuda), "; ".join(f"{lib} inode {lib.inode[1]}" for lib in cuda) or "none found",
                         "install the NVIDIA driver (convgpu trace runs its demo without one)", fatal=False))
+    for lib in cuda:
+        checks.append(_recheck_check(lib))
     for lib in libs:
         if lib.kind == "cudart":
             checks.append(Check("libcudart", True, f"{lib} inode {lib.inode[1]}", fatal=False))
@@ -86,6 +88,24 @@ def run_checks() -> list[Check]:
     from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
     checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks
+
+
+def _recheck_check(lib) -> Check:
+    """Where `enforce` puts each admitted call's recheck probe: on an emulated push it costs about
+    a probe hit; single-stepped, several microseconds more per allocation (probes/prologue.py)."""
+    try:
+        sites = loader.recheck_sites(lib.path)
+    except Exception as e:
+        return Check("recheck site", False, f"{lib}: {str(e)[:150]}", "see the error", fatal=False)
+    where: dict[str, list[str]] = {}
+    for sym, site in sites.items():
+        where.setdefault(f"+{site[0]} {site[1]}" if site else "none (not enforced after a resume)", []).append(sym)
+    detail = "; ".join(f"{k}: {len(v)} symbol(s)" + ("" if k.endswith("emulated") else f" ({', '.join(v)})")
+                       for k, v in sorted(where.items()))
+    ok = bool(sites) and all(site and site[1] == "emulated" for site in sites.values())
+    return Check("recheck site", ok, f"{lib}: {detail}",
+                 "a driver whose prologue has no push after the entry: enforce single-steps the recheck "
+                 "(several us per allocation) or, with none, cannot catch a sibling's SIGCONT", fatal=False)
 
 
 @common.handle_errors

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
+from . import prologue
 from .libs import Library
 from .table import ADMITTED, CUDA, PROBES, Probe
 
@@ -68,35 +69,20 @@ def compile_program(self_tgid: int | None = None, ringbuf_pages: int = 4096, ext
         raise PrerequisiteError(f"cannot load the BPF program: {msg}", "run `convgpu doctor`") from e
 
 
-def first_instruction(path: str, offset: int) -> tuple[str, str]:
-    """Classify the instruction a uprobe at `offset` replaces: (class, hex bytes).
-    'emulated' (push %rbp: cheap), 'stepped' (single-stepped: ~10x slower), 'unprobeable'."""
+def read_prologue(path: str, offset: int) -> bytes:
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            b = f.read(4)
+            return f.read(prologue.PROLOGUE_BYTES)
     except OSError:
-        return "unknown", ""
-    hx = b.hex()
-    if not b:
-        return "unknown", hx
-    if b[0] == 0xF0:
-        return "unprobeable", hx          # lock prefix: the kernel refuses to install it
-    if b[0] == 0x55 or (b[0] in (0x41,) and len(b) > 1 and 0x50 <= b[1] <= 0x57) or 0x50 <= b[0] <= 0x57:
-        return "emulated", hx             # push reg: emulated by the kernel, no single-step
-    return "stepped", hx
+        return b""
 
 
-def instruction_length(hx: str) -> int | None:
-    """Length of the first instruction for the prologues drivers start with, else None."""
-    b = bytes.fromhex(hx)
-    if b[:1] == b"\x55" or (b and 0x50 <= b[0] <= 0x57):
-        return 1                            # push %rbp / push reg
-    if len(b) > 1 and b[0] == 0x41 and 0x50 <= b[1] <= 0x57:
-        return 2                            # push %r8-%r15
-    if b[:4] == bytes.fromhex("f30f1efa"):
-        return 4                            # endbr64
-    return None
+def first_instruction(path: str, offset: int) -> tuple[str, str]:
+    """Classify the instruction a uprobe at `offset` replaces: (class, hex bytes).
+    'emulated' (push %rbp: cheap), 'stepped' (single-stepped: ~10x slower), 'unprobeable'."""
+    b = read_prologue(path, offset)
+    return prologue.classify(b)[0], b.hex()
 
 
 @dataclass
@@ -107,7 +93,8 @@ class Attached:
     reason: str = ""
     insn: str = ""          # emulated / stepped / unprobeable
     fired: bool | None = None  # self-test result; None = not tested
-    recheck: bool | None = None  # enforce: second-instruction probe attached (None: not wanted)
+    recheck: bool | None = None  # enforce: recheck probe attached (None: not wanted)
+    recheck_at: str = ""    # where: "+4 emulated", or "+1 stepped" where no push follows the entry
 
 
 @dataclass
@@ -122,7 +109,8 @@ class LibraryProbes:
 
 def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
     """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers).
-    recheck: also probe the second instruction of admitted calls (enforce, table.ADMITTED)."""
+    recheck: also probe admitted calls (enforce, table.ADMITTED) inside their prologue, on the
+    first emulated instruction after the entry (probes/prologue.py), else the second one."""
     bcc = import_bcc()
     out = LibraryProbes(lib)
     for probe in PROBES:
@@ -146,18 +134,36 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
                 b.attach_uretprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.exit.encode())
             a.ok = True
             if recheck and probe.symbol in ADMITTED:
-                n = instruction_length(hx)
-                a.recheck = n is not None
-                if n is not None:
-                    b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), sym_off=n,
+                site = prologue.recheck_site(bytes.fromhex(hx))
+                a.recheck = site is not None
+                if site is not None:
+                    a.recheck_at = f"+{site[0]} {site[1]}"
+                    b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), sym_off=site[0],
                                     fn_name=b"recheck")
         except Exception as e:
             a.reason = f"attach failed: {e}"
         out.probes.append(a)
+    stepped = [a.probe.symbol for a in out.probes if a.recheck_at.endswith("stepped")]
+    if stepped:
+        log.warning("%s: the recheck of %s is single-stepped (no push after the entry): several us "
+                    "per call on a VM", lib, ", ".join(stepped))
     if out.missing_required:
         names = ", ".join(x.probe.symbol for x in out.missing_required)
         raise ProbeError(f"cannot attach required probes {names} in {lib}: "
                          f"{out.missing_required[0].reason}", "run `convgpu doctor`")
+    return out
+
+
+def recheck_sites(path: str) -> dict[str, tuple[int, str] | None]:
+    """For `convgpu doctor`: where the enforcer would put each admitted symbol's recheck."""
+    bcc = import_bcc()
+    out = {}
+    for sym in sorted(ADMITTED):
+        try:
+            real, off = bcc.BPF._check_path_symbol(path.encode(), sym.encode(), None, -1)
+        except Exception:
+            continue    # not exported by this driver (optional symbols)
+        out[sym] = prologue.recheck_site(read_prologue(real.decode(), off))
     return out
 
 

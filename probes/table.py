@@ -78,7 +78,7 @@ PROBES: tuple[Probe, ...] = (
 )
 
 # Calls that take device memory: admitted at entry (bpf admit_call), and, when enforcing,
-# re-checked at their second instruction ("recheck") so that a resume nobody granted is caught
+# re-checked inside their prologue ("recheck", probes/prologue.py) so that a resume nobody granted is caught
 # before the body runs.
 ADMITTED = frozenset({
     "cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemCreate", "cuMemAllocAsync",

@@ -177,6 +177,7 @@ struct obj *tab_remove(uintptr_t key, int kind)
 
 API CUresult cuInit(unsigned int Flags)
 {
+    SAVES_R12();                    /* the driver's prologue (no CHECK_INIT here) */
     if (Flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))

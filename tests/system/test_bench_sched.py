@@ -162,3 +162,52 @@ def test_event_throughput_shape(root, build, tmp_path):
     assert live["lost"] == burst["lost"] == 0
     assert live["received"] >= live["expected"] == 20000 and burst["received"] >= burst["expected"] == 20000
     assert live["seconds"] > 0 and burst["seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def baseline_install(tmp_path_factory):
+    """An install of this checkout made the way the lead makes main's on the GPU machine
+    (pip install --target), for the @base modes."""
+    import subprocess
+    target = tmp_path_factory.mktemp("baseline")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(target), str(Path(__file__).resolve().parents[2])], check=True, capture_output=True)
+    return target
+
+
+def test_latency_before_and_after_in_one_run_with_bpf_stats(root, build, tmp_path, baseline_install):
+    """--baseline-pythonpath: probed@base and enforced@base take turns with the other modes, their
+    tracer and enforcer imported from the older install (not this checkout); --bpf-stats: each
+    mode's programs ran once per call timed (plus the warm-up pair), the recheck once per
+    admitted call (allocations and the primary-context retains), never without enforcement."""
+    from bench import latency_report, probe_latency
+    out = tmp_path / "latency.json"
+    modes = ["bare", "probed", "enforced", "probed@base", "enforced@base"]
+    assert probe_latency.main(["--standin", "--rounds", "1", "--iters", "40", "--sizes", "4K", "--apis", "cuMemAlloc_v2",
+                               "--modes", ",".join(modes), "--baseline-pythonpath", str(baseline_install),
+                               "--bpf-stats", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["modes"] == modes and res["rounds_done"] == 1
+    assert res["baseline"] == {"pythonpath": str(baseline_install),
+                               "package": str(baseline_install / "convgpu" / "__init__.py")}
+    assert not res["package"].startswith(str(baseline_install))
+    assert [(c["api"], c["op"]) for c in res["cells"]] == [("cuMemAlloc_v2", "alloc"), ("cuMemAlloc_v2", "free")]
+    for c in res["cells"]:
+        assert set(c["modes"]) == set(modes)
+        for v in c["modes"].values():
+            assert len(v["rounds"]) == 1 and 0 < v["median_us"] <= v["p99_us"] < 1e6
+    stats = res["bpf_stats"]
+    assert set(stats) == set(modes) - {"bare"}
+    for mode, rounds in stats.items():
+        assert len(rounds) == 1
+        for r in rounds:
+            # 40 timed calls and the untimed warm-up pair; names are cut to 15 characters
+            assert r["enter_cuMemAllo"]["runs"] == r["exit_alloc"]["runs"] == r["enter_cuMemFree"]["runs"] == 41, (mode, r)
+            assert all(x["ns_per_run"] > 0 for x in r.values())
+            if mode.startswith("enforced"):
+                assert r["recheck"]["runs"] == 41 + r["enter_cuDeviceP"]["runs"], (mode, r)
+            else:
+                assert "recheck" not in r, (mode, r)
+    table = latency_report.bpf_table(res).splitlines()
+    assert table[0] == "| mode | program | runs | ns/run |"
+    assert any(line.startswith("| enforced@base | recheck | ") for line in table)

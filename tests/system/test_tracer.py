@@ -201,3 +201,18 @@ def test_fork_child_starts_empty_and_parent_keeps_its_bytes(tracer, build, calle
         p.kill()
         p.wait()
         os.kill(child, signal.SIGKILL) if "child" in locals() else None
+
+
+def test_recheck_sits_on_the_emulated_push_r12_like_the_driver(build):
+    """The stand-in's admitted entry points begin like driver 580's (push %rbp; mov %rsp,%rbp;
+    push %r12), so the enforcer's recheck goes on the push at +4, emulated, as on the H100
+    (`convgpu doctor` says so), not on the single-stepped mov at +1."""
+    from convgpu.cli.doctor import _recheck_check
+    from convgpu.probes import loader
+    from convgpu.probes.libs import Library
+    from convgpu.probes.table import ADMITTED
+    sites = loader.recheck_sites(str(build / "standin" / "libcuda.so.1"))
+    assert sites == {sym: (4, "emulated") for sym in ADMITTED}
+    path = str(build / "standin" / "libcuda.so.1")
+    c = _recheck_check(Library("cuda", path, (0, 0), path))
+    assert c.ok and c.detail.endswith(f"+4 emulated: {len(ADMITTED)} symbol(s)"), c

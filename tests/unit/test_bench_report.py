@@ -139,3 +139,14 @@ def test_toggle_plot_has_a_panel_per_workload(tmp_path):
     w1, h1 = png_size(tmp_path / "one" / "e2e_toggle.png")
     w3, h3 = png_size(tmp_path / "three" / "e2e_toggle.png")
     assert w3 > 2 * w1 * 0.9 and h3 == h1 and h1 >= 300   # three panels side by side
+
+
+def test_bpf_table_takes_medians_over_rounds_per_mode_and_program():
+    res = {"bpf_stats": {"enforced": [{"recheck": {"runs": 41, "ns_per_run": 100.0},
+                                       "exit_alloc": {"runs": 41, "ns_per_run": 900.0}},
+                                      {"recheck": {"runs": 43, "ns_per_run": 300.0}},
+                                      {"recheck": {"runs": 42, "ns_per_run": 200.0},
+                                       "exit_alloc": {"runs": 41, "ns_per_run": 700.0}}]}}
+    assert latency_report.bpf_table(res).splitlines() == [
+        "| mode | program | runs | ns/run |", "| --- | --- | ---: | ---: |",
+        "| enforced | exit_alloc | 41 | 800 |", "| enforced | recheck | 42 | 200 |"]
