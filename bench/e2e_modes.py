@@ -16,18 +16,18 @@ import time
 
 from convgpu.probes.libs import kind_of
 from convgpu.probes.loader import import_bcc
+from convgpu.probes.prologue import PROLOGUE_BYTES, recheck_site
 from convgpu.probes.table import ADMITTED, PROBES
 
 from bench.modes import start_enforcer
 
 INT3 = 0xCC
-PUSH_RBP = 0x55   # one byte: the driver's entry points start with it (FACTS.md)
 
 
-def _first_byte(path: str, pid: int, off: int) -> int:
+def _prologue(path: str, pid: int, off: int) -> bytes:
     with open(f"/proc/{pid}/root{path}", "rb") as f:
         f.seek(off)
-        return f.read(1)[0]
+        return f.read(PROLOGUE_BYTES)
 
 
 class Hooks:
@@ -55,9 +55,9 @@ class Hooks:
                 for lo, hi, moff in spans:
                     if moff <= off < moff + hi - lo:
                         self.addrs[f"{os.path.basename(path)}:{p.symbol}"] = lo + off - moff
-                        if p.symbol in ADMITTED and _first_byte(path, pid, off) == PUSH_RBP:
-                            # the enforcer's recheck probe, on the second instruction
-                            self.addrs[f"{os.path.basename(path)}:{p.symbol}+1"] = lo + off - moff + 1
+                        site = recheck_site(_prologue(path, pid, off)) if p.symbol in ADMITTED else None
+                        if site:   # the enforcer's recheck probe (probes/prologue.py: +4 on driver 580)
+                            self.addrs[f"{os.path.basename(path)}:{p.symbol}+{site[0]}"] = lo + off - moff + site[0]
         if not any(k.endswith(":cuMemAlloc_v2") for k in self.addrs):
             raise SystemExit(f"process {pid} has no libcuda.so.1 with cuMemAlloc_v2 mapped")
 
