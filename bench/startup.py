@@ -17,6 +17,7 @@ where its start went (convgpu/phases.py); the medians of those phases come with 
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -111,8 +112,9 @@ def summarize(samples: list[dict]) -> dict:
     secs = [s["s"] for s in samples]
     phases = [_phase_seconds(s["phases"]) for s in samples]
     names = [n for n in phases[0]] if phases and phases[0] else []
+    origins = sorted({m.group(1) for s in samples if (m := re.search(r"bpf [\d.]+ \((\w+)\)", s["phases"] or ""))})
     return {"n": len(secs), "p50_s": round(statistics.median(secs), 3), "min_s": round(min(secs), 3),
-            "max_s": round(max(secs), 3), "samples_s": secs,
+            "max_s": round(max(secs), 3), "samples_s": secs, "bpf": origins,
             "phases_p50_s": {n: round(statistics.median(p.get(n, 0.0) for p in phases), 3) for n in names}}
 
 

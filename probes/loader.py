@@ -109,6 +109,13 @@ def load_program(bcc, src: str, flags: list[str], directory: str | None):
     return b
 
 
+def cache_state(pinned: bool, cache: str | None = None) -> tuple[str, str]:
+    """("warm" | "cold" | "off", detail) of the cached compile an enforcer (pinned: its maps
+    under bpffs) or a tracer would replay now."""
+    flags = cflags(extra=(f'{bpfcache.PIN_FLAG}"-"',) if pinned else ())
+    return bpfcache.state(bpfcache.cache_dir(cache), bpfcache.material(str(SOURCE), flags))
+
+
 def configure(b, self_tgid: int, owner: int) -> None:
     """The per-start values (struct cg_config), before any probe is attached."""
     t = b[b"config"]

@@ -295,3 +295,41 @@ def test_pinned_map_of_another_layout_is_refused(pin_dir):
     os.close(fd)
     with pytest.raises(Exception, match="another layout"):
         loader.compile_program(extra=flags)
+
+
+def _doctor_line(out: str, check: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(check))
+
+
+def test_doctor_says_whether_the_cache_is_warm_and_fills_it(root, tmp_path):
+    env = dict(os.environ, CONVGPU_BPF_CACHE=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-m", "convgpu.cli.main", "doctor"], capture_output=True, text=True,
+                           timeout=300, env=env) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stdout + r.stderr
+    for what in ("enforce", "trace"):
+        assert " warn " in _doctor_line(runs[0].stdout, f"BPF cache ({what})")
+        assert "cold" in _doctor_line(runs[0].stdout, f"BPF cache ({what})")
+        assert " ok " in _doctor_line(runs[1].stdout, f"BPF cache ({what})")
+    assert "compiled" in _doctor_line(runs[0].stdout, "BPF compile+load")
+    assert "replayed" in _doctor_line(runs[1].stdout, "BPF compile+load")
+    assert len(os.listdir(tmp_path / "cache")) == 2   # the enforcer's (pinned) and the tracer's
+    assert not [d for d in os.listdir("/sys/fs/bpf") if d.startswith("convgpu-doctor-")]
+
+
+@pytest.mark.parametrize("cmd,modes", [("enforce", "warm,cold"), ("trace", "warm")])
+def test_startup_benchmark_shape(root, build, tmp_path, cmd, modes):
+    """bench.startup in a small configuration: warm starts replayed, cold ones compiled, and
+    each start's phases were read (numbers: docs only)."""
+    from bench import startup
+    out = tmp_path / "startup.json"
+    extra = ["--no-discover", "--lib", str(build / "standin" / "libcuda.so.1")]
+    extra += ["--gpu-memory", "4GiB"] if cmd == "enforce" else ["--duration", "60"]
+    assert startup.main(["--command", cmd, "--n", "2", "--modes", modes, "--json", str(out), "--", *extra]) == 0
+    d = json.loads(out.read_text())
+    for m in modes.split(","):
+        s = d[m]
+        assert s["n"] == len(s["samples_s"]) == 2 and s["min_s"] <= s["p50_s"] <= s["max_s"]
+        assert s["bpf"] == ["replayed" if m == "warm" else "compiled"]
+        assert {"imports", "bpf", "probes", "attach", "self-test"} <= set(s["phases_p50_s"])
+    assert d["line"].startswith(f"convgpu {cmd}, exec to ") and d["machine"]["kernel"]
