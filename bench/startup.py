@@ -129,6 +129,8 @@ def run(cmd: str, n: int, modes: list[str], extra: list[str]) -> dict:
                 cache = warm if m == "warm" else tempfile.mkdtemp(prefix="convgpu-bench-bpfcache-")
                 try:
                     samples[m].append(one_start(cmd, extra, cache))
+                    print(f"{m} {i + 1}/{n}: {samples[m][-1]['s']:.2f} s; {samples[m][-1]['phases']}",
+                          file=sys.stderr, flush=True)
                 finally:
                     if cache != warm:
                         shutil.rmtree(cache, ignore_errors=True)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # How the runs in docs/gpu-runs/ are made, on the GPU machine (set-up: tests/gpu/env.sh):
 #   OUT=... bash tests/gpu/run-on-gpu.sh [pytest args]      # tests, then the latency bench
-# NO_BENCH=1 skips the bench; NO_TESTS=1 the tests; E2E=1 adds bench.e2e (about 4 minutes).
+# NO_BENCH=1 skips the bench; NO_TESTS=1 the tests; E2E=1 adds bench.e2e (about 4 minutes);
+# STARTUP=1 adds bench.startup, enforce then trace, 10 starts warm and 10 cold each (about 8 minutes).
 set -u
 source tests/gpu/env.sh
 export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
@@ -9,3 +10,4 @@ export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
   tail -25 "$OUT/pytest-gpu.txt"; }
 [ -n "${NO_BENCH:-}" ] || { timeout ${BENCH_TIMEOUT:-230} python3 -P -m bench.probe_latency ${LATENCY_ARGS:---rounds 3 --iters 500} --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
 [ -z "${E2E:-}" ] || { (cd /tmp && timeout ${E2E_TIMEOUT:-260} python3 -P -m bench.e2e ${E2E_ARGS:---reps 4} --json "$OUT/e2e.json") > "$OUT/e2e.txt" 2>&1; cat "$OUT/e2e.txt"; }
+[ -z "${STARTUP:-}" ] || for c in enforce trace; do (cd /tmp && timeout ${STARTUP_TIMEOUT:-280} python3 -P -m bench.startup --command $c ${STARTUP_ARGS:---n 10} --json "$OUT/startup-$c.json" $([ $c = trace ] && echo -- --duration 120)) > "$OUT/startup-$c.txt" 2>&1; cat "$OUT/startup-$c.txt"; done
