@@ -20,6 +20,8 @@ import bcc
 from bcc import table as bcc_table
 from bcc.libbcc import lib
 
+from .. import phases
+
 
 BPF_MAP_CREATE, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD = 0, 6, 7, 15
 SYS_BPF = 321   # x86_64
@@ -130,7 +132,8 @@ class Replayed(bcc.BPF):
         for name in self.spec["functions"]:
             if name.startswith("tracepoint__"):
                 fn = self.load_func(name.encode(), bcc.BPF.TRACEPOINT)
-                self.attach_tracepoint(tp=fn.name[len(b"tracepoint__"):].replace(b"__", b":"), fn_name=fn.name)
+                with phases.timed("tracepoints"):   # perf_event_open waits for the event_mutex
+                    self.attach_tracepoint(tp=fn.name[len(b"tracepoint__"):].replace(b"__", b":"), fn_name=fn.name)
 
     def load_func(self, func_name, prog_type, device=None, attach_type=-1):
         func_name = func_name if isinstance(func_name, bytes) else func_name.encode()
