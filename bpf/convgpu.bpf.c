@@ -28,9 +28,6 @@
 #ifndef SUBALLOC_MAX
 #define SUBALLOC_MAX (1ULL << 20)   // at most this is sub-allocated inside shared pages
 #endif
-#ifndef SELF_TGID
-#define SELF_TGID 0                 // convgpu itself: never accounted
-#endif
 
 struct cg_call {                    // a driver call in flight on one thread
     u64 a0, a1, a2, a3, a4;
@@ -61,9 +58,6 @@ struct cg_thread {                  // one entry per thread that ever called CUD
 #else
 #define STATE(type, k, v, name, n) BPF_TABLE(type, k, v, name, n)
 #endif
-#ifndef OWNER
-#define OWNER 0                     // the enforcer instance that may admit (control.owner)
-#endif
 
 STATE("hash", u64, struct cg_thread, threads, 16384);
 STATE("hash", u32, struct cg_proc, procs, 16384);
@@ -73,6 +67,10 @@ BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
 BPF_PERCPU_ARRAY(hits, u64, CG_API_MAX);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(scratch, u64, 1);
+// Who this program works for, per start (struct cg_config): written before any probe is
+// attached, not compiled in, so one cached compile serves every start (probes/bpfcache.py).
+// A lookup with a constant key in an array is inlined by the verifier: no helper call.
+BPF_ARRAY(config, struct cg_config, 1);
 // Every thread BPF has stopped and nobody has let go yet: pid_tgid -> HELD_OPEN | fd (stopped
 // at its open of a driver file, "discovery") or 0 (an admission stall). If the enforcer or
 // tracer dies, its watchdog resumes every process here: a stall the enforcer had no time to
@@ -93,6 +91,20 @@ static __always_inline u64 launder(u64 x)
         return 0;
     *s = x;
     return *s;
+}
+
+static __always_inline u32 self_tgid(void)       // convgpu itself: never accounted
+{
+    u32 k = 0;
+    struct cg_config *c = config.lookup(&k);
+    return c ? c->self_tgid : 0;
+}
+
+static __always_inline u32 owner(void)           // the enforcer instance that may admit
+{
+    u32 k = 0;
+    struct cg_config *c = config.lookup(&k);
+    return c ? c->owner : 0;
 }
 
 static __always_inline void stat_inc(u32 slot)
@@ -236,7 +248,7 @@ static __always_inline struct cg_control *enforcing(void)
 {
     u32 k = 0;
     struct cg_control *c = control.lookup(&k);
-    return c && c->enforcing && c->owner == OWNER ? c : 0;
+    return c && c->enforcing && c->owner == owner() ? c : 0;
 }
 
 // A successor owns admission (control.owner is another enforcer's): this program belongs to a
@@ -250,7 +262,7 @@ static __always_inline int retired(void)
 {
     u32 k = 0;
     struct cg_control *c = control.lookup(&k);
-    return c && c->owner && c->owner != OWNER;
+    return c && c->owner && c->owner != owner();
 }
 
 // An enforcer is set up but its heartbeat is stale: it is hung or dead, so the call runs
@@ -633,7 +645,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     u64 *h = hits.lookup(&slot);
     if (h)
         *h += 1;
-    if ((id >> 32) == SELF_TGID || retired())
+    if ((id >> 32) == self_tgid() || retired())
         return 0;
     struct cg_thread *t = get_thread(id);
     if (!t)
@@ -707,7 +719,7 @@ static __always_inline int free_at_entry(struct pt_regs *ctx, u16 api)
         return 0;
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
-    if (p && tgid != SELF_TGID)
+    if (p && tgid != self_tgid())
         obj_free(id, p, api, NS_PTR, PT_REGS_PARM1(ctx));
     return 0;
 }
@@ -1071,7 +1083,7 @@ static __always_inline struct cg_discovery *discovering(u32 tgid)
 {
     u32 k = 0;
     struct cg_discovery *d = discovery.lookup(&k);
-    return d && d->on && tgid != d->exempt && tgid != SELF_TGID ? d : 0;
+    return d && d->on && tgid != d->exempt && tgid != self_tgid() ? d : 0;
 }
 
 // The last path component is "libcuda.so" with or without a version (".1", ".580.159.04").

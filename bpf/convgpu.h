@@ -190,6 +190,15 @@ struct cg_control {
                             * symbol of a newly attached library (everyone else stays checked) */
 };
 
+/* Per start, one per loaded program (never pinned): written by the tracer before any probe is
+ * attached (probes/loader.py configure()). Not -D defines, so one compiled program serves
+ * every start and can be cached (probes/bpfcache.py). */
+struct cg_config {
+    __u32 self_tgid;       /* convgpu itself: never accounted, never stopped at an open */
+    __u32 owner;           /* the enforcer instance whose program this is: it admits while
+                            * control.owner names it, and steps aside once another does */
+};
+
 /* Discovery (bpf/convgpu.bpf.c, "discovery"): written by the tracer; zeroed by the watchdog
  * when the tracer or enforcer dies, so nothing is stopped at open with nobody to resume it. */
 struct cg_discovery {

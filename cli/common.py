@@ -92,6 +92,13 @@ def handle_errors(fn):
 
 RUN_DIR = "/run/convgpu"
 RUN_DIR_HELP = "The enforcer's --run-dir (default /run/convgpu)."
+NO_BPF_CACHE_HELP = ("Compile the BPF program even where a compile of it is cached (the cache: "
+                     "$CONVGPU_BPF_CACHE, default /var/cache/convgpu/bpf; CONVGPU_BPF_CACHE=off: never used).")
+
+
+def bpf_cache(no_cache: bool) -> str | None:
+    """Tracer(bpf_cache=) for --no-bpf-cache."""
+    return "off" if no_cache else None
 
 
 def control(run_dir: str, msg: dict) -> dict:

@@ -8,6 +8,7 @@ from enum import Enum
 
 import typer
 
+from .. import phases
 from ..enforcer import config as cfg, ctxest, policies
 from ..enforcer.daemon import Enforcer
 from ..enforcer.engines import EngineLookup
@@ -107,8 +108,10 @@ def enforce(
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
     state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
+    no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
+    phases.mark("imports")
     common.decisions_visible()
     path = config if config is not None else (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     conf = cfg.load(path) if path else None
@@ -138,7 +141,8 @@ def enforce(
     capacity = capacity_of(s["gpu_memory"], s["reserve"], nvml)
     stopper = make_stopper(s["stall"])
     engines = EngineLookup()
-    source = Tracer(libraries=tuple(s["libs"]), discover=s["discover"]) if s["probes"] else Ledger()
+    source = Tracer(libraries=tuple(s["libs"]), discover=s["discover"],
+                    bpf_cache=common.bpf_cache(no_bpf_cache)) if s["probes"] else Ledger()
     enf = Enforcer(source, s["policy"], capacity,
                    rules_from(conf, limits, s["default_limit"]), stopper=stopper,
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
@@ -153,8 +157,11 @@ def enforce(
             except OSError as e:
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
                                   "choose a free --metrics-port") from None
+        phases.mark("setup")
         try:
             enf.start()
+            phases.mark("enforcing")
+            log.info("%s", phases.line())
         except PrerequisiteError as e:   # no eBPF here: say what still works
             raise PrerequisiteError(e.problem, f"{e.fix}; or limit through the preload shim only: "
                                                "--no-probes") from None

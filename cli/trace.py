@@ -1,5 +1,6 @@
 """`convgpu trace`: a live view (or JSON lines) of GPU memory per container, process and GPU."""
 import json
+import logging
 import os
 import sys
 import time
@@ -9,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
+from .. import phases
 from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer.accounting import Accountant, matches
 from ..enforcer.containers import container_of_pid
@@ -22,6 +24,8 @@ from ..probes.tracer import Tracer
 from ..units import parse_size
 from . import common
 from .view import WIDTH, render
+
+log = logging.getLogger("convgpu.cli.trace")
 
 
 class DemoMode(str, Enum):
@@ -62,9 +66,11 @@ def trace(
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe fires (calls each driver symbol once, before cuInit)."),
+    no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
     run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
 ):
     """Watch live how much GPU memory each container and process holds."""
+    phases.mark("imports")
     overhead = parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None
     if demo is DemoMode.always and (pid or container is not None):
         what = f"--pid {pid[0]}" if pid else f"--container {container}"
@@ -81,12 +87,15 @@ def trace(
             pass
         return
     nvml = Nvml()
-    tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest)
+    tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest, bpf_cache=common.bpf_cache(no_bpf_cache))
     the_demo = None
     common.stop_on_signals()
     try:
+        phases.mark("setup")
         tracer.start()
         tracer.enable_discovery()   # a process opening a new driver copy waits for its probes
+        phases.mark("tracing")
+        log.info("%s", phases.line())
         mode = "driver"
         if demo_wanted(demo, bool(nvml.ok or system_drivers()), pid, lib, container):
             the_demo = Demo()

@@ -20,14 +20,14 @@ class Adopt:
         """Load the BPF program over the maps a crashed enforcer left pinned (and its watchdog
         kept exact), or over fresh ones."""
         prev = takeover.previous(self.run_dir, self.state_file)
+        self.tracer.owner = self.owner   # admission checks who owns it (BPF's config map)
         if not takeover.ensure_bpffs():
-            self.tracer.cflags = (f"-DOWNER={self.owner}",)   # admission checks who owns it
             self.tracer.start()
             return []
         if not prev:
             takeover.clear(self.pin_dir)   # no successor-to-be left them: stale
         os.makedirs(self.pin_dir, mode=0o700, exist_ok=True)
-        self.tracer.cflags = (f'-DPIN_DIR="{self.pin_dir}"', f"-DOWNER={self.owner}")
+        self.tracer.cflags = (f'-DPIN_DIR="{self.pin_dir}"',)
         try:
             self.tracer.start()
         except Exception as e:   # an older layout of the maps: start afresh

@@ -10,11 +10,12 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
-from . import prologue
+from . import bpfcache, prologue
 from .libs import Library
 from .table import ADMITTED, CUDA, PROBES, Probe
 
@@ -43,8 +44,9 @@ def has_open_tracepoints() -> bool:
     return all(_tracefs_file(f"events/syscalls/{e}/format") for e in ("sys_enter_openat", "sys_exit_openat"))
 
 
-def cflags(self_tgid: int, ringbuf_pages: int = 4096, extra: tuple = ()) -> list[str]:
-    flags = [f"-I{BPF_DIR}", f"-DSELF_TGID={self_tgid}", f"-DRINGBUF_PAGES={ringbuf_pages}"]
+def cflags(ringbuf_pages: int = 4096, extra: tuple = ()) -> list[str]:
+    """What the compiled code depends on; per-start values go into the config map (configure)."""
+    flags = [f"-I{BPF_DIR}", f"-DRINGBUF_PAGES={ringbuf_pages}"]
     fmt = _tracefs_file("events/sched/sched_process_exit/format")
     if fmt and "group_dead" in open(fmt).read():
         flags.append("-DHAVE_GROUP_DEAD")   # 6.x: exact "last thread of the process" signal
@@ -53,20 +55,71 @@ def cflags(self_tgid: int, ringbuf_pages: int = 4096, extra: tuple = ()) -> list
     return flags + list(extra)
 
 
-def compile_program(self_tgid: int | None = None, ringbuf_pages: int = 4096, extra=()):
+def compile_program(self_tgid: int | None = None, ringbuf_pages: int = 4096, extra=(), owner: int = 0,
+                    cache: str | None = None):
+    """The BPF program, loaded and configured: replayed from the cache of compiled programs when
+    it holds this one (probes/bpfcache.py), else compiled by bcc (and cached). self_tgid: the
+    process never accounted (default: this one); owner: the enforcer instance whose program
+    this is (control.owner); cache: its directory, "off" for none (default: CONVGPU_BPF_CACHE
+    or /var/cache/convgpu/bpf). b.origin says which it was: ("replayed" | "compiled", seconds)."""
     if os.geteuid() != 0:
         raise PrerequisiteError("convgpu needs root to load BPF programs", "run it with sudo")
     bcc = import_bcc()
+    flags = cflags(ringbuf_pages, extra)
+    b = load_program(bcc, str(SOURCE), flags, bpfcache.cache_dir(cache))
+    configure(b, os.getpid() if self_tgid is None else self_tgid, owner)
+    return b
+
+
+def load_program(bcc, src: str, flags: list[str], directory: str | None):
+    """Replay src's cached compile under flags, else compile it (and cache the compile)."""
+    t0 = time.monotonic()
+    _, pin_dir = bpfcache.split_flags(flags)
+    mat = bpfcache.material(src, flags) if directory else None
+    spec = bpfcache.load(directory, mat) if directory else None
+    if spec is not None:
+        from .replay import Replayed
+        try:
+            b = Replayed(spec, pin_dir)
+            b.origin = ("replayed", time.monotonic() - t0)
+            log.info("BPF program replayed from %s in %.3f s", bpfcache.path_of(directory, mat), b.origin[1])
+            return b
+        except Exception as e:
+            if "pinned map" in str(e):
+                raise   # an older layout under the pins: the compile would load over it blindly
+            log.warning("cannot replay the cached BPF program (%s): compiling", e)
     try:
-        return bcc.BPF(src_file=str(SOURCE).encode(),
-                       cflags=cflags(os.getpid() if self_tgid is None else self_tgid,
-                                     ringbuf_pages, extra))
+        b = bcc.BPF(src_file=src.encode(), cflags=flags)
     except Exception as e:  # bcc raises bare Exception for compile/load failures
         msg = str(e)
         if "kernel headers" in msg.lower() or "modules" in msg:
             raise PrerequisiteError(f"bcc cannot compile the BPF program: {msg}",
                                     "install kernel headers (scripts/setup.sh links generic ones); run `convgpu doctor`") from e
         raise PrerequisiteError(f"cannot load the BPF program: {msg}", "run `convgpu doctor`") from e
+    b.origin = ("compiled", time.monotonic() - t0)
+    log.info("BPF program compiled in %.2f s", b.origin[1])
+    if directory:
+        try:
+            from bcc.libbcc import lib
+            path = bpfcache.save(directory, mat, bpfcache.capture(b, lib, pin_dir))
+            if path:
+                log.info("compiled BPF program cached in %s", path)
+        except bpfcache.Uncacheable as e:
+            log.warning("the compiled BPF program cannot be cached (%s): every start compiles", e)
+    return b
+
+
+def cache_state(pinned: bool, cache: str | None = None) -> tuple[str, str]:
+    """("warm" | "cold" | "off", detail) of the cached compile an enforcer (pinned: its maps
+    under bpffs) or a tracer would replay now."""
+    flags = cflags(extra=(f'{bpfcache.PIN_FLAG}"-"',) if pinned else ())
+    return bpfcache.state(bpfcache.cache_dir(cache), bpfcache.material(str(SOURCE), flags))
+
+
+def configure(b, self_tgid: int, owner: int) -> None:
+    """The per-start values (struct cg_config), before any probe is attached."""
+    t = b[b"config"]
+    t[t.Key(0)] = t.Leaf(self_tgid=self_tgid, owner=owner)
 
 
 def read_prologue(path: str, offset: int) -> bytes:

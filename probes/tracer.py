@@ -7,6 +7,7 @@ import select
 import time
 from dataclasses import dataclass
 
+from .. import phases
 from . import detach, loader
 from .discovery import Discovery
 from .events import FORMAT, Event, decode_many
@@ -43,8 +44,11 @@ class Tracer:
 
     def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
                  ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
-                 sweep_every: float = 30.0, recheck: bool = False, cflags: tuple = ()):
+                 sweep_every: float = 30.0, recheck: bool = False, cflags: tuple = (),
+                 bpf_cache: str | None = None):
         self.cflags = cflags
+        self.owner = 0              # the enforcer's instance number (control.owner), if any
+        self.bpf_cache = bpf_cache  # loader.compile_program(cache=): None default, "off"
         self.recheck = recheck
         self.finder = LibraryFinder(extra=tuple(libraries), discover=discover)
         self.ringbuf_pages = ringbuf_pages
@@ -66,10 +70,13 @@ class Tracer:
 
     # --- life cycle ---
     def start(self) -> "Tracer":
-        self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages, extra=self.cflags)
+        self.b = loader.compile_program(ringbuf_pages=self.ringbuf_pages, extra=self.cflags, owner=self.owner,
+                                        cache=self.bpf_cache)
+        phases.mark("bpf", self.b.origin[0])
         self.b[b"events"].open_ring_buffer(self._on_event)
         self.started_ns = time.monotonic_ns()
         self.rescan(force=True)
+        phases.mark("probes")
         return self
 
     def enable_discovery(self, own_watchdog: bool = True) -> None:
@@ -122,13 +129,15 @@ class Tracer:
         """Probes on lib, self-tested; a failure is recorded in `failed` (one bad library must
         not stop tracing the others), as is a required probe that never fired."""
         try:
-            lp = loader.attach_library(self.b, lib, recheck=self.recheck)
+            with phases.timed("attach"):
+                lp = loader.attach_library(self.b, lib, recheck=self.recheck)
         except Exception as e:
             self.failed.append((lib, str(e)))
             log.warning("%s", e)
             return None
         if self.selftest:
-            pid = loader.self_test(self.b, lp, self._exempt)
+            with phases.timed("self-test"):
+                pid = loader.self_test(self.b, lp, self._exempt)
             if pid:
                 self._ignore.add(pid)
             silent = [a.probe.symbol for a in lp.probes if a.probe.required and a.fired is False]

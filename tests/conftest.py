@@ -21,6 +21,10 @@ from convgpu.paths import build_dir
 from convgpu.probes.ledger import footprint  # noqa: F401  (bytes an allocation takes: BPF's rule)
 
 REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
+# Compiled BPF programs are cached in a directory of the session's (probes/bpfcache.py), never
+# the host's: the first tracer compiles, every later one, in-process or a CLI subprocess that
+# inherits this, replays that compile. CONVGPU_BPF_CACHE=off runs the suite compiled throughout.
+BPF_CACHE = os.environ.setdefault("CONVGPU_BPF_CACHE", tempfile.mkdtemp(prefix="convgpu-bpfcache-"))
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -412,6 +416,8 @@ class StandinNvml:
 def pytest_sessionfinish(session, exitstatus):
     for d in _RUN_DIRS:     # tmpfs is memory: leave nothing behind
         shutil.rmtree(d, ignore_errors=True)
+    if os.path.basename(BPF_CACHE).startswith("convgpu-bpfcache-"):
+        shutil.rmtree(BPF_CACHE, ignore_errors=True)
 
 
 class Enforcing:

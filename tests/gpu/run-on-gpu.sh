@@ -1,10 +1,11 @@
 #!/bin/bash
 # How the runs in docs/gpu-runs/ are made, on the GPU machine (set-up: tests/gpu/env.sh):
 #   OUT=... bash tests/gpu/run-on-gpu.sh [pytest args]      # tests, then the latency bench
-# NO_BENCH=1 skips the bench; NO_TESTS=1 the tests; E2E=1 adds bench.e2e (about 4 minutes).
+# NO_BENCH=1 skips the bench; NO_TESTS=1 the tests; E2E=1 adds bench.e2e (about 4 minutes);
 # E2E_TOGGLE="torch torch-nocache jax torch-shim" adds bench.e2e_toggle, E2E_MINUTES (default 3)
 # per workload, one JSON each ($OUT/e2e-<workload>.json); E2E_MODES (default probed,enforced,delay),
 # E2E_TOGGLE_ARGS (default --block 5 --settle 1 --delay-frac 0.002) go to every toggled one.
+# STARTUP=1 adds bench.startup, enforce then trace, 10 starts warm and 10 cold each (about 8 minutes).
 set -u
 source tests/gpu/env.sh
 export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
@@ -26,3 +27,4 @@ for w in ${E2E_TOGGLE:-}; do
   (cd /tmp && timeout $(awk "BEGIN{print int($m * 60 + 30)}") python3 -m bench.e2e_toggle $a --minutes $m ${E2E_TOGGLE_ARGS:---block 5 --settle 1 --delay-frac 0.002} $x \
      --json "$OUT/e2e-$w.json") > "$OUT/e2e-$w.txt" 2>&1; tail -8 "$OUT/e2e-$w.txt"
 done
+[ -z "${STARTUP:-}" ] || for c in enforce trace; do (cd /tmp && timeout ${STARTUP_TIMEOUT:-280} python3 -m bench.startup --command $c ${STARTUP_ARGS:---n 10} --json "$OUT/startup-$c.json" $([ $c = trace ] && echo -- --duration 120)) > "$OUT/startup-$c.txt" 2>&1; cat "$OUT/startup-$c.txt"; done
