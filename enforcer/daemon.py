@@ -175,7 +175,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         for box in self.boxes.values():
             for dev in list(box.waiting):
                 self._resume(box, dev, "enforcer stopping")
-        if self.tracer.b is not None:
+        if self.tracer.kernel and self.tracer.b is not None:   # BPF stops only with probes
             self._resume_unplaced()
         for srv in self.servers:
             srv.close()
