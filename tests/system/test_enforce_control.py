@@ -348,44 +348,30 @@ def test_restart_while_the_old_probes_detach_charges_nothing_twice(cgroups, buil
         stop_all(procs.values(), enf2, enf)
 
 
-def test_kill_9_before_the_enforcer_heard_of_a_stall_still_resumes_it(cgroups, build, env5):
-    """BPF stops a process before the enforcer learns of it; an enforcer killed in between has
-    no state file entry for it (seen on the H100: kill -9 within a millisecond of a stall).
-    BPF lists every thread it stops in `held`, and the watchdog resumes them all. Here the
-    enforcer is frozen (SIGSTOP) while the process is stopped at its first call, then killed."""
-    enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "1GiB")
-    p = None
-    try:
-        os.kill(enf.p.pid, signal.SIGSTOP)                    # it hears of nothing from now on
-        p = start_in(cgroups("late"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
-        wait_state(p.pid, "T")                                # stopped by BPF at its first call
-        state = json.load(open(f"{enf.run_dir}/held-{enf.p.pid}.json"))
-        assert p.pid not in state["pids"]
-        enf.p.kill()
-        enf.p.wait()
-        enf.wait_for("resumed 1 processes")
-        assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")   # admission is off
-    finally:
-        if p:
-            p.kill()
-            p.wait()
-        enf.close()
-
-
-def test_a_clean_stop_resumes_a_process_stopped_before_it_was_placed(cgroups, build, env5):
-    """SIGTERM between BPF's stop of a process at its first call and the loop's next pass:
-    nobody placed it, so no waiter resumed it, and the stopped watchdog did not either (found by
-    bench.e2e_toggle: its workload stayed in state T after an enforced block). Here the
-    enforcer is frozen while the process stops, and its SIGTERM is pending when it thaws."""
+@pytest.mark.parametrize("end", ["kill -9", "SIGTERM"])
+def test_a_process_stopped_before_the_enforcer_heard_of_it_runs_after_its_end(cgroups, build, env5, end):
+    """BPF stops a process at its first call before the enforcer learns of it; the enforcer is
+    frozen (SIGSTOP) meanwhile, so nobody places it. kill -9: no state file entry names it (seen
+    on the H100: kill -9 within a millisecond of a stall); BPF lists every thread it stops in
+    `held`, and the watchdog resumes them all. SIGTERM, pending when the enforcer thaws: no
+    waiter resumed it and the stopped watchdog did not either (found by bench.e2e_toggle: its
+    workload stayed in state T after an enforced block); close() resumes what `held` lists."""
     enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "1GiB")
     p = None
     try:
         os.kill(enf.p.pid, signal.SIGSTOP)                    # it hears of nothing from now on
         p = start_in(cgroups("unplaced"), build, env5, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
         wait_state(p.pid, "T")                                # stopped by BPF at its first call
-        os.kill(enf.p.pid, signal.SIGTERM)                    # handled first once it runs again
-        os.kill(enf.p.pid, signal.SIGCONT)
-        assert enf.p.wait(timeout=60) == 0
+        if end == "kill -9":
+            state = json.load(open(f"{enf.run_dir}/held-{enf.p.pid}.json"))
+            assert p.pid not in state["pids"]
+            enf.p.kill()
+            enf.p.wait()
+            enf.wait_for("resumed 1 processes")
+        else:
+            os.kill(enf.p.pid, signal.SIGTERM)                # handled first once it runs again
+            os.kill(enf.p.pid, signal.SIGCONT)
+            assert enf.p.wait(timeout=60) == 0
         assert f"allocated 1 {2 * GiB} pid={p.pid}" in read_until(p, "ready")   # admission is off
     finally:
         if p:
