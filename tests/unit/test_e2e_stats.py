@@ -1,5 +1,5 @@
 """bench/e2e_stats.py: the toggled end-to-end method's statistics, on worked examples and on the
-stand-in run recorded in docs/e2e-runs (no root, no kernel, no GPU)."""
+stand-in run recorded in docs/cpu-runs/2026-11-25/e2e-standin (no root, no kernel, no GPU)."""
 import json
 import statistics
 import sys
@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO))   # bench/ lives at the repo root
 from bench import e2e_stats  # noqa: E402
 from bench.e2e_toggle import schedule  # noqa: E402
 
-RECORDED = REPO / "docs" / "e2e-runs" / "2026-11-25-standin" / "e2e_toggle.json"
+RECORDED = REPO / "docs" / "cpu-runs" / "2026-11-25" / "e2e-standin" / "e2e_toggle.json"
 
 
 def blk(mode, median, steps=10):
