@@ -194,6 +194,11 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             self.watchdog.kill()
             self.watchdog.wait()
+            # the lifeline sits just under the descriptor limit (watchdog.spawn): left open, every
+            # enforcer closed in one process took one of those 17 places until spawn() failed with
+            # EMFILE (the 18th in-process enforcer of the test suite)
+            os.close(self._lifeline)
+            self.watchdog = None
             try:
                 os.unlink(self.state_file)
             except OSError:
