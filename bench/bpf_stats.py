@@ -60,7 +60,8 @@ def prog_info(prog_id: int) -> tuple[str, int, int]:
         os.close(fd)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """pid's child processes (also used by tests/system/test_demo.py)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(x) for x in f.read().split()]
@@ -74,7 +75,7 @@ def prog_ids(pid: int) -> set[int]:
     todo = [pid]
     while todo:
         p = todo.pop()
-        todo += _children(p)
+        todo += children(p)
         try:
             fds = os.listdir(f"/proc/{p}/fd")
         except OSError:

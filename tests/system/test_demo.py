@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import need, remove_cgroup, until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
+from bench.bpf_stats import children  # noqa: E402
 from convgpu.enforcer.containers import cgroup_layout
 
 pytestmark = pytest.mark.system
@@ -78,7 +81,7 @@ def test_an_ending_signal_leaves_no_demo_behind(podman, sig, when):
         deadline = time.monotonic() + 60
         if when == "starting":   # the moment the first `podman run` is under way
             while time.monotonic() < deadline and not any(
-                    b"run\0-d" in _cmdline(p) for p in _children(tr.pid)):
+                    b"run\0-d" in _cmdline(p) for p in children(tr.pid)):
                 time.sleep(0.01)
             time.sleep(0.2)
         else:
@@ -199,13 +202,6 @@ def test_a_named_target_never_starts_the_demo(root, build, caller_env, arg):
     assert not [n for s in snaps for n in s["notes"] if n.startswith("demo:")]
     assert demo_workers() == []
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
 
 
 def _cmdline(pid: int) -> bytes:
