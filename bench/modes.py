@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 
+from convgpu.probes import detach
 from convgpu.probes.tracer import Tracer
 
 MODES = ("bare", "probed", "enforced", "shim", "shim-only")
@@ -92,6 +93,10 @@ def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | No
         if enf:
             enf.terminate()
             enf.wait(timeout=120)
+        # the next mode must find none of these probes, bare least of all (perf events are
+        # detached by a child for seconds: the @base modes, or a kernel before 6.6)
+        if not detach.wait_all(timeout=300):
+            raise SystemExit("probes of the last mode still detaching after 300 s")
 
 
 def start_enforcer(libs, standin: bool, probes: bool = True, baseline: str | None = None):

@@ -43,6 +43,12 @@ def run_checks() -> list[Check]:
     up = os.path.exists("/sys/bus/event_source/devices/uprobe")
     checks.append(Check("uprobes", up, "perf uprobe PMU" if up else "no /sys/bus/event_source/devices/uprobe",
                         "a kernel with CONFIG_UPROBES and CONFIG_BPF_EVENTS"))
+    if up and os.geteuid() == 0:
+        from ..probes import links
+        ok, detail = links.supported()
+        checks.append(Check("uprobe links", ok, detail,
+                            "Linux >= 6.6: without, each probe is a perf event and detaching them takes "
+                            "0.1-0.5 s apiece (`trace`/`enforce` hand that to a child)", fatal=False))
     from ..probes.loader import has_open_tracepoints
     tp = has_open_tracepoints()
     checks.append(Check("open tracepoints", tp, "syscalls/sys_{enter,exit}_openat" if tp else "none under tracefs",

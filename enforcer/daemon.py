@@ -188,10 +188,12 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
             self.learned.add(self.devices[dev].key, per_ctx)
         self._peak.clear()
         self._save_learned(force=True)
-        # admission is off and nobody waits: the probes may detach after we are gone (seconds
-        # to minutes for hundreds of probes: a stop, or a restart by systemd, need not wait)
-        self.tracer.close(background=True)
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
+            # first, while our probes hold every event: its duplicates then go with it at once, and
+            # ours detach below at once (links) or in a child (perf events, seconds to minutes for
+            # hundreds: a stop, or a restart by systemd, need not wait). Discovery is off before, so
+            # nothing is stopped at its open once the watchdog is gone
+            self.tracer.discovery.disable()
             self.watchdog.kill()
             self.watchdog.wait()
             # the lifeline sits just under the descriptor limit (watchdog.spawn): left open, every
@@ -204,6 +206,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
             except OSError:
                 pass
             takeover.clear(self.pin_dir)   # no probes left to keep the maps exact
+        self.tracer.close(background=True)
 
     def step(self):
         now = time.monotonic()

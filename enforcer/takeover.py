@@ -17,6 +17,8 @@ import shutil
 import socket
 import subprocess
 
+from ..probes import links
+
 log = logging.getLogger(__name__)
 BPFFS = "/sys/fs/bpf"
 DEFAULT_RUN_DIR = "/run/convgpu"
@@ -77,7 +79,7 @@ def clear(pin_dir: str) -> None:
 
 
 def probe_fds(b) -> list[int]:
-    return list(b.uprobe_fds.values()) + list(b.tracepoint_fds.values())
+    return links.fds(b) + list(b.uprobe_fds.values()) + list(b.tracepoint_fds.values())
 
 
 class FdSender:

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 HANDOVER_S = float(os.environ.get("CONVGPU_HANDOVER_S", "600"))
@@ -175,7 +176,18 @@ def main() -> int:
             os.unlink(path)
         except OSError:
             pass
-    return 0   # our descriptors close: the old probes detach
+    close_all(held)   # the old probes detach
+    return 0
+
+
+def close_all(fds: list[int]) -> None:
+    """One thread per descriptor: the releases of BPF links wait for their grace periods
+    together, not one after another as at exit (probes/links.py)."""
+    threads = [threading.Thread(target=os.close, args=(fd,)) for fd in fds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 log = logging.getLogger(__name__)
 CLOSER = ("import os, signal, sys\n"
@@ -53,3 +54,28 @@ def hand_off(b) -> subprocess.Popen | None:
         t.clear()
     log.debug("%d probes handed to pid %d to detach", len(fds), child.pid)
     return child
+
+
+def running() -> set[int]:
+    """Pids of the closer children on this host (any tracer's or enforcer's, any version)."""
+    out = set()
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if f"\0{NAME}\0".encode() in f.read():
+                    out.add(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def wait_all(timeout: float = 300.0) -> bool:
+    """Until no closer child runs (every perf-event probe handed off is gone); False on timeout.
+    For benchmarks, whose next mode must find no probe of the last one: a bare call that hits
+    it is not bare, and a link cannot share an entry point with a perf event (probes/links.py)."""
+    end = time.monotonic() + timeout
+    while running():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True

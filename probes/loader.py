@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
-from . import bpfcache, prologue
+from . import bpfcache, links, prologue
 from .libs import Library
 from .table import ADMITTED, CUDA, PROBES, Probe
 
@@ -182,17 +182,17 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
             out.probes.append(a)
             continue
         try:
-            b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.enter.encode())
+            sym = probe.symbol.encode()
+            links.attach(b, probe.enter.encode(), path, off, sym)
             if probe.exit:
-                b.attach_uretprobe(name=lib.path.encode(), sym=probe.symbol.encode(), fn_name=probe.exit.encode())
+                links.attach(b, probe.exit.encode(), path, off, sym, ret=True)
             a.ok = True
             if recheck and probe.symbol in ADMITTED:
                 site = prologue.recheck_site(bytes.fromhex(hx))
                 a.recheck = site is not None
                 if site is not None:
                     a.recheck_at = f"+{site[0]} {site[1]}"
-                    b.attach_uprobe(name=lib.path.encode(), sym=probe.symbol.encode(), sym_off=site[0],
-                                    fn_name=b"recheck")
+                    links.attach(b, b"recheck", path, off + site[0], sym, sym_off=site[0])
         except Exception as e:
             a.reason = f"attach failed: {e}"
         out.probes.append(a)

@@ -21,6 +21,7 @@ from bcc import table as bcc_table
 from bcc.libbcc import lib
 
 from .. import phases
+from . import links
 
 
 BPF_MAP_CREATE, BPF_OBJ_PIN, BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD = 0, 6, 7, 15
@@ -146,8 +147,13 @@ class Replayed(bcc.BPF):
         for index, name in f["maps"]:
             struct.pack_into("<i", insns, index * 8 + 4, self.map_fds[name])
         code = (ct.c_ubyte * len(insns)).from_buffer(insns)
-        fd = lib.bcc_prog_load(prog_type, func_name, code, len(insns), self.spec["license"].encode(),
-                               self.spec["kern_version"], 0, None, 0)
+        license = self.spec["license"].encode()
+        if attach_type == -1:
+            fd = lib.bcc_prog_load(prog_type, func_name, code, len(insns), license, self.spec["kern_version"],
+                                   0, None, 0)
+        else:   # bcc_prog_load has no expected_attach_type (probes/links.py needs it)
+            fd = links.prog_load(prog_type, func_name, code, len(insns) // 8, license, self.spec["kern_version"],
+                                 attach_type)
         if fd < 0:
             err = ct.get_errno()
             if err == errno.EPERM:

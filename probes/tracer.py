@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from .. import phases
-from . import detach, loader
+from . import detach, links, loader
 from .discovery import Discovery
 from .events import FORMAT, Event, decode_many
 from .libs import Library, LibraryFinder
@@ -85,16 +85,20 @@ class Tracer:
         if self.finder.discover:
             self.discovery.enable(own_watchdog)
 
-    def close(self, background: bool = False) -> None:
-        """background: a child detaches the probes (probes/detach.py: ~0.1-0.5 s each, one at
-        a time in the kernel), so that a command ends at once."""
+    def close(self, background: bool = False):
+        """background: a child detaches the perf-event probes (probes/detach.py: ~0.1-0.5 s each,
+        one at a time in the kernel), so that a command ends at once; that child, or None.
+        Links (probes/links.py) are gone when this returns."""
+        child = None
         if self.b is not None:
             self.discovery.disable()
+            links.close(self.b)
             if background:
-                detach.hand_off(self.b)
-            self.b.cleanup()   # detaches every uprobe and the tracepoints (handed off: at once)
+                child = detach.hand_off(self.b)
+            self.b.cleanup()   # detaches the perf events left (handed off: at once)
             self._fd = None
             self.b = None
+        return child
 
     def __enter__(self):
         return self.start()

@@ -268,3 +268,37 @@ def test_discovery_cost_benchmark_shape(root, build, tmp_path):
     assert d["stopped_starts"] == {"on": 10, "off": 0}
     assert d["discovery_on"]["n"] == d["discovery_off"]["n"] == 10 and d["first_sight"]["n"] == 1
     assert set(d) >= {"added_p50_ms", "added_p99_ms"}
+
+
+@pytest.mark.parametrize("mode", ["links", "perf events"])
+def test_a_closed_tracer_leaves_no_breakpoint_in_a_running_process(root, private_copy, caller_env, monkeypatch, mode):
+    """A process holds a fresh driver copy; a tracer probes it (every entry point of the table
+    the copy exports, and the enforcer's recheck sites, hold an int3 in that process) and closes in the background, as `trace`
+    does at Ctrl-C. As BPF links (probes/links.py) every breakpoint is gone when close()
+    returns; as perf events (kernels before 6.6) a child removes them one by one, and they are
+    gone once it ends."""
+    from bench.e2e_modes import Hooks
+    from convgpu.probes import links
+    from convgpu.probes.table import ADMITTED, CUDA, PROBES
+    from convgpu.probes.tracer import Tracer
+    monkeypatch.setenv("CONVGPU_UPROBE_LINKS", "on" if mode == "links" else "off")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(private_copy)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=caller_env)
+    t = None
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        hooks = Hooks(holder.pid)
+        t = Tracer(libraries=(str(private_copy),), discover=False, selftest=False, recheck=True).start()
+        assert links.kind(t.b) == mode
+        entries = {f"libcuda.so.1:{p.symbol}" for p in PROBES if p.library == CUDA}
+        rechecks = {f"libcuda.so.1:{s}+4" for s in ADMITTED}   # the enforcer's (probes/prologue.py)
+        assert hooks.hooked() == entries | rechecks == set(hooks.addrs)
+        child, t = t.close(background=True), None
+        if mode == "perf events":
+            assert child.wait(timeout=300) == 0
+        assert hooks.hooked() == set()
+    finally:
+        if t is not None:
+            t.close()
+        holder.kill()
+        holder.wait()
