@@ -9,6 +9,7 @@
 set -u
 source tests/gpu/env.sh
 export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1
+python3 -m convgpu.cli.main doctor > "$OUT/doctor.txt" 2>&1; grep -i "uprobe\|recheck" "$OUT/doctor.txt"   # links or perf events
 [ -n "${NO_TESTS:-}" ] || { timeout ${TEST_TIMEOUT:-360} python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA "$@" > "$OUT/pytest-gpu.txt" 2>&1
   tail -25 "$OUT/pytest-gpu.txt"; }
 [ -n "${NO_BENCH:-}" ] || { timeout ${BENCH_TIMEOUT:-230} python3 -m bench.probe_latency ${LATENCY_ARGS:---rounds 3 --iters 500} --json "$OUT/latency.json" > "$OUT/latency.txt" 2>&1; cat "$OUT/latency.txt"; }
