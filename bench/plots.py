@@ -29,7 +29,8 @@ from convgpu.units import format_size  # noqa: E402
 from bench.latency_report import cells_of  # noqa: E402
 from bench.machine import describe  # noqa: E402
 
-COLORS = {"bare": "black", "probed": "tab:blue", "enforced": "tab:orange", "shim": "tab:red", "shim-only": "tab:purple"}
+COLORS = {"bare": "black", "probed": "tab:blue", "enforced": "tab:orange", "shim": "tab:red", "shim-only": "tab:purple",
+          "probed@base": "tab:cyan", "enforced@base": "tab:brown"}   # the code before (--baseline-pythonpath)
 
 
 def save(fig, path: Path, top: float = 0.0) -> Path:

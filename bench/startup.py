@@ -11,8 +11,9 @@ attached and self-tested). Each start is a new process with a run dir of its own
 alternate start by start (warm, cold, warm, ...: drift hits both alike):
   warm: the cache of compiled BPF programs holds this program (one unmeasured start fills it);
   cold: an empty cache: bcc compiles, and the compile is cached (what the first start costs).
-Between two starts the previous one's probes are gone: its background detach (probes/detach.py)
-holds the kernel's event_mutex, which every attach needs, for ~0.1 s a probe. The enforcer logs
+Between two starts the previous one's probes are gone: a background detach of perf events
+(probes/detach.py: tracepoints, or every probe before Linux 6.6) holds the kernel's event_mutex,
+which every such attach needs, for ~0.1 s a probe. The enforcer logs
 where its start went (convgpu/phases.py); the medians of those phases come with the totals."""
 import argparse
 import json

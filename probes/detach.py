@@ -1,4 +1,6 @@
-"""Detaching probes without making a command wait for it.
+"""Detaching perf-event probes without making a command wait for it. (Where the kernel takes
+uprobe links, Linux >= 6.6, the uprobes are links and go at once: probes/links.py. What is
+handed off here is then the few tracepoints, and every probe on older kernels.)
 
 Each uprobe's perf event, when its last descriptor closes, unregisters the probe under the
 kernel's event_mutex and waits for RCU grace periods there: 0.1 s per probe on an idle

@@ -105,6 +105,9 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
             fn = b.load_func(fn_name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
             fd = _link_create(fn.fd, path, offset, ret)
         except Exception as e:   # bcc's load failure is a bare Exception
+            if _state(b) and isinstance(e, OSError) and e.errno == errno.EINVAL:
+                _perf_copy(b, fn_name, path, sym, sym_off, ret)
+                return
             if _state(b) is not None or (isinstance(e, OSError) and e.errno not in _UNSUPPORTED):
                 raise
             log.info("uprobe links refused (%s): perf-event uprobes, slow to detach", e)
@@ -121,6 +124,28 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
         b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
     else:
         b.attach_uprobe(name=path, sym=sym, sym_off=sym_off, fn_name=fn_name)
+
+
+def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bool) -> None:
+    """The kernel refused a link where it took earlier ones: a perf-event uprobe is already on
+    this entry point, and a uprobe there cannot take a second consumer with another
+    ref_ctr_offset (bcc 0.26's Python passes an uninitialised one: dmesg says "ref_ctr_offset
+    mismatch"). Another bcc tool, or convgpu before links still detaching after a restart. This
+    one probe is then a perf event too, of a second copy of the program (one loaded for links
+    cannot be one)."""
+    log.warning("%s+%d in %s: a perf-event uprobe of another tool is there; this probe is a perf "
+                "event too (slow to detach)", sym.decode(), sym_off, path.decode())
+    mine = b.funcs.pop(fn_name)
+    try:
+        if ret:
+            b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
+        else:
+            b.attach_uprobe(name=path, sym=sym, sym_off=sym_off, fn_name=fn_name)
+    finally:
+        copy = b.funcs.pop(fn_name, None)
+        b.funcs[fn_name] = mine
+        if copy is not None:
+            os.close(copy.fd)   # the perf event holds the program
 
 
 def fds(b) -> list[int]:

@@ -302,3 +302,38 @@ def test_a_closed_tracer_leaves_no_breakpoint_in_a_running_process(root, private
             t.close()
         holder.kill()
         holder.wait()
+
+
+def test_links_share_a_driver_with_another_tools_perf_probe(root, private_copy, caller_env):
+    """A perf-event uprobe of another tool (bcc's kind, as convgpu before links) sits on
+    cuMemFree_v2: the kernel refuses a link there (ref_ctr_offset mismatch), so that one probe
+    becomes a perf event of its own and the rest stay links; every call is still counted once."""
+    import bcc
+    from conftest import MiB, cuda_prelude, usage_of
+    from convgpu.probes import links
+    from convgpu.probes.tracer import Tracer
+    other = bcc.BPF(text=b"int hit(struct pt_regs *ctx) { return 0; }")
+    other.attach_uprobe(name=str(private_copy).encode(), sym=b"cuMemFree_v2", fn_name=b"hit")
+    t = None
+    try:
+        t = Tracer(libraries=(str(private_copy),), discover=False, selftest=False).start()
+        assert links.kind(t.b) == "links" and t.failed == []
+        assert len(t.b.uprobe_fds) == 1 and len(links.fds(t.b)) > 40   # the one perf event: cuMemFree_v2's entry
+        code = cuda_prelude(private_copy) + (
+            "p = [ctypes.c_uint64() for _ in range(3)]\n"
+            "assert all(cu.cuMemAlloc_v2(ctypes.byref(x), ctypes.c_size_t(2 << 20)) == 0 for x in p)\n"
+            "assert cu.cuMemFree_v2(p[0]) == 0\n"
+            "print('done', flush=True); sys.stdin.readline()\n")
+        holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=caller_env)
+        try:
+            assert holder.stdout.readline().strip() == "done"
+            u = usage_of(t, holder.pid)[0]
+            assert (u.live, u.n_alloc, u.n_free, u.contexts) == (2 * 2 * MiB, 3, 1, 1)
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        if t is not None:
+            t.close()
+        other.cleanup()
