@@ -9,8 +9,10 @@ events and 2.2 s as links closed one by one. No trace event is created at attach
 
 A program attached this way must be loaded with expected_attach_type UPROBE_MULTI, which a
 perf event refuses, so the first attach decides for one BPF object: links if the kernel takes
-the first one, else bcc's perf events for every probe of that object (kernels before 6.6).
-CONVGPU_UPROBE_LINKS=off forces perf events (the tests run both ways)."""
+them, else bcc's perf events for every probe of that object (kernels before 6.6). Where a link
+is refused because another tool's perf-event uprobe is on that entry point, that one probe is
+a perf event (_perf_copy). CONVGPU_UPROBE_LINKS=off forces perf events (the tests run both
+ways)."""
 import ctypes as ct
 import errno
 import logging
@@ -105,7 +107,9 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
             fn = b.load_func(fn_name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
             fd = _link_create(fn.fd, path, offset, ret)
         except Exception as e:   # bcc's load failure is a bare Exception
-            if _state(b) and isinstance(e, OSError) and e.errno == errno.EINVAL:
+            if isinstance(e, OSError) and e.errno == errno.EINVAL and (_state(b) or supported()[0]):
+                if _state(b) is None:
+                    b.convgpu_links = []
                 _perf_copy(b, fn_name, path, sym, sym_off, ret)
                 return
             if _state(b) is not None or (isinstance(e, OSError) and e.errno not in _UNSUPPORTED):

@@ -305,20 +305,23 @@ def test_a_closed_tracer_leaves_no_breakpoint_in_a_running_process(root, private
 
 
 def test_links_share_a_driver_with_another_tools_perf_probe(root, private_copy, caller_env):
-    """A perf-event uprobe of another tool (bcc's kind, as convgpu before links) sits on
-    cuMemFree_v2: the kernel refuses a link there (ref_ctr_offset mismatch), so that one probe
-    becomes a perf event of its own and the rest stay links; every call is still counted once."""
+    """Perf-event uprobes of another tool (bcc's kind, as convgpu before links) sit on
+    cuMemFree_v2 and on cuMemAlloc_v2, the first probe attached: the kernel refuses a link
+    there (ref_ctr_offset mismatch), so those probes become perf events of their own and the
+    rest stay links; every call is still counted once."""
     import bcc
     from conftest import MiB, cuda_prelude, usage_of
     from convgpu.probes import links
     from convgpu.probes.tracer import Tracer
     other = bcc.BPF(text=b"int hit(struct pt_regs *ctx) { return 0; }")
     other.attach_uprobe(name=str(private_copy).encode(), sym=b"cuMemFree_v2", fn_name=b"hit")
+    other.attach_uprobe(name=str(private_copy).encode(), sym=b"cuMemAlloc_v2", fn_name=b"hit")   # the first one
     t = None
     try:
         t = Tracer(libraries=(str(private_copy),), discover=False, selftest=False).start()
         assert links.kind(t.b) == "links" and t.failed == []
-        assert len(t.b.uprobe_fds) == 1 and len(links.fds(t.b)) > 40   # the one perf event: cuMemFree_v2's entry
+        # perf events: the entries of cuMemFree_v2 and cuMemAlloc_v2 and the latter's return
+        assert len(t.b.uprobe_fds) == 3 and len(links.fds(t.b)) > 40
         code = cuda_prelude(private_copy) + (
             "p = [ctypes.c_uint64() for _ in range(3)]\n"
             "assert all(cu.cuMemAlloc_v2(ctypes.byref(x), ctypes.c_size_t(2 << 20)) == 0 for x in p)\n"
