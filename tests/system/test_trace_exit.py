@@ -4,6 +4,7 @@ and the prompt (6-30 s here, past 20 s on the two-GPU host). Real uprobes, the C
 subprocess."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,7 +61,7 @@ def test_sigint_ends_trace_at_once_with_two_gpus(root, build, caller_env):
     assert not mine & detach.running(), "the detaching child is still running after 180 s"
 
 
-def test_background_detach_gives_back_bcc_probe_quota(root, build, monkeypatch):
+def test_background_detach_gives_back_bcc_probe_quota(root, build, monkeypatch, tmp_path):
     """bcc refuses attaches past 1000 open uprobes per process, counted in a global only its own
     detach lowers: a tracer closed in the background must give its count back, or a long-lived
     process (the test suite's in-process enforcers) is soon refused every attach. (Perf-event
@@ -68,9 +69,13 @@ def test_background_detach_gives_back_bcc_probe_quota(root, build, monkeypatch):
     import bcc
     from convgpu.probes.tracer import Tracer
     monkeypatch.setenv("CONVGPU_UPROBE_LINKS", "off")
+    # a copy of its own: the session's tracer holds links on the shared stand-in, and the kernel
+    # refuses a perf event beside a link on one entry point (probes/links.py)
+    lib = tmp_path / "libcuda.so.1"
+    shutil.copy(build / "standin" / "libcuda.so.1", lib)
     before = bcc._num_open_probes
     for _ in range(2):
-        t = Tracer(libraries=(str(build / "standin" / "libcuda.so.1"),), discover=False, selftest=False).start()
+        t = Tracer(libraries=(str(lib),), discover=False, selftest=False).start()
         held = len(t.b.uprobe_fds)
         assert held > 40 and bcc._num_open_probes == before + held
         child = t.close(background=True)
