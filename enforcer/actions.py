@@ -131,8 +131,13 @@ class Actions:
 
 
 def alive(pid: int) -> bool:
+    """pid is a process (a zombie too); 0 or less never is (kill() would mean a group)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
         return True
     except ProcessLookupError:
         return False
+    except PermissionError:
+        return True

@@ -18,6 +18,7 @@ import socket
 import subprocess
 
 from ..probes import links
+from .actions import alive
 
 log = logging.getLogger(__name__)
 BPFFS = "/sys/fs/bpf"
@@ -56,7 +57,7 @@ def previous(run_dir: str, own: str) -> list[dict]:
         if st.get("orphaned") and wd and _is_watchdog(wd):
             st["path"] = path
             out.append(st)
-        elif not _alive_pid(int(os.path.basename(path)[5:-5] or 0)):
+        elif not alive(int(os.path.basename(path)[5:-5] or 0)):
             os.unlink(path)   # nobody left to continue from
     return sorted(out, key=lambda st: st.get("saved", 0))
 
@@ -94,18 +95,6 @@ class FdSender:
         for i in range(0, len(new), 250):   # SCM_MAX_FD is 253
             socket.send_fds(self.mine, [b"f"], new[i:i + 250])
         self.sent.update(new)
-
-
-def _alive_pid(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _is_watchdog(pid: int) -> bool:
