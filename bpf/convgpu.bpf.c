@@ -145,14 +145,19 @@ static __always_inline struct cg_usage *find_usage(u32 tgid, s32 dev, u64 gen)
     return usage.lookup(&k);
 }
 
-static __always_inline s32 current_dev(u64 id, struct cg_proc *p)
+// A call's device: its thread's current one, else its process's last, else 0.
+static __always_inline s32 dev_of(struct cg_thread *t, struct cg_proc *p)
 {
-    struct cg_thread *t = threads.lookup(&id);
     if (t && t->dev >= 0)
         return t->dev;
     if (p && p->last_dev >= 0)
         return p->last_dev;
     return 0;
+}
+
+static __always_inline s32 current_dev(u64 id, struct cg_proc *p)
+{
+    return dev_of(threads.lookup(&id), p);
 }
 
 static __always_inline void emit_flags(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 addr,
@@ -295,14 +300,19 @@ static __always_inline int quiet(int is_free)
     return c && c->quiet && !(is_free && c->waiters);
 }
 
-static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
+// m: the process's `members` entry (its container, and whether the shim manages it)
+static __always_inline struct cg_cgstate *member_state(u64 *m, s32 dev, u64 *key)
 {
-    u64 *m = members.lookup(&tgid);
     if (!m)
         return 0;
     *key = *m & ~SHIM_MEMBER;
     struct cg_limit_key lk = {.container = *key, .dev = dev};
     return cgstate.lookup(&lk);
+}
+
+static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
+{
+    return member_state(members.lookup(&tgid), dev, key);
 }
 
 // Bytes and contexts that landed (or left): kept per container as well as per process.
@@ -375,9 +385,9 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
         return;
     if (is_ctx)
         size = ctl->ctx_overhead;
-    u64 key = m ? *m & ~SHIM_MEMBER : 0;
+    u64 key = 0;
+    struct cg_cgstate *s = member_state(m, dev, &key);
     struct cg_limit_key lk = {.container = key, .dev = dev};
-    struct cg_cgstate *s = m ? cgstate.lookup(&lk) : 0;
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
     t->call.want = size;
     t->call.wdev = dev;
@@ -600,11 +610,8 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
                                        struct cg_control *ctl)
 {
     u32 tgid = id >> 32;
-    s32 dev = t->dev;               // current_dev() without looking the thread up again
-    if (dev < 0) {
-        struct cg_proc *p = procs.lookup(&tgid);
-        dev = p && p->last_dev >= 0 ? p->last_dev : 0;
-    }
+    // the thread is at hand; its process is looked up only when the thread has no device
+    s32 dev = dev_of(t, t->dev >= 0 ? 0 : procs.lookup(&tgid));
     s32 loc[2] = {};
     switch (api) {
     case API_cuMemAlloc_v2: case API_cuMemAllocManaged: case API_cuMemAllocAsync:
