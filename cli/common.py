@@ -103,7 +103,7 @@ def bpf_cache(no_cache: bool) -> str | None:
 
 def control(run_dir: str, msg: dict) -> dict:
     """One request to the running enforcer's control socket; its error becomes ours."""
-    from ..enforcer.server import request
+    from ..enforcer.serving.server import request
     path = f"{run_dir.rstrip('/')}/control.sock"
     try:
         reply = request(path, msg)

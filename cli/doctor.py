@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from ..enforcer.containers import cgroup_layout
+from ..enforcer.tenants.containers import cgroup_layout
 from ..probes import loader
 from ..probes.libs import LibraryFinder
 from ..probes.nvml import Nvml

@@ -9,12 +9,13 @@ from enum import Enum
 import typer
 
 from .. import phases
-from ..enforcer import config as cfg, ctxest, policies
+from ..enforcer import ctxest, policies
+from ..enforcer.tenants import config as cfg
 from ..enforcer.daemon import Enforcer
-from ..enforcer.engines import EngineLookup
-from ..enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
+from ..enforcer.tenants.engines import EngineLookup
+from ..enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
 from ..enforcer.metrics import MetricsServer
-from ..enforcer.stall import make_stopper
+from ..enforcer.failsafe.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
 from ..probes.ledger import Ledger
 from ..probes.nvml import Nvml

@@ -13,8 +13,8 @@ from rich.live import Live
 from .. import phases
 from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer.accounting import Accountant, matches
-from ..enforcer.containers import container_of_pid
-from ..enforcer.engines import EngineLookup
+from ..enforcer.tenants.containers import container_of_pid
+from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.model import Snapshot
 from ..errors import ConvgpuError, NotFoundError
 from ..probes.libs import system_drivers

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict, deque
 
 from ..probes.events import Event
-from . import containers as ct
+from .tenants import containers as ct
 from .model import ContainerRow, GpuRow, ProcessRow, Snapshot
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 
 from ..probes.discovery import HELD_OPEN
 from .books import Box
-from .stall import SignalStopper, Target
+from .failsafe.stall import SignalStopper, Target
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 VIEW_GRACE = 10.0        # s after a view's last snapshot: alloc/free events flow (else quiet)

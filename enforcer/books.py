@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..units import format_size
 from . import policies
-from .containers import Container
+from .tenants.containers import Container
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 MASK64 = (1 << 64) - 1

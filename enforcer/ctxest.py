@@ -16,7 +16,7 @@ enforcer charges the difference, enforcer/overhead.py _measure_overhead). The ch
 function; LearnedStore is the only part that touches a file.
 
 The *ceiling* (`ceiling`) is a second, higher figure: what the preload shim takes off the
-total it reports for each unmeasured context (issue 18, enforcer/memview.py). Admission may
+total it reports for each unmeasured context (issue 18, enforcer/serving/memview.py). Admission may
 charge the median and correct it a second later; a framework reads the total once, early,
 and sizes itself from it for good, so that figure must cover a context larger than the median
 (PyTorch with cuBLAS: 612 MiB against a 518-550 MiB median on the H100)."""

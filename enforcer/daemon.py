@@ -19,27 +19,29 @@ import signal
 import threading
 import time
 
-from . import ctxest, policies, server, takeover, watchdog
+from . import ctxest, policies
+from .serving import server
+from .failsafe import takeover, watchdog
 from .accounting import Accountant
 from .actions import VIEW_GRACE, Actions
-from .adopt import Adopt
+from .failsafe.adopt import Adopt
 from .books import Books, Box, Wait  # noqa: F401 (Box, Wait: re-exported)
-from .broker import ShimBroker
-from .containers import container_of_pid
+from .serving.broker import ShimBroker
+from .tenants.containers import container_of_pid
 from .decisions import Decisions
 from .events import Events
-from .heartbeat import Heartbeat
-from .limits import LimitRules
+from .failsafe.heartbeat import Heartbeat
+from .tenants.limits import LimitRules
 from .overhead import ContextOverhead
 from .reporting import Reporting
 from .runtime import RuntimeChanges
-from .stall import SignalStopper
-from .watchdog import write_state
+from .failsafe.stall import SignalStopper
+from .failsafe.watchdog import write_state
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 LOOP_LATE = 1.0          # s between two passes of the loop that gets a warning
-LOOP_HUNG = 30.0         # s without a pass: the heartbeat stops (enforcer/heartbeat.py)
+LOOP_HUNG = 30.0         # s without a pass: the heartbeat stops (enforcer/failsafe/heartbeat.py)
 MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
@@ -111,7 +113,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self._learn_saved = 0.0
 
     def start(self) -> "Enforcer":
-        from .control import ControlHandler
+        from .serving.control import ControlHandler
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         if self.nvml is not None and self.nvml.ok:
             from ..probes.nvml import Sampler
@@ -126,7 +128,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
                                           root_only=True, sel=self.sel))
         try:
-            from .shim import ShimHandler
+            from .serving.shim import ShimHandler
         except ImportError:
             ShimHandler = None
         if ShimHandler is not None:   # any process may ask; SO_PEERCRED says who it is
@@ -149,7 +151,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
             self._control(True)
             log.info("enforcing: policy %s, capacity %s (shim only)", self.policy, self._capacity_text())
             return self
-        # The watchdog (enforcer/watchdog.py) learns of our death from a pipe; it turns
+        # The watchdog (enforcer/failsafe/watchdog.py) learns of our death from a pipe; it turns
         # admission and discovery off at once and resumes whoever we held
         self.fds = takeover.FdSender()
         zero, held = self.tracer.discovery.fail_safe_fds()

@@ -13,7 +13,7 @@ from ..units import format_size
 from . import policies
 from .actions import alive
 from .books import Box, Wait
-from .stall import SignalStopper, Target
+from .failsafe.stall import SignalStopper, Target
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)

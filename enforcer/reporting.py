@@ -6,8 +6,8 @@ import time
 from ..units import format_size
 from . import ctxest
 from .books import Box
-from .stall import SignalStopper
-from .watchdog import write_state
+from .failsafe.stall import SignalStopper
+from .failsafe.watchdog import write_state
 
 
 class Reporting:

@@ -195,7 +195,7 @@ class PodSync:
         return metas
 
     def round(self) -> dict[str, tuple[int, str]]:
-        from ..enforcer.server import request
+        from ..enforcer.serving.server import request
         self.assigned = list_assigned(self.socket, self.resource)
         want = limits(self.assigned, self._metas(), self.unit)
         pid = request(self.control, {"cmd": "ping"})["pid"]

@@ -10,7 +10,7 @@ and self-tested first. A file that cannot be probed is a loud warning, and the c
 `on_unprobed` decides (trace: let it run; enforce: --unprobed stall|kill|allow).
 
 Nothing stays stopped for good: BPF lists every thread it stops in `held` before the stop,
-and the watchdog (enforcer/watchdog.py) that runs beside every tracer with discovery on
+and the watchdog (enforcer/failsafe/watchdog.py) that runs beside every tracer with discovery on
 resumes them all and turns discovery off if the tracer dies."""
 import collections
 import contextlib
@@ -75,7 +75,7 @@ class Discovery:
                         "periodic scan only, up to a second after its process starts calling it")
             return
         if own_watchdog and self.watchdog is None:
-            from ..enforcer import watchdog
+            from ..enforcer.failsafe import watchdog
             zero, held = self.fail_safe_fds()
             self.watchdog, self._lifeline = watchdog.spawn(os.getpid(), "-", zero, held)
         self._write(True)

@@ -1,7 +1,7 @@
 """What the enforcer runs on where eBPF is not available (no CAP_BPF, no uprobes, a locked-down
 kernel): `convgpu enforce --no-probes`. It has the tracer's face (tables, poll, usage) so the
 enforcer's code is the same in both modes, but its tables are Python dicts, fed by what the
-preload shims report (enforcer/broker.py): their allocations, frees and contexts. Only processes
+preload shims report (enforcer/serving/broker.py): their allocations, frees and contexts. Only processes
 under the shim are seen, and nothing is ever stopped: a shim waits in the calling thread or
 gets an out-of-memory error. Exits come from pidfds, so a process that dies without a word
 leaves its container at once, as the kernel's exit probe does in BPF mode."""
@@ -120,7 +120,7 @@ class Ledger:
     def calls_in_flight(self) -> set[int]:
         return set()   # the shims report a call once it returned
 
-    # --- what the shims report (enforcer/broker.py) ---
+    # --- what the shims report (enforcer/serving/broker.py) ---
     def watch(self, pid: int) -> None:
         """A process said hello: follow it to its exit."""
         if pid in self._fds.values():

@@ -153,13 +153,13 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
 
 
 def fds(b) -> list[int]:
-    """b's link descriptors (the enforcer's watchdog keeps duplicates: enforcer/takeover.py)."""
+    """b's link descriptors (the enforcer's watchdog keeps duplicates: enforcer/failsafe/takeover.py)."""
     return list(_state(b)) if isinstance(_state(b), list) else []
 
 
 def close(b) -> int:
     """Detach every link of b at once; the number closed."""
-    from ..enforcer.watchdog import close_all   # there, as the watchdog runs on the stdlib alone
+    from ..enforcer.failsafe.watchdog import close_all   # there, as the watchdog runs on the stdlib alone
     mine = fds(b)
     close_all(mine)
     if mine:

@@ -109,7 +109,7 @@ class Replayed(bcc.BPF):
     def _open_map(self, name: str, m: dict, pin_dir: str | None) -> int:
         path = os.path.join(pin_dir, name) if m["pinned"] and pin_dir else None
         fd = obj_get(path) if path else None
-        if fd is not None:   # left by an enforcer before us (enforcer/takeover.py)
+        if fd is not None:   # left by an enforcer before us (enforcer/failsafe/takeover.py)
             info = map_info(fd)
             want = (m["type"], m["key_size"], m["leaf_size"], m["max_entries"])
             if (info.type, info.key_size, info.value_size, info.max_entries) != want:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from convgpu.enforcer.containers import remove_cgroup  # noqa: F401  (the tests' too)
+from convgpu.enforcer.tenants.containers import remove_cgroup  # noqa: F401  (the tests' too)
 from convgpu.paths import build_dir
 from convgpu.probes.ledger import footprint  # noqa: F401  (bytes an allocation takes: BPF's rule)
 
@@ -266,7 +266,7 @@ def events_of(tracer, pid, wait_for=None, timeout=5.0):
 @pytest.fixture
 def cgroups(root):
     """make(name) -> a fresh cgroup2 directory, removed (once empty) after the test."""
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     lay = cgroup_layout()
     need(lay.v2_root is not None, "no cgroup2 hierarchy")
     base = Path(lay.v2_root) / f"convgpu-test-{os.getpid()}-{time.monotonic_ns()}"
@@ -360,7 +360,7 @@ def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, 
     """An Enforcer in this process over the stand-in driver `lib` (policy fifo, every limit
     `limit`, capacity {0: 4 GiB} unless given), its run dir on tmpfs; not started."""
     from convgpu.enforcer.daemon import Enforcer
-    from convgpu.enforcer.limits import LimitRules
+    from convgpu.enforcer.tenants.limits import LimitRules
     from convgpu.probes.tracer import Tracer
     run_dir = run_dir_for(tag)
     kw.setdefault("state_dir", run_dir)     # learned context estimates: this test's own
@@ -447,7 +447,7 @@ class Enforcing:
         return int(line.split()[1], 16)
 
     def ctl(self, **msg):
-        from convgpu.enforcer.server import request
+        from convgpu.enforcer.serving.server import request
         return request(f"{self.run_dir}/control.sock", msg)
 
     def cli(self, *args, check=True):

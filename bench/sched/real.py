@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from convgpu.enforcer import policies
-from convgpu.enforcer.containers import cgroup_layout, remove_cgroup
+from convgpu.enforcer.tenants.containers import cgroup_layout, remove_cgroup
 from convgpu.paths import build_dir
 from convgpu.units import parse_size
 

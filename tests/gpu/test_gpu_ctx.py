@@ -49,7 +49,7 @@ def nvml_sampler(pids, stop, peaks):
 
 
 def one_round(framework, base, run_dir, state_dir, log):
-    from convgpu.enforcer.server import request
+    from convgpu.enforcer.serving.server import request
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", f"{N * LIMIT // GiB}GiB",
                             "--default-limit", f"{LIMIT // GiB}GiB", "--policy", "fifo", "--run-dir", run_dir,
                             "--state-dir", state_dir], stderr=subprocess.PIPE, text=True, cwd="/")
@@ -100,7 +100,7 @@ def one_round(framework, base, run_dir, state_dir, log):
 
 @pytest.mark.parametrize("framework", ["torch", "cupy"])
 def test_fresh_contexts_on_a_full_card_stay_within_their_assignments(root, tmp_path, framework):
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     lay = cgroup_layout()
     need(lay.v2_root is not None, "no cgroup2")
     if framework == "cupy":

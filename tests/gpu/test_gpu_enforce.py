@@ -24,7 +24,7 @@ sys.stdin.readline()
 
 
 def test_two_pytorch_processes_one_waits(root):
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     lay = cgroup_layout()
     need(lay.v2_root is not None, "no cgroup2")
     base = Path(lay.v2_root) / f"convgpu-gpu-{os.getpid()}"
@@ -82,7 +82,7 @@ def test_two_pytorch_processes_one_waits(root):
 def test_sigcont_from_outside_is_stopped_again_on_the_real_driver(root, build):
     """The second-instruction probe on the real libcuda: a stalled cuMemAlloc_v2 resumed by an
     outside SIGCONT stops again before the driver allocates (NVML shows no new memory)."""
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     from convgpu.probes.nvml import Nvml
     base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-sig-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}   # the real driver

@@ -67,7 +67,7 @@ class GpuEnforcer:
         return lines_until(self.p.stderr, lambda line: text in line, self.log, timeout, f"enforcer log ({text!r})")
 
     def status(self):
-        from convgpu.enforcer.server import request
+        from convgpu.enforcer.serving.server import request
         return request(f"{self.run_dir}/control.sock", {"cmd": "status"})["status"]
 
     def close(self, name):

@@ -1,5 +1,5 @@
 """Issue 18 on the real driver: under `convgpu run --shim`, frameworks that size themselves from
-the memory they are told fit inside the limit, context included (enforcer/memview.py: total =
+the memory they are told fit inside the limit, context included (enforcer/serving/memview.py: total =
 limit - the process's context, counted at the ceiling until NVML measured it). JAX with its
 default preallocation (75 % of the total) starts under 2 GiB and NVML never shows its process
 above 2 GiB; PyTorch's mem_get_info follows the rule to the byte (against `convgpu status`);

@@ -1,6 +1,6 @@
 """The preload shim on the real driver, under the running enforcer: PyTorch under a 1 GiB limit
 gets torch.cuda.OutOfMemoryError for 2 GiB, sees the limit less its context in mem_get_info
-(issue 18: enforcer/memview.py), and still trains a small model; an nvcc program (static
+(issue 18: enforcer/serving/memview.py), and still trains a small model; an nvcc program (static
 cudart) is limited through its driver calls; nvidia-smi and pynvml show the limit less a
 context as the GPU's memory. Both with the probes on and with the shim alone (`--no-probes`: the shim's reports are the accounting)."""
 import json
@@ -23,7 +23,7 @@ RUN_DIR = "/run/convgpu-gpu-shim"
 def ceiling() -> int:
     """What the enforcer's memory answers leave for a context NVML has not measured yet (a
     process's first query comes before any measurement)."""
-    from convgpu.enforcer.server import request
+    from convgpu.enforcer.serving.server import request
     return request(f"{RUN_DIR}/control.sock", {"cmd": "status"})["status"]["shim_ctx_ceiling"]["0"]["bytes"]
 
 
@@ -52,7 +52,7 @@ print(json.dumps({"free": free, "total": total, "oom": oom, "first": losses[0], 
 
 @pytest.fixture(params=["probes", "shim-only"])
 def enforcer(root, request):
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-shim-{os.getpid()}"
     run_dir = RUN_DIR
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "16GiB",

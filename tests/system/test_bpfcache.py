@@ -240,7 +240,7 @@ def test_replayed_tracer_counts_exactly_like_a_compiled_one(root, build, run_cal
 
 @pytest.fixture
 def pin_dir(root):
-    from convgpu.enforcer import takeover
+    from convgpu.enforcer.failsafe import takeover
     assert takeover.ensure_bpffs()
     d = f"{takeover.BPFFS}/convgpu-test-cache-{os.getpid()}"
     shutil.rmtree(d, ignore_errors=True)

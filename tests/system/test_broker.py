@@ -1,4 +1,4 @@
-"""The enforcer's side of the preload shim (enforcer/broker.py) with real probes: a shim process
+"""The enforcer's side of the preload shim (enforcer/serving/broker.py) with real probes: a shim process
 is accounted by BPF but never stopped; asks are granted, made to wait (only that caller) and
 woken by the scheduler, or denied above the limit. In-process enforcer on the stand-in driver."""
 import subprocess

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import MiB, Caller, need
 from convgpu.enforcer.accounting import Accountant
-from convgpu.enforcer.engines import EngineLookup
+from convgpu.enforcer.tenants.engines import EngineLookup
 
 pytestmark = pytest.mark.system
 

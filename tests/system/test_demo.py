@@ -16,7 +16,7 @@ from conftest import need, remove_cgroup, until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
 from bench.bpf_stats import children  # noqa: E402
-from convgpu.enforcer.containers import cgroup_layout
+from convgpu.enforcer.tenants.containers import cgroup_layout
 
 pytestmark = pytest.mark.system
 TRACE = [sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events", "--interval", "0.3", "--no-discover"]

@@ -200,7 +200,7 @@ def test_convgpu_run_registers_a_cgroup_with_its_limit(build, env5):
         out, err = p.communicate(timeout=30)
         assert p.returncode == 0 and f"allocated 1 {2 * GiB}" in out, err
         enf.wait_for("container job7 exited")
-        from convgpu.enforcer.containers import cgroup_layout
+        from convgpu.enforcer.tenants.containers import cgroup_layout
         assert not os.path.exists(cgroup_layout().v2_root + c["cgroup"])
     finally:
         if p and p.poll() is None:
@@ -236,7 +236,7 @@ def test_waiter_killed_or_its_container_stopped_while_stalled(cgroups, build, en
 def test_v1_freezer_under_the_enforcer(cgroups, build, env5):
     """--stall freezer-v1 on this hybrid host: the waiter's v1 freezer cgroup is FROZEN (so a
     SIGCONT cannot resume it), thawed when the policy grants it memory."""
-    from convgpu.enforcer.containers import cgroup_layout
+    from convgpu.enforcer.tenants.containers import cgroup_layout
     lay = cgroup_layout()
     need(lay.mode == "hybrid" and lay.freezer_v1_root is not None, "no v1 freezer (not a hybrid host)")
     enf = Enforcing(build, "--gpu-memory", "3GiB", "--default-limit", "2GiB", "--stall", "freezer-v1")

@@ -88,9 +88,9 @@ def test_freezer_thaws_a_container_stalled_on_two_gpus_once_both_are_granted(roo
     GPU1. Raising the limit grants both; the container is thawed once, after the second grant.
     (It was thawed at GPU0's grant, so GPU1's process ran into its call with no grant yet and
     was stopped again: "resumed without a grant (SIGCONT from outside?)".)"""
-    from convgpu.enforcer import server
-    from convgpu.enforcer.containers import cgroup_layout
-    from convgpu.enforcer.stall import make_stopper
+    from convgpu.enforcer.serving import server
+    from convgpu.enforcer.tenants.containers import cgroup_layout
+    from convgpu.enforcer.failsafe.stall import make_stopper
     lay = cgroup_layout()
     need(lay.mode == "hybrid" and lay.freezer_v1_root is not None, "no v1 freezer (not a hybrid host)")
     lib = str(build / "standin" / "libcuda.so.1")
@@ -165,8 +165,8 @@ def test_freezer_thaws_the_rest_of_a_container_when_its_waiter_dies(root, build,
     """--stall freezer-v2: a container's waiter (over its limit) is killed while the container is
     frozen; its sibling runs again at once. (The wait went with the process, and nothing thawed
     the container: the sibling stayed frozen for good.)"""
-    from convgpu.enforcer.containers import cgroup_layout
-    from convgpu.enforcer.stall import make_stopper, v2_has_freeze
+    from convgpu.enforcer.tenants.containers import cgroup_layout
+    from convgpu.enforcer.failsafe.stall import make_stopper, v2_has_freeze
     lay = cgroup_layout()
     need(lay.v2_root is not None and v2_has_freeze(lay.v2_root), "no cgroup2 freezer")
     lib = str(build / "standin" / "libcuda.so.1")

@@ -25,7 +25,7 @@ def _pods(m, units_a):
 
 
 def _status(enf):
-    from convgpu.enforcer.server import request
+    from convgpu.enforcer.serving.server import request
     return {c["id"]: c for c in request(enf.control_path, {"cmd": "status"})["status"]["containers"]}
 
 

@@ -74,7 +74,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 
 def test_example_config_loads_and_every_option_is_documented():
-    from convgpu.enforcer import config as cfg
+    from convgpu.enforcer.tenants import config as cfg
     conf = cfg.load(str(REPO / "contrib/config.example.toml"))
     assert set(conf.settings) == set(cfg.SETTINGS) - {"gpu_memory", "seed"}   # both commented out
     example = (REPO / "contrib/config.example.toml").read_text()

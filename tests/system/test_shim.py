@@ -61,7 +61,7 @@ def test_deny_meminfo_and_wait_in_the_thread(cgroups, build, env5):
 
 
 def test_credit_spares_the_asking_and_comes_back_for_a_sibling(cgroups, build, env5):
-    """Credit (enforcer/credit.py): after its first grant a process allocates without asking,
+    """Credit (enforcer/serving/credit.py): after its first grant a process allocates without asking,
     and is charged exactly; a sibling's request takes the unspent credit back before it is
     decided; a forked child asks on its own connection, with a page of its own."""
     enf = Enforcing(build, "--gpu-memory", "4GiB", "--limit", "pair=1GiB", "--ctx-overhead", "64MiB")

@@ -1,5 +1,5 @@
 """Issue 18: under the preload shim, a framework that sizes itself from the memory it is told
-fits inside its limit, context included (enforcer/memview.py). total = limit - the process's
+fits inside its limit, context included (enforcer/serving/memview.py). total = limit - the process's
 context, used = the container's bytes and its other processes' contexts; an unmeasured context
 counts at the device's ceiling, a measured one as NVML measured it. cuMemGetInfo_v2 and NVML's
 memory queries answer alike. In-process enforcer on the stand-in driver (real probes, real

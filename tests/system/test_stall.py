@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import need, remove_cgroup
-from convgpu.enforcer.containers import cgroup_layout
-from convgpu.enforcer.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
+from convgpu.enforcer.tenants.containers import cgroup_layout
+from convgpu.enforcer.failsafe.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
                                     make_stopper, v2_has_freeze)
 
 pytestmark = pytest.mark.system

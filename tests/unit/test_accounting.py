@@ -1,7 +1,7 @@
 """Accountant: exact overheads from NVML figures, per-device estimates, container grouping
 and peaks, with stand-ins for NVML and the pid -> container lookup (no kernel)."""
 from convgpu.enforcer.accounting import Accountant
-from convgpu.enforcer.containers import Container
+from convgpu.enforcer.tenants.containers import Container
 from convgpu.probes.events import Event
 from convgpu.probes.nvml import GpuInfo
 from convgpu.probes.tracer import ProcUsage

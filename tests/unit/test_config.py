@@ -2,8 +2,8 @@
 import pytest
 
 from convgpu.cli.enforce import DEFAULTS, rules_from, settings_from
-from convgpu.enforcer import config as cfg
-from convgpu.enforcer.containers import Container
+from convgpu.enforcer.tenants import config as cfg
+from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.metrics import render
 from convgpu.errors import ConfigError
 from conftest import prom_samples

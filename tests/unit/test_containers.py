@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from convgpu.enforcer.containers import (Container, CgroupIndex, Layout, cgroup_id, cgroup_layout,
+from convgpu.enforcer.tenants.containers import (Container, CgroupIndex, Layout, cgroup_id, cgroup_layout,
                                          cgroup_of_pid, container_of_path, container_of_pid,
                                          parse_proc_cgroup)
-from convgpu.enforcer.engines import EngineLookup, Meta
+from convgpu.enforcer.tenants.engines import EngineLookup, Meta
 from convgpu.errors import ConvgpuError, NotFoundError
 
 H1 = "e9f9575998bb1f3900315c1944ac697c99ab4e799c44fccb112e6e8d32ea4e8d"
@@ -345,7 +345,7 @@ def test_engine_lookup_no_engines(tmp_path, monkeypatch):
 def test_remove_cgroup_retries_until_the_directory_goes(tmp_path, monkeypatch):
     """A cgroup's rmdir fails (EBUSY) until the kernel has moved its last task out: retried
     `tries` times; a directory already gone is done; one that never goes is left, quietly."""
-    from convgpu.enforcer import containers
+    from convgpu.enforcer.tenants import containers
     d = tmp_path / "cg"
     d.mkdir()
     calls, busy = [], [2]

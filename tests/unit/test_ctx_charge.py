@@ -6,10 +6,10 @@ teaches its device's estimate. charged() in bpf/convgpu.bpf.c is used + contexts
 import os
 import subprocess
 
-from convgpu.enforcer.containers import Container
+from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.ctxest import STATE_FILE, LearnedStore
 from convgpu.enforcer.daemon import Enforcer
-from convgpu.enforcer.limits import LimitRules
+from convgpu.enforcer.tenants.limits import LimitRules
 from convgpu.probes.ledger import Ledger
 from convgpu.probes.nvml import GpuInfo
 

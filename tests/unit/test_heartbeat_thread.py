@@ -5,7 +5,7 @@ import logging
 import threading
 import time
 
-from convgpu.enforcer.heartbeat import Heartbeat
+from convgpu.enforcer.failsafe.heartbeat import Heartbeat
 
 
 def test_the_thread_beats_only_for_a_slow_loop_and_stops_for_a_hung_one(caplog):

@@ -130,7 +130,7 @@ class _Control:
     """A stand-in enforcer control socket (JSON lines): answers ping with `pid`, records pod-limits."""
 
     def __init__(self, path):
-        from convgpu.enforcer.server import Handler, Server
+        from convgpu.enforcer.serving.server import Handler, Server
         ctl = self
         self.pid, self.got = 100, []
 
@@ -146,7 +146,7 @@ class _Control:
         self.thread.start()
 
     def _serve(self):
-        from convgpu.enforcer import server
+        from convgpu.enforcer.serving import server
         while not self.stop.is_set():
             server.serve(self.server.sel, 0.05)
 

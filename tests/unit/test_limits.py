@@ -1,7 +1,7 @@
 import pytest
 
-from convgpu.enforcer.containers import Container
-from convgpu.enforcer.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
+from convgpu.enforcer.tenants.containers import Container
+from convgpu.enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
 from convgpu.errors import SizeError
 
 GiB = 1 << 30

@@ -1,8 +1,8 @@
-"""Issue 18: what a shim process is told of a GPU's memory (enforcer/memview.py) and which
+"""Issue 18: what a shim process is told of a GPU's memory (enforcer/serving/memview.py) and which
 per-context figure that view leaves for a context NVML has not measured (ctxest.ceiling)."""
 from convgpu.enforcer import ctxest
 from convgpu.enforcer.ctxest import Device, Estimate, ceiling, choose
-from convgpu.enforcer.memview import ProcContexts, context_figure, view
+from convgpu.enforcer.serving.memview import ProcContexts, context_figure, view
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB

@@ -1,11 +1,11 @@
 """The enforcer's side of the Kubernetes agent: the `pod-limits` message and where a pod's limit
-stands among the other sources (enforcer/limits.py, enforcer/podlimits.py)."""
+stands among the other sources (enforcer/tenants/limits.py, enforcer/serving/podlimits.py)."""
 import pytest
 
-from convgpu.enforcer.config import Rule
-from convgpu.enforcer.containers import container_of_path
-from convgpu.enforcer.limits import LimitRules
-from convgpu.enforcer.podlimits import parse
+from convgpu.enforcer.tenants.config import Rule
+from convgpu.enforcer.tenants.containers import container_of_path
+from convgpu.enforcer.tenants.limits import LimitRules
+from convgpu.enforcer.serving.podlimits import parse
 from convgpu.errors import ConvgpuError
 
 CID = "c" * 64

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from convgpu.enforcer.containers import Layout
-from convgpu.enforcer.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
+from convgpu.enforcer.tenants.containers import Layout
+from convgpu.enforcer.failsafe.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
                                     detect, make_stopper, v2_has_freeze)
 from convgpu.errors import ConvgpuError
 

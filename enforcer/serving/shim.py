@@ -1,6 +1,6 @@
-"""The shim socket's protocol (shim/shim.c is the other side), on top of enforcer/server.py.
+"""The shim socket's protocol (shim/shim.c is the other side), on top of enforcer/serving/server.py.
 Every message is checked; the caller is the pid SO_PEERCRED gives, whatever a message says.
-Decisions are the broker's (enforcer/broker.py). Per process: its live objects (address ->
+Decisions are the broker's (enforcer/serving/broker.py). Per process: its live objects (address ->
 device, size), so a free is counted once and only for what that process allocated."""
 import logging
 

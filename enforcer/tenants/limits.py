@@ -7,8 +7,8 @@ daemon: the container gets the default and a warning."""
 import logging
 from dataclasses import dataclass, field
 
-from ..errors import SizeError
-from ..units import format_size, parse_size
+from ...errors import SizeError
+from ...units import format_size, parse_size
 from .config import Rule
 from .containers import Container
 

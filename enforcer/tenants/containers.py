@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..errors import ConvgpuError, NotFoundError
+from ...errors import ConvgpuError, NotFoundError
 
 KINDS = ("docker", "containerd", "kubernetes", "crio", "podman", "systemd", "cgroup", "host")
 # Kinds whose id is an engine's container id: membership of such a cgroup never changes for a

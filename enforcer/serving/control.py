@@ -1,7 +1,7 @@
 """The control socket's commands (root only; `convgpu status`, `limit set`, `reload`, `run`).
 Each request is {"cmd": NAME, ...}; each reply {"ok": true, ...} or {"ok": false, "error": LINE}."""
-from ..errors import ConvgpuError
-from ..units import format_size, parse_size
+from ...errors import ConvgpuError
+from ...units import format_size, parse_size
 from .server import Handler, Peer
 
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import ConvgpuError
-from .containers import Layout, cgroup_layout
+from ...errors import ConvgpuError
+from ..tenants.containers import Layout, cgroup_layout
 
 DEFAULT_TIMEOUT = 2.0
 _GONE_ERRNOS = (errno.ENOENT, errno.ENODEV, errno.ENOTDIR, errno.ESRCH)

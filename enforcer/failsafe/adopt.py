@@ -4,13 +4,13 @@ import logging
 import os
 import time
 
-from ..units import format_size
+from ...units import format_size
 from . import takeover
-from .actions import alive
-from .books import Box
-from .broker import SHIM_MEMBER
+from ..actions import alive
+from ..books import Box
+from ..serving.broker import SHIM_MEMBER
 
-log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
+log = logging.getLogger("convgpu.enforcer.daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
 
 class Adopt:

@@ -15,8 +15,8 @@ import fnmatch
 import tomllib
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, SizeError
-from ..units import parse_size
+from ...errors import ConfigError, SizeError
+from ...units import parse_size
 from .containers import Container
 
 # key -> (kind, allowed values); sizes are checked with parse_size

@@ -1,6 +1,6 @@
 """The enforcer's answers to processes under the preload shim (issue "shim"): the shim asks before
 each allocation and waits in the calling thread, or gets a real out-of-memory error, instead of
-being stopped. enforcer/shim.py speaks the socket protocol and calls these methods.
+being stopped. enforcer/serving/shim.py speaks the socket protocol and calls these methods.
 
 With probes active there is one accounting: BPF charges the shim process's bytes as for any
 other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
@@ -8,7 +8,7 @@ held here as *pending* until the shim reports the allocation (then BPF has charg
 Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
 ledger (probes/ledger.py), which keeps the same tables BPF would.
 
-After a grant the process also gets *credit* (enforcer/credit.py): half of what its container
+After a grant the process also gets *credit* (enforcer/serving/credit.py): half of what its container
 has left on the device, which its next allocations take without asking. Credit is pending
 too (pending = credit unspent + taken but not yet reported), and every unspent byte of the
 container comes back (`revoke`) before any other request of it is decided."""
@@ -16,9 +16,10 @@ import ctypes as ct
 import logging
 from collections import defaultdict
 
-from ..probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
-from ..units import format_size
-from . import ctxest, memview
+from ...probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
+from ...units import format_size
+from .. import ctxest
+from . import memview
 from .credit import CreditPage
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class ShimBroker:
             self.ledger.context(pid, dev, primary)
 
     def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
-        """(total, used) by the rule of enforcer/memview.py: the limit less this process's
+        """(total, used) by the rule of enforcer/serving/memview.py: the limit less this process's
         context; used, what the container holds besides it (unspent credit is not held)."""
         enf = self.enf
         box = self._box(pid)

@@ -7,7 +7,7 @@ shrink nor grow it, so touching it never faults here). The broker gives credit a
 and takes every unspent byte back before any other request of the same container is decided,
 so credit never stands between a container's processes, and never leaves the container's own
 assignment. What a process writes into its own page can only hurt itself: a take-back is
-clamped to what was given (enforcer/broker.py)."""
+clamped to what was given (enforcer/serving/broker.py)."""
 import ctypes as ct
 import fcntl
 import glob
@@ -15,8 +15,8 @@ import mmap
 import os
 import secrets
 
-from .. import __file__ as _package
-from ..errors import PrerequisiteError
+from ... import __file__ as _package
+from ...errors import PrerequisiteError
 
 HEADER = 3          # id, dev_page, small (credit.h)
 DEVICES = 64        # CREDIT_DEVICES

@@ -4,7 +4,7 @@ limit is worked out again, as a reload does: a pod's new or removed grant takes 
 (a waiter that now fits resumes), while `convgpu limit set` and --limit still win."""
 import logging
 
-from ..errors import ConvgpuError
+from ...errors import ConvgpuError
 
 log = logging.getLogger(__name__)
 

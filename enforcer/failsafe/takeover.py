@@ -17,8 +17,8 @@ import shutil
 import socket
 import subprocess
 
-from ..probes import links
-from .actions import alive
+from ...probes import links
+from ..actions import alive
 
 log = logging.getLogger(__name__)
 BPFFS = "/sys/fs/bpf"

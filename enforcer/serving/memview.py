@@ -23,7 +23,7 @@ early is never larger than one read later, unless a context outgrows the ceiling
 A process with no context on the device yet (nvidia-smi, pynvml before CUDA starts) is counted
 one context at the ceiling: the one it needs to use the card. So its total does not shrink
 when it makes that context, and NVML read before CUDA starts agrees with cuMemGetInfo after.
-Pure functions; enforcer/broker.py gathers the inputs."""
+Pure functions; enforcer/serving/broker.py gathers the inputs."""
 from dataclasses import dataclass
 
 
