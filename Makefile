@@ -19,12 +19,12 @@ STANDIN_LDFLAGS := -shared -pthread -Wl,--no-undefined
 # The callers are not probed.
 CALLER_CFLAGS := -std=gnu11 -O2 -g -pthread $(WARN)
 
-LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/standin_shm.c
+LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/standin_shm.c $(SI)/visible.c
 LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
 
 # Symbols the stand-in driver must export (check-prologue verifies).
 LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
-	cuDeviceGetName cuDeviceTotalMem_v2 cuGetProcAddress_v2 cuGetErrorString \
+	cuDeviceGetName cuDeviceGetUuid cuDeviceGetUuid_v2 cuDeviceTotalMem_v2 cuGetProcAddress_v2 cuGetErrorString \
 	cuMemAlloc_v2 cuMemAllocPitch_v2 cuMemAllocManaged cuMemFree_v2 \
 	cuMemGetInfo_v2 cuMemCreate cuMemRelease cuMemMap cuMemUnmap \
 	cuMemAddressReserve cuMemAddressFree cuMemSetAccess \

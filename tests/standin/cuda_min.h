@@ -36,6 +36,7 @@ typedef enum cudaError_enum {
 } CUresult;
 
 typedef int CUdevice;
+typedef struct CUuuid_st { char bytes[16]; } CUuuid;   /* cuda.h: the GPU's 16-byte UUID */
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
 typedef struct CUctx_st *CUcontext;

@@ -24,7 +24,8 @@
 #include "standin_shm.h"
 
 int g_inited;
-int g_ndev = 1;
+int g_ndev = 1;             /* the GPUs this process sees (visible.c) */
+int g_host[SI_MAX_DEV];     /* its ordinal -> host GPU (the shared segment counts by host GPU) */
 static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
 uint64_t g_capacity = SI_DEFAULT_CAPACITY;
 uint64_t g_free_ms;
@@ -78,10 +79,11 @@ static int ensure_slot(void)
     return g_slot;
 }
 
-CUresult acct_charge(int dev, uint64_t bytes)
+CUresult acct_charge(int ordinal, uint64_t bytes)
 {
-    if (dev < 0 || dev >= g_ndev)
+    if (ordinal < 0 || ordinal >= g_ndev)
         return CUDA_ERROR_INVALID_DEVICE;
+    int dev = g_host[ordinal];
     if (bytes == 0)
         return CUDA_SUCCESS;
     if (!g_shm.seg || si_lock(&g_shm) != 0)
@@ -108,10 +110,11 @@ CUresult acct_charge(int dev, uint64_t bytes)
     return CUDA_SUCCESS;
 }
 
-void acct_uncharge(int dev, uint64_t bytes)
+void acct_uncharge(int ordinal, uint64_t bytes)
 {
-    if (dev < 0 || dev >= g_ndev || bytes == 0 || !g_shm.seg || si_lock(&g_shm) != 0)
+    if (ordinal < 0 || ordinal >= g_ndev || bytes == 0 || !g_shm.seg || si_lock(&g_shm) != 0)
         return;
+    int dev = g_host[ordinal];
     if (g_slot >= 0) {
         uint64_t *u = &g_shm.seg->slots[g_slot].used[dev];
         *u = *u > bytes ? *u - bytes : 0;
@@ -120,12 +123,12 @@ void acct_uncharge(int dev, uint64_t bytes)
     si_unlock(&g_shm);
 }
 
-uint64_t acct_used(int dev)
+uint64_t acct_used(int ordinal)
 {
     uint64_t v = 0;
-    if (g_shm.seg && si_lock(&g_shm) == 0) {
+    if (ordinal >= 0 && ordinal < g_ndev && g_shm.seg && si_lock(&g_shm) == 0) {
         si_reap(&g_shm, g_slot);
-        v = g_shm.seg->used[dev];
+        v = g_shm.seg->used[g_host[ordinal]];
         si_unlock(&g_shm);
     }
     return v;
@@ -186,7 +189,7 @@ API CUresult cuInit(unsigned int Flags)
     pthread_mutex_lock(&g_init_mu);
     if (!g_inited) {
         uint64_t n = env_u64("CONVGPU_STANDIN_DEVICES", 1);
-        g_ndev = (int)(n > SI_MAX_DEV ? SI_MAX_DEV : n);
+        g_ndev = standin_visible((int)(n > SI_MAX_DEV ? SI_MAX_DEV : n), g_host);
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
@@ -210,6 +213,7 @@ API CUresult cuInit(unsigned int Flags)
                 g_primary[d].dev = d;
                 g_primary[d].released = 1;
             }
+            standin_open_nodes(g_host, g_ndev);
             pthread_atfork(NULL, NULL, atfork_child);
             atexit(at_exit);
             __atomic_store_n(&g_inited, 1, __ATOMIC_RELEASE);
@@ -263,6 +267,7 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
     char buf[sizeof base + 4];
     memcpy(buf, base, sizeof base - 1);
     size_t n = sizeof base - 1;
+    dev = g_host[dev];              /* named after the host GPU, as the driver's names are */
     if (dev >= 10)
         buf[n++] = (char)('0' + dev / 10);
     buf[n++] = (char)('0' + dev % 10);
@@ -272,6 +277,30 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
         n = cap;
     memcpy(name, buf, n);
     name[n] = 0;
+    return CUDA_SUCCESS;
+}
+
+/* CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev): the host GPU's UUID (visible.c),
+ * the same 16 bytes as NVML's GPU-... text, as with the real driver (FACTS.md). */
+API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    CHECK_INIT();
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    standin_uuid(g_host[dev], (unsigned char *)uuid->bytes);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    CHECK_INIT();
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    standin_uuid(g_host[dev], (unsigned char *)uuid->bytes);
     return CUDA_SUCCESS;
 }
 

@@ -32,16 +32,21 @@ extern int g_inited;
             return CUDA_ERROR_NOT_INITIALIZED;                        \
     } while (0)
 
-extern int g_ndev;          /* CONVGPU_STANDIN_DEVICES */
+extern int g_ndev;          /* GPUs this process sees: CONVGPU_STANDIN_DEVICES, CUDA_VISIBLE_DEVICES */
+extern int g_host[];        /* its ordinal -> host GPU */
+/* visible.c: CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER as the driver reads them at cuInit */
+int standin_visible(int nhost, int *host);
+void standin_uuid(int host, unsigned char out[16]);
+void standin_open_nodes(const int *host, int n);
 extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
 extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 keeps the bytes */
 
 #define VMM_GRANULARITY (2ull << 20)
 
 /* Capacity accounting in the shared segment (exact across processes). */
-CUresult acct_charge(int dev, uint64_t bytes); /* OOM if over capacity */
-void acct_uncharge(int dev, uint64_t bytes);
-uint64_t acct_used(int dev);
+CUresult acct_charge(int ordinal, uint64_t bytes); /* OOM if over capacity; counted on its host GPU */
+void acct_uncharge(int ordinal, uint64_t bytes);
+uint64_t acct_used(int ordinal);
 
 /* Device of the calling thread's current context. */
 CUresult cur_dev(int *dev);
