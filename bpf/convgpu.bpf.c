@@ -36,7 +36,7 @@ struct cg_call {                    // a driver call in flight on one thread
     s32 rdev;                       //   and device
     u16 api;                        // 0: no call in flight
     u8 stalled;                     // enforce: stopped at entry, not yet let through
-    u8 pad;
+    u8 ordinal;                     // wdev is the process's ordinal: no mapping yet (host_of)
     u64 want;                       // enforce: what the stopped call needs
     s32 wdev;                       //   on this device
     u32 pad2;
@@ -117,6 +117,24 @@ static __always_inline void stat_inc(u32 slot)
 static __always_inline s32 clamp_dev(s64 dev)
 {
     return (dev >= 0 && dev < CG_MAX_DEV) ? (s32)dev : 0;
+}
+
+// The device a call names is the process's CUDA ordinal, local to it (FACTS.md, 2026-11-25:
+// with CUDA_VISIBLE_DEVICES=3 or a container given GPU 3 it is 0); every map here keys by host
+// GPU. The enforcer writes each process's ordinals while it is stopped at placement, before its
+// first charge (probes/gpumap.py: from the /dev/nvidiaN nodes it opened, its environment as a
+// hint). Without an entry the ordinal stands (`trace` maps it in user space), and t->call.ordinal
+// says so, so that the recheck maps a call stopped for its placement once the entry exists.
+STATE("hash", u64, struct cg_gpumap, gpumap, 16384);
+
+static __always_inline s32 host_of(u32 tgid, s64 ordinal, struct cg_thread *t)
+{
+    s32 o = clamp_dev(ordinal);
+    u64 k = (u64)tgid << 32 | (u32)o;
+    struct cg_gpumap *g = gpumap.lookup(&k);
+    if (t)
+        t->call.ordinal = !g;
+    return g ? clamp_dev(g->host) : o;
 }
 
 static __always_inline struct cg_proc *find_proc(u32 tgid, int create)
@@ -316,16 +334,24 @@ static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
 }
 
 // Bytes and contexts that landed (or left): kept per container as well as per process.
+// A process whose GPUs the evidence did not tell apart counts on each it may use (gpumap `also`).
 static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
 {
     u64 key;
-    struct cg_cgstate *s = state_of(tgid, dev, &key);
-    if (!s)
-        return;
-    if (bytes)
-        __sync_fetch_and_add(&s->used, bytes);
-    if (contexts)
-        __sync_fetch_and_add(&s->contexts, contexts);
+    u64 *m = members.lookup(&tgid);
+    u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
+    struct cg_gpumap *g = m ? gpumap.lookup(&ak) : 0;
+    u32 also = (g ? g->also : 0) | (1u << (dev & (CG_MAX_DEV - 1)));
+#pragma unroll
+    for (int d = 0; d < CG_MAX_DEV; d++) {
+        struct cg_cgstate *s = (also >> d) & 1 ? member_state(m, d, &key) : 0;
+        if (!s)
+            continue;
+        if (bytes)
+            __sync_fetch_and_add(&s->used, bytes);
+        if (contexts)
+            __sync_fetch_and_add(&s->contexts, contexts);
+    }
 }
 
 // U_c without reservations. u64 arithmetic wraps: a process placed after it had allocated
@@ -393,7 +419,8 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     t->call.wdev = dev;
     if (!a) {                       // not placed yet: wait for the enforcer to place it
         t->call.stalled = 1;
-        stop_then_tell(id, api, OP_UNKNOWN, 0, dev, key, size, 0, ctl);
+        stop_then_tell(id, api, OP_UNKNOWN, t->call.ordinal ? EF_ORDINAL : 0, dev, key, size, 0,
+                       ctl);
         return;
     }
     u64 r = __sync_fetch_and_add(&s->reserved, size) + size;
@@ -428,6 +455,8 @@ int recheck(struct pt_regs *ctx)
     }
     u32 tgid = id >> 32;
     s32 dev = t->call.wdev;
+    if (t->call.ordinal)            // stopped for its placement, which mapped its ordinals
+        t->call.wdev = dev = host_of(tgid, dev, t);
     u64 key = 0;
     struct cg_cgstate *s = state_of(tgid, dev, &key);
     struct cg_limit_key lk = {.container = key, .dev = dev};
@@ -449,7 +478,8 @@ int recheck(struct pt_regs *ctx)
         }
         op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
     }
-    stop_then_tell(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, ctl);
+    stop_then_tell(id, t->call.api, op, EF_RESTALL | (t->call.ordinal ? EF_ORDINAL : 0), dev,
+                   key, t->call.want, total, ctl);
     return 0;
 }
 
@@ -624,23 +654,24 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
         break;
     case API_cuMemCreate:
         bpf_probe_read_user(loc, sizeof(loc), (void *)(PT_REGS_PARM3(ctx) + 8));
-        admit(id, t, api, loc[0] == 1 ? clamp_dev(loc[1]) : dev, PT_REGS_PARM2(ctx), 0, ctl);
+        admit(id, t, api, loc[0] == 1 ? host_of(tgid, loc[1], t) : dev, PT_REGS_PARM2(ctx), 0,
+              ctl);
         break;
     case API_cuDevicePrimaryCtxRetain: {
-        dev = clamp_dev((s32)PT_REGS_PARM2(ctx));
+        dev = host_of(tgid, (s32)PT_REGS_PARM2(ctx), t);
         struct cg_obj_key pk = {.tgid = tgid, .ns = NS_PRIMARY, .addr = dev};
         if (!objs.lookup(&pk))      // a second retain costs nothing
             admit(id, t, api, dev, 0, 1, ctl);
         break;
     }
     case API_cuCtxCreate_v2:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM3(ctx)), 0, 1, ctl);
+        admit(id, t, api, host_of(tgid, (s32)PT_REGS_PARM3(ctx), t), 0, 1, ctl);
         break;
     case API_cuCtxCreate_v3:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM5(ctx)), 0, 1, ctl);
+        admit(id, t, api, host_of(tgid, (s32)PT_REGS_PARM5(ctx), t), 0, 1, ctl);
         break;
     case API_cuCtxCreate_v4:
-        admit(id, t, api, clamp_dev((s32)PT_REGS_PARM4(ctx)), 0, 1, ctl);
+        admit(id, t, api, host_of(tgid, (s32)PT_REGS_PARM4(ctx), t), 0, 1, ctl);
         break;
     }
 }
@@ -858,7 +889,7 @@ int exit_vmm_create(struct pt_regs *ctx)
     s32 loc[2] = {};
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     bpf_probe_read_user(loc, sizeof(loc), (void *)(c.a2 + 8));
-    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? clamp_dev(loc[1]) : dev, 0);
+    obj_add(id, p, c.api, NS_VMM, v, c.a1, loc[0] == 1 ? host_of(tgid, loc[1], 0) : dev, 0);
     release(&c);
     return 0;
 }
@@ -988,7 +1019,7 @@ int exit_ctx_create(struct pt_regs *ctx)
     SETTLE();
     u64 d = c.api == API_cuDevicePrimaryCtxRetain ? c.a1 : c.api == API_cuCtxCreate_v2 ? c.a2
           : c.api == API_cuCtxCreate_v3 ? c.a4 : c.a3;
-    s32 cd = clamp_dev((s32)d);
+    s32 cd = host_of(tgid, (s32)d, 0);
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     ctx_made(id, p, c.api, v, cd, c.api == API_cuDevicePrimaryCtxRetain);
     if (c.api != API_cuDevicePrimaryCtxRetain)
@@ -1002,7 +1033,7 @@ int exit_ctx_destroy(struct pt_regs *ctx)
 {
     SETTLE();
     if (c.api == API_cuDevicePrimaryCtxRelease_v2)
-        ctx_gone(id, p, c.api, NS_PRIMARY, clamp_dev((s32)c.a0));
+        ctx_gone(id, p, c.api, NS_PRIMARY, host_of(tgid, (s32)c.a0, 0));
     else
         ctx_gone(id, p, c.api, NS_CTX, c.a0);
     release(&c);
@@ -1020,11 +1051,27 @@ int exit_meminfo(struct pt_regs *ctx)
 
 // ---- the kernel sees every exit: drop per-thread state; on the last thread, everything ----
 
+// Its ordinals go with it (a reused pid is another process, with another environment): the
+// enforcer writes the `also` entry for every process it maps, so one lookup tells.
+static __always_inline void forget_gpus(u32 tgid)
+{
+    u64 k = (u64)tgid << 32 | CG_GPUMAP_ALSO;
+    if (!gpumap.lookup(&k))
+        return;
+    gpumap.delete(&k);
+    for (u32 o = 0; o < CG_MAX_DEV; o++) {
+        k = (u64)tgid << 32 | o;
+        gpumap.delete(&k);
+    }
+}
+
 static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 {
     struct cg_proc *p = procs.lookup(&tgid);
-    if (!p)
+    if (!p) {
+        forget_gpus(tgid);          // killed while stopped at its placement: mapped, no calls
         return;
+    }
     u64 freed = 0, contexts = 0;
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
@@ -1037,6 +1084,7 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
             usage.delete(&k);
         }
     }
+    forget_gpus(tgid);              // after its bytes left every GPU they counted on
     members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation. The driver frees the

@@ -81,6 +81,7 @@ enum cg_op {
 #define EF_UNKNOWN 0x2    /* free of an address convgpu never saw allocated */
 #define EF_DEFERRED 0x4   /* VMM release of a still-mapped handle: bytes go at last unmap */
 #define EF_RESTALL 0x8    /* enforce: resumed without a grant (e.g. a sibling's SIGCONT): stopped again */
+#define EF_ORDINAL 0x10   /* enforce: dev is the process's CUDA ordinal, not yet mapped to a host GPU */
 
 /* Ring-buffer record, 80 bytes. */
 struct cg_event {
@@ -154,6 +155,16 @@ struct cg_obj {
  * other's counters. Admission: used + contexts * ctx_charge + extra_overhead + reserved must
  * stay <= assigned, checked at the entry of every call that takes device memory. */
 #define SHIM_MEMBER (1ULL << 63)   /* members value bit: managed by the preload shim */
+/* gpumap: (tgid << 32 | CUDA ordinal) -> the host GPU (NVML index) that ordinal is in that
+ * process; the ordinal is process-local (CUDA_VISIBLE_DEVICES, a container given one GPU).
+ * Key (tgid << 32 | CG_GPUMAP_ALSO): `also`, the other host GPUs a process whose mapping the
+ * kernel's evidence did not fix may be using: its bytes count there as well (probes/gpumap.py). */
+#define CG_GPUMAP_ALSO 0xffffffffu
+struct cg_gpumap {
+    __s32 host;
+    __u32 also;        /* bit d: host GPU d */
+};
+
 struct cg_limit_key {
     __u64 container;   /* the enforcer's key for the container */
     __s32 dev;

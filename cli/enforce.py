@@ -29,7 +29,7 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
-            "probes": True, "unprobed": "stall"}
+            "probes": True, "unprobed": "stall", "unmapped_charge": "all"}
 
 
 class Policy(str, Enum):
@@ -50,6 +50,11 @@ class Stall(str, Enum):
 class OverLimit(str, Enum):
     stall = "stall"
     kill = "kill"
+
+
+class UnmappedCharge(str, Enum):
+    all = "all"
+    guess = "guess"
 
 
 class Unprobed(str, Enum):
@@ -98,6 +103,7 @@ def enforce(
     stall: Stall = typer.Option(None, "--stall", help="signal: SIGSTOP the process (default); freezer: freeze the container's cgroup (v2 cgroup.freeze where it exists, else the v1 freezer; freezer-v1 / freezer-v2 choose one)."),
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
     unprobed: Unprobed = typer.Option(None, "--unprobed", help="A process that opens a driver file which cannot be probed (its calls would go unchecked): stall it until it is killed (default; `convgpu status` says why), kill it, or allow it to run unchecked."),
+    unmapped_charge: UnmappedCharge = typer.Option(None, "--unmapped-charge", help="A process whose CUDA devices cannot be told apart as host GPUs (it opened several GPUs' device nodes and its CUDA_VISIBLE_DEVICES does not name them all): charge its memory to every GPU it may use (default; `convgpu status` lists it), or only to the GPU its environment suggests."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where neither a median learned on this GPU nor a measured default for its architecture exists (default 0)."),
     max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
@@ -125,7 +131,8 @@ def enforce(
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
            "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
-           "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
+           "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None,
+           "unmapped_charge": unmapped_charge.value if unmapped_charge else None}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
         raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
@@ -149,7 +156,7 @@ def enforce(
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
-                   unprobed=s["unprobed"], state_dir=s["state_dir"])
+                   unprobed=s["unprobed"], state_dir=s["state_dir"], unmapped_charge=s["unmapped_charge"])
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

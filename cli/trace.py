@@ -88,6 +88,7 @@ def trace(
         return
     nvml = Nvml()
     tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest, bpf_cache=common.bpf_cache(no_bpf_cache))
+    tracer.gpumap.gpus = nvml.gpus()    # each process's CUDA devices as host GPUs (probes/gpumap.py)
     the_demo = None
     common.stop_on_signals()
     try:
@@ -191,7 +192,7 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
         if as_json and events:
             for e in evs:
                 if (not pids or e.pid in pids) and (container is None or matches(acct.container(e.pid), container)):
-                    out.write(json.dumps(e.to_json()) + "\n")
+                    out.write(json.dumps(e.to_json(tracer.gpumap.uuid(e.dev))) + "\n")
 
     tick = min(interval, 0.1)
     if as_json:

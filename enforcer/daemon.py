@@ -55,7 +55,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
-                 state_dir: str | None = None):
+                 state_dir: str | None = None, unmapped_charge: str = "all"):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
@@ -64,6 +64,10 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.stopper = stopper or SignalStopper()
         self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
+        self.unmapped_charge = unmapped_charge   # a process whose GPUs are not established: all|guess
+        self.contradicted: dict[int, str] = {}   # pid -> what NVML's lists say against its mapping
+        if nvml is not None and nvml.ok and hasattr(tracer, "gpumap"):
+            tracer.gpumap.gpus = nvml.gpus()     # ordinals to host GPUs (probes/gpumap.py)
         self.rng = random.Random(seed)
         self.engines = engines
         self.nvml = nvml

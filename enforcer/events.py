@@ -9,6 +9,7 @@ import selectors
 import signal
 import time
 
+from ..probes.events import EF_ORDINAL
 from ..units import format_size
 from . import policies
 from .actions import alive
@@ -33,6 +34,8 @@ class Events:
                 dirty = True
         for e in events:
             if e.op == "unknown":
+                if e.flags & EF_ORDINAL:    # its first placement: map its ordinals first
+                    e = e._replace(dev=self.tracer.map_gpus(e.pid, self.unmapped_charge == "all").host(e.dev))
                 if e.restall:
                     self._restalled(e)
                 self._place(e.pid, max(e.dev, 0), e.size)
@@ -161,6 +164,7 @@ class Events:
 
     def _gone(self, pid: int):
         self._learn(pid)
+        self.contradicted.pop(pid, None)
         if pid in self.shimmed:
             self.broker.shim_gone(pid)
         box = self.pid_box.pop(pid, None)

@@ -5,6 +5,7 @@ import logging
 import time
 
 from ..units import format_size
+from ..probes import gpumap
 from . import ctxest
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
@@ -45,10 +46,22 @@ class ContextOverhead:
         if nv is None:
             return False
         self.excess = nv
+        self._check_mappings({pid for pid, _ in nv}, {(pid, dev) for pid, dev in nv})
         for (pid, dev), (over, n) in nv.items():
             if n > 0 and dev in self.devices:
                 self._peak[(pid, dev)] = max(self._peak.get((pid, dev), 0), over // n)
         return self._recharge()
+
+    def _check_mappings(self, pids: set[int], listed: set[tuple[int, int]]):
+        """NVML lists each process under the host GPUs it uses: the check of the mapping made at
+        its placement (probes/gpumap.py). Told once per process, in the log and `status`."""
+        g = getattr(self.tracer, "gpumap", None)
+        for pid in pids & getattr(self.tracer, "mapped", set()) - set(self.contradicted):
+            m = g.cache.get(pid, (0, None))[1]
+            why = m and gpumap.check(m, {d for p, d in listed if p == pid})
+            if why:
+                self.contradicted[pid] = why
+                log.warning("pid %d: its GPU mapping is contradicted: %s", pid, why)
 
     def _recharge(self, devs=None) -> bool:
         """box.extra from the last NVML sample and the estimates in force; written where changed."""

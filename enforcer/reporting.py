@@ -19,7 +19,8 @@ class Reporting:
         for dev, cap in sorted(self.capacity.items()):
             assigned = self._assigned(dev)
             est = self.est.get(dev) or ctxest.Estimate(self.ctx_overhead, "ctx-overhead", "--ctx-overhead")
-            gpus[str(dev)] = {"capacity": cap, "assigned": assigned, "unassigned": cap - assigned,
+            gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
+                              "unassigned": cap - assigned,
                               "physical": self.physical[dev], "tearing_down": self._tearing(dev),
                               "ctx_estimate": est.to_json()}
         rows = []
@@ -51,7 +52,22 @@ class Reporting:
                 "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},
                 "gpus": gpus, "containers": rows,
                 # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
-                "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status()}
+                "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status(),
+                **self._mapping_status()}
+
+    def _uuid(self, dev: int) -> str:
+        g = getattr(self.tracer, "gpumap", None)
+        return g.uuid(dev) if g is not None else ""
+
+    def _mapping_status(self) -> dict:
+        """Each placed process's CUDA devices as host GPUs (probes/gpumap.py); `certain` false:
+        the evidence did not fix them, and `also` is where its bytes count as well."""
+        g = getattr(self.tracer, "gpumap", None)
+        if g is None:   # --no-probes
+            return {}
+        rows = [{"pid": pid, **m.to_json(), "contradiction": self.contradicted.get(pid, "")}
+                for pid in sorted(self.tracer.mapped) if (m := g.cache.get(pid, (0, None))[1]) is not None]
+        return {"unmapped_charge": self.unmapped_charge, "gpu_mappings": rows}
 
     def _discovery_status(self) -> dict:
         d = getattr(self.tracer, "discovery", None)
@@ -81,7 +97,7 @@ class Reporting:
                                   drops=self.tracer.stats()["drops"], pids=pids, container=container)
         d = snap.to_json()
         d["enforce"] = self.status()
-        return {"snapshot": d, "events": [e.to_json() for e in self.acct.recent]}
+        return {"snapshot": d, "events": [e.to_json(self._uuid(e.dev)) for e in self.acct.recent]}
 
     def _save_held(self):
         """What the watchdog must undo if we die: every waiting pid, every frozen cgroup."""

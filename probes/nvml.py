@@ -14,6 +14,7 @@ class GpuInfo:
     total: int
     used: int
     uuid: str = ""
+    minor: int = -1     # its /dev/nvidiaN (probes/gpumap.py: which GPUs a process opened)
 
 
 class Nvml:
@@ -48,7 +49,12 @@ class Nvml:
         for i in range(n.nvmlDeviceGetCount()):
             h = n.nvmlDeviceGetHandleByIndex(i)
             mem = n.nvmlDeviceGetMemoryInfo(h)
-            out.append(GpuInfo(i, _s(n.nvmlDeviceGetName(h)), mem.total, mem.used, _s(n.nvmlDeviceGetUUID(h))))
+            try:
+                minor = int(n.nvmlDeviceGetMinorNumber(h))
+            except Exception:
+                minor = -1
+            out.append(GpuInfo(i, _s(n.nvmlDeviceGetName(h)), mem.total, mem.used, _s(n.nvmlDeviceGetUUID(h)),
+                               minor))
         return out
 
     def process_memory(self) -> dict[tuple[int, int], int]:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from .. import phases
 from . import detach, links, loader
 from .discovery import Discovery
-from .events import FORMAT, Event, decode_many
+from .events import EF_ORDINAL, FORMAT, Event, decode_many
+from .gpumap import Mapper, bpf_entries
 from .libs import Library, LibraryFinder
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class Tracer:
         self._fd = None
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
         self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
+        # CUDA ordinals are process-local (probes/gpumap.py): the host GPUs (gpumap.gpus, from
+        # NVML) of each process; `mapped`: processes whose ordinals BPF maps itself (the
+        # enforcer's, map_gpus()); the others' events and rows are mapped here.
+        self.gpumap = Mapper()
+        self.mapped: set[int] = set()
 
     # --- life cycle ---
     def start(self) -> "Tracer":
@@ -184,6 +190,10 @@ class Tracer:
                 continue
             if ev.op in ("exit", "exec"):
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
+                self.gpumap.forget(ev.pid)
+                self.mapped.discard(ev.pid)
+            elif ev.dev >= 0 and self.gpumap.gpus and ev.pid not in self.mapped and not ev.flags & EF_ORDINAL:
+                ev = ev._replace(dev=self.gpumap.host(ev.pid, ev.dev))
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
         out, self._pending = self._pending, []
@@ -211,6 +221,18 @@ class Tracer:
         self._sweeps.clear()
         self.discovery.sweep()
 
+    def map_gpus(self, pid: int, charge_also: bool = True):
+        """Write pid's ordinal -> host GPU rows into BPF's gpumap (bpf/convgpu.bpf.c host_of());
+        the enforcer calls it while pid is stopped at its placement, before its first charge.
+        charge_also: a mapping the evidence did not fix charges every GPU it may use."""
+        self.gpumap.forget(pid)     # read now, not what an earlier look at this pid saw
+        m = self.gpumap.of(pid)
+        t = self.b[b"gpumap"]
+        for key, host, also in bpf_entries(pid, m, charge_also):
+            t[ctypes.c_uint64(key)] = t.Leaf(host, also)
+        self.mapped.add(pid)
+        return m
+
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:
         procs = {k.value: v for k, v in self.b[b"procs"].items()}
@@ -219,8 +241,11 @@ class Tracer:
             p = procs.get(k.tgid)
             if p is None or p.gen != u.gen or k.tgid in self._ignore:
                 continue
+            dev = k.dev
+            if self.gpumap.gpus and k.tgid not in self.mapped:
+                dev = self.gpumap.host(k.tgid, dev)
             rows.append(ProcUsage(
-                pid=k.tgid, dev=k.dev, gen=u.gen, cgroup_id=p.cgroup_id,
+                pid=k.tgid, dev=dev, gen=u.gen, cgroup_id=p.cgroup_id,
                 comm=p.comm.decode(errors="replace"), live=u.live, peak=u.peak,
                 n_alloc=u.n_alloc, n_free=u.n_free, bytes_alloc=u.bytes_alloc,
                 bytes_free=u.bytes_free, n_failed=u.n_failed, contexts=u.contexts,

@@ -38,10 +38,11 @@ SETTINGS = {
     "discover": ("bool", None),
     "probes": ("bool", None),
     "unprobed": ("choice", ("stall", "kill", "allow")),
+    "unmapped_charge": ("choice", ("all", "guess")),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
-                "libs", "discover", "probes", "unprobed")
+                "libs", "discover", "probes", "unprobed", "unmapped_charge")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

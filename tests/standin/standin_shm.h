@@ -92,4 +92,30 @@ int si_register(struct si_handle *h);
 /* Under the lock: give slot `idx` back (normal exit). */
 void si_unregister(struct si_handle *h, int idx);
 
+/* Host GPU h's UUID, the same 16 bytes in the stand-in driver (cuDeviceGetUuid) and the
+ * stand-in NVML (nvmlDeviceGetUUID's text): GPU-5ca1ab1e-0000-4000-8000-0000000000HH. */
+static inline void si_uuid(int h, unsigned char out[16])
+{
+    static const unsigned char base[16] = {0x5c, 0xa1, 0xab, 0x1e, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < 16; i++)
+        out[i] = base[i];
+    out[15] = (unsigned char)h;
+}
+
+static inline void si_uuid_text(int h, char out[41])
+{
+    static const char hex[] = "0123456789abcdef";
+    unsigned char u[16];
+    si_uuid(h, u);
+    int n = 0;
+    out[n++] = 'G', out[n++] = 'P', out[n++] = 'U', out[n++] = '-';
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10)
+            out[n++] = '-';
+        out[n++] = hex[u[i] >> 4];
+        out[n++] = hex[u[i] & 15];
+    }
+    out[n] = 0;
+}
+
 #endif

@@ -27,19 +27,7 @@
 
 void standin_uuid(int host, unsigned char out[16])
 {
-    static const unsigned char base[16] = {0x5c, 0xa1, 0xab, 0x1e, 0, 0, 0x40, 0,
-                                           0x80, 0, 0, 0, 0, 0, 0, 0};
-    memcpy(out, base, 16);
-    out[15] = (unsigned char)host;
-}
-
-static void uuid_text(int host, char out[41])
-{
-    unsigned char u[16];
-    standin_uuid(host, u);
-    snprintf(out, 41, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
-             u[13], u[14], u[15]);
+    si_uuid(host, out);
 }
 
 /* One entry of CUDA_VISIBLE_DEVICES -> a host GPU, or -1 (the list ends there). */
@@ -51,7 +39,7 @@ static int entry_host(const char *e, size_t n, const int *order, int nhost)
         int found = -1;
         for (int h = 0; h < nhost; h++) {
             char t[41];
-            uuid_text(h, t);
+            si_uuid_text(h, t);
             if (n <= 40 && strncmp(t, e, n) == 0) {
                 if (found >= 0)
                     return -1;      /* a prefix of two UUIDs names neither */
