@@ -34,11 +34,13 @@ class Events:
                 dirty = True
         for e in events:
             if e.op == "unknown":
+                also = ()
                 if e.flags & EF_ORDINAL:    # its first placement: map its ordinals first
-                    e = e._replace(dev=self.tracer.map_gpus(e.pid, self.unmapped_charge == "all").host(e.dev))
+                    m = self.tracer.map_gpus(e.pid, self.unmapped_charge == "all")
+                    e, also = e._replace(dev=m.host(e.dev)), m.also if self.unmapped_charge == "all" else ()
                 if e.restall:
                     self._restalled(e)
-                self._place(e.pid, max(e.dev, 0), e.size)
+                self._place(e.pid, max(e.dev, 0), e.size, also)
                 dirty = True
             elif e.op in ("stall", "over_limit"):
                 box = self.by_key.get(e.addr)
@@ -87,12 +89,16 @@ class Events:
                     pass
         return box
 
-    def _place(self, pid: int, dev: int, request: int):
+    def _place(self, pid: int, dev: int, request: int, also=()):
+        """also: the other GPUs it may be using (its mapping is not established: BPF charges
+        its bytes there too, into the container's state on each)."""
         box = self._box_for(pid)
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if alive(pid) else None
             return
         self._join(box, pid, dev, request)
+        for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
+            self._new_device(box, d)
         self._waiter(box, dev, pid, request, count=False)
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1

@@ -205,7 +205,7 @@ class Mapper:
     def of(self, pid: int) -> Mapping:
         start = _start_time(pid)
         got = self.cache.get(pid)
-        if got is not None and got[0] == start:
+        if got is not None and (got[0] == start or start is None):   # gone: what it was
             return got[1]
         env = read_env(pid, ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"))
         opened = opened_minors(pid, self.major)
@@ -214,11 +214,10 @@ class Mapper:
         hint = None if env is None or not self.gpus else visible(env.get("CUDA_VISIBLE_DEVICES"), self.gpus,
                                                 env.get("CUDA_DEVICE_ORDER"))
         m = resolve(hint, hosts, self.gpus)
-        if start is not None:
-            self.cache[pid] = (start, m)
-            if len(self.cache) > 4 * 16384:     # bounded: the oldest go first
-                for k in list(self.cache)[:16384]:
-                    del self.cache[k]
+        self.cache[pid] = (start, m)
+        if len(self.cache) > 4 * 16384:     # bounded: the oldest go first
+            for k in list(self.cache)[:16384]:
+                del self.cache[k]
         (log.info if m.certain else log.warning)(
             "pid %d: CUDA devices %s are host GPUs %s: %s%s", pid, list(range(len(m.hosts))),
             list(m.hosts), m.how, f"; not established: also charged to GPU {list(m.also)}"
