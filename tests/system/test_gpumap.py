@@ -74,7 +74,8 @@ def start(cg, build, env, cvd, *steps):
 def enforcer(build, env, tag):
     enf = inprocess_enforcer(str(build / "standin" / "libcuda.so.1"), tag, GiB, {0: 4 * GiB, 1: 4 * GiB},
                              nvml=TwoGpus(env["CONVGPU_STANDIN_SHM"]))
-    enf.tracer.gpumap.major = 1     # the stand-in's nodes (see the module's text)
+    if hasattr(enf.tracer, "gpumap"):   # (so that the code before issue 25 fails on what it charges)
+        enf.tracer.gpumap.major = 1     # the stand-in's nodes (see the module's text)
     return enf
 
 
@@ -83,7 +84,7 @@ def box_of(enf, name):
 
 
 def mapping_of(enf, pid):
-    return next(r for r in enf.status()["gpu_mappings"] if r["pid"] == pid)
+    return next(r for r in enf.status().get("gpu_mappings", []) if r["pid"] == pid)
 
 
 @pytest.mark.parametrize("cvd", ["1", UUID[1]])
@@ -110,7 +111,7 @@ def test_trace_json_shows_a_process_seeing_gpu_1_on_gpu_1(build, two, cgroups, c
             elif "containers" in d:
                 rows = [(q["pid"], q["gpu"], q["live"]) for c in d["containers"] for q in c["processes"]
                         if q["pid"] == p.pid]
-        assert [(a["dev"], a["gpu_uuid"], a["size"]) for a in allocs] == [(1, UUID[1], 300 * MiB)]
+        assert [(a["dev"], a.get("gpu_uuid"), a["size"]) for a in allocs] == [(1, UUID[1], 300 * MiB)]
         assert rows == [(p.pid, 1, 300 * MiB)]
     finally:
         kill_if_running(tr)
