@@ -20,6 +20,12 @@ def table(st: dict) -> Table:
     if unchecked:
         notes.append(f"{unchecked} allocations ran unchecked while the enforcer's heartbeat had lapsed "
                      f"(see its log)")
+    for m in st.get("gpu_mappings", []):    # probes/gpumap.py: said, never silently GPU 0
+        if not m["certain"] or m.get("contradiction"):
+            where = (f"charged to GPU {m['also']}" if st.get("unmapped_charge") == "all" and m["also"]
+                     else f"charged as GPU {m['hosts']}")
+            notes.append(f"pid {m['pid']}: its CUDA devices are not established as host GPUs "
+                         f"({m.get('contradiction') or m['how']}): {where}")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
               title_justify="left", caption_justify="left", caption="\n".join(notes) or None)
     for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "ctx from", "state", "stalled", "stalls"):

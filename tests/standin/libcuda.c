@@ -282,9 +282,8 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 
 /* CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev): the host GPU's UUID (visible.c),
  * the same 16 bytes as NVML's GPU-... text, as with the real driver (FACTS.md). */
-API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+static CUresult uuid_of(CUuuid *uuid, CUdevice dev)
 {
-    CHECK_INIT();
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
@@ -293,15 +292,16 @@ API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
+API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    CHECK_INIT();
+    return uuid_of(uuid, dev);
+}
+
 API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
     CHECK_INIT();
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!dev_ok(dev))
-        return CUDA_ERROR_INVALID_DEVICE;
-    standin_uuid(g_host[dev], (unsigned char *)uuid->bytes);
-    return CUDA_SUCCESS;
+    return uuid_of(uuid, dev);
 }
 
 API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
