@@ -3,6 +3,7 @@ per-(process, device) accounting read from maps, and events for the live view.""
 import contextlib
 import ctypes
 import logging
+import os
 import select
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from .. import phases
 from . import detach, links, loader
 from .discovery import Discovery
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
-from .gpumap import Mapper, bpf_entries
+from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
 from .libs import Library, LibraryFinder
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Tracer:
                                         cache=self.bpf_cache)
         phases.mark("bpf", self.b.origin[0])
         self.b[b"events"].open_ring_buffer(self._on_event)
+        # a successor over pinned maps: the processes its predecessor mapped are mapped in BPF
+        self.mapped = {k.value >> 32 for k in self.b[b"gpumap"].keys() if k.value & GPUMAP_ALSO == GPUMAP_ALSO}
         self.started_ns = time.monotonic_ns()
         self.rescan(force=True)
         phases.mark("probes")
@@ -219,6 +222,8 @@ class Tracer:
             except KeyError:
                 pass
         self._sweeps.clear()
+        if full:    # an exit event lost to a full ring buffer: its pid is mapped no more
+            self.mapped = {p for p in self.mapped if os.path.exists(f"/proc/{p}")}
         self.discovery.sweep()
 
     def map_gpus(self, pid: int, charge_also: bool = True):
