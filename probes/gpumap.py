@@ -144,26 +144,11 @@ def nvidia_major(proc_devices: str = "/proc/devices") -> int:
 def read_env(pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
     """Those variables from /proc/PID/environ (no symlink followed, at most ENVIRON_CAP bytes),
     or None if unreadable. A variable past the cap reads as unset."""
-    try:
-        fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    data = _read_capped(f"/proc/{pid}/environ", ENVIRON_CAP)
+    if data is None:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks, n = [], 0
-        while n < ENVIRON_CAP:
-            b = os.read(fd, min(65536, ENVIRON_CAP - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     out = {}
-    for item in b"".join(chunks).split(b"\0"):
+    for item in data.split(b"\0"):
         k, eq, v = item.partition(b"=")
         name = k.decode("ascii", "replace")
         if eq and name in names:
@@ -171,23 +156,63 @@ def read_env(pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
     return out
 
 
+def _read_capped(path: str, cap: int) -> bytes | None:
+    """A /proc file the kernel writes (no symlink followed, at most cap bytes), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        chunks, n = [], 0
+        while n < cap:
+            b = os.read(fd, min(65536, cap - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def fuse_mounts(mountinfo: bytes) -> set[int]:
+    """Mount ids of FUSE mounts in a /proc/PID/mountinfo ("ID PARENT ... - FSTYPE ..."): a stat
+    there is answered by a user-space server, which may never answer, and may say any device
+    number."""
+    out = set()
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(b" - ")
+        if sep and right.startswith(b"fuse") and left.split(b" ", 1)[0].isdigit():
+            out.add(int(left.split(b" ", 1)[0]))
+    return out
+
+
 def opened_minors(pid: int, major: int) -> set[int] | None:
     """Minors of the NVIDIA character devices the process holds open, from the kernel: each fd's
-    link names the file (readlink, which touches nothing), and only a name the driver uses is
-    stat'ed (through the magic link: the open file itself, no path resolved in the process's
-    mount namespace) for its device number. None if /proc/PID/fd is unreadable."""
+    link names the file (readlink, which touches nothing), and only a name the driver uses, on a
+    mount that is not FUSE (its fdinfo's mnt_id), is stat'ed (through the magic link: the open
+    file itself, no path resolved in the process's mount namespace) for its device number.
+    None if /proc/PID/fd is unreadable."""
     d = f"/proc/{pid}/fd"
     try:
         fds = os.listdir(d)
     except OSError:
         return None
-    out = set()
+    out, fuse = set(), None
     for fd in fds[:FD_CAP]:
         try:
             if not NODE.fullmatch(os.readlink(f"{d}/{fd}")):
                 continue
+            if fuse is None:
+                fuse = fuse_mounts(_read_capped(f"/proc/{pid}/mountinfo", ENVIRON_CAP) or b"")
+            info = _read_capped(f"/proc/{pid}/fdinfo/{fd}", 4096) or b""
+            mnt = next((int(x.split()[1]) for x in info.splitlines() if x.startswith(b"mnt_id:")), -1)
+            if mnt < 0 or mnt in fuse:
+                continue
             st = os.stat(f"{d}/{fd}")
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
         if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == major:
             out.add(os.minor(st.st_rdev))

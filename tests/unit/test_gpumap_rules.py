@@ -89,3 +89,11 @@ def test_proc_readers_on_this_process(tmp_path):
     assert gpumap.nvidia_major(str(tmp_path / "devices")) == 195
     (tmp_path / "devices").write_text("Character devices:\n  1 mem\n236 nvidia\n")
     assert gpumap.nvidia_major(str(tmp_path / "devices")) == 236
+
+
+def test_fuse_mounts_are_never_stated():
+    info = (b"24 27 0:6 / /dev rw,relatime - devtmpfs devtmpfs rw\n"
+            b"31 24 0:40 / /dev/nvidia1 rw shared:5 - fuse.evil evil rw,user_id=0\n"
+            b"32 24 0:41 / /x rw - fuseblk x rw\n"
+            b"garbage line\n")
+    assert gpumap.fuse_mounts(info) == {31, 32}
