@@ -85,7 +85,7 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB: stalled until the limit is raised")
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
-        assert st["policy"] == "fifo" and st["gpus"]["0"] == {"capacity": 5 * GiB, "assigned": GiB,
+        assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
                                                               "unassigned": 4 * GiB, "physical": 5 * GiB,
                                                               "tearing_down": 0, "ctx_estimate": {
                                                                   "bytes": 0, "source": "ctx-overhead",
