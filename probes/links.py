@@ -97,10 +97,13 @@ def kind(b) -> str:
     return "links" if isinstance(_state(b), list) else "perf events"
 
 
-def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int = 0,
-           ret: bool = False) -> None:
-    """Run b's function fn_name at file offset `offset` of path (sym+sym_off there), on entry or
-    (ret) on return, in every process."""
+def attach(b, fn_name: bytes, path: bytes, offset: int, vaddr: int, sym: bytes, sym_off: int = 0,
+           ret: bool = False) -> int | None:
+    """Run b's function fn_name at file offset `offset` of path (virtual address `vaddr`:
+    sym+sym_off), on entry or (ret) on return, in every process. The link's descriptor, or
+    None for a perf event. path is our own /proc/self/fd/N of a checked file
+    (probes/untrusted.py): bcc is given an address, never a symbol, so it looks nothing up in
+    a file by name (its lookup once opened a container's FIFO and blocked: issue 24 row 3)."""
     if _state(b) is not False and wanted():
         import bcc
         try:
@@ -110,8 +113,8 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
             if isinstance(e, OSError) and e.errno == errno.EINVAL and (_state(b) or supported()[0]):
                 if _state(b) is None:
                     b.convgpu_links = []
-                _perf_copy(b, fn_name, path, sym, sym_off, ret)
-                return
+                _perf_copy(b, fn_name, path, vaddr, sym, sym_off, ret)
+                return None
             if _state(b) is not None or (isinstance(e, OSError) and e.errno not in _UNSUPPORTED):
                 raise
             log.info("uprobe links refused (%s): perf-event uprobes, slow to detach", e)
@@ -123,14 +126,19 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
             if _state(b) is None:
                 b.convgpu_links = []
             b.convgpu_links.append(fd)
-            return
+            return fd
+    _perf(b, fn_name, path, vaddr, ret)
+    return None
+
+
+def _perf(b, fn_name: bytes, path: bytes, vaddr: int, ret: bool) -> None:
     if ret:
-        b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
+        b.attach_uretprobe(name=path, addr=vaddr, fn_name=fn_name)
     else:
-        b.attach_uprobe(name=path, sym=sym, sym_off=sym_off, fn_name=fn_name)
+        b.attach_uprobe(name=path, addr=vaddr, fn_name=fn_name)
 
 
-def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bool) -> None:
+def _perf_copy(b, fn_name: bytes, path: bytes, vaddr: int, sym: bytes, sym_off: int, ret: bool) -> None:
     """The kernel refused a link where it took earlier ones: a perf-event uprobe is already on
     this entry point, and a uprobe there cannot take a second consumer with another
     ref_ctr_offset (bcc 0.26's Python passes an uninitialised one: dmesg says "ref_ctr_offset
@@ -141,10 +149,7 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
                 "event too (slow to detach)", sym.decode(), sym_off, path.decode())
     mine = b.funcs.pop(fn_name)
     try:
-        if ret:
-            b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
-        else:
-            b.attach_uprobe(name=path, sym=sym, sym_off=sym_off, fn_name=fn_name)
+        _perf(b, fn_name, path, vaddr, ret)
     finally:
         copy = b.funcs.pop(fn_name, None)
         b.funcs[fn_name] = mine
@@ -155,6 +160,16 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
 def fds(b) -> list[int]:
     """b's link descriptors (the enforcer's watchdog keeps duplicates: enforcer/failsafe/takeover.py)."""
     return list(_state(b)) if isinstance(_state(b), list) else []
+
+
+def release(b, mine: list[int]) -> None:
+    """Detach some of b's links at once (a library no process maps any more)."""
+    from ..enforcer.failsafe.watchdog import close_all
+    if not mine:
+        return
+    gone = set(mine)
+    b.convgpu_links[:] = [fd for fd in fds(b) if fd not in gone]
+    close_all(list(gone))
 
 
 def close(b) -> int:

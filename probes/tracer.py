@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 
 from .. import phases
-from . import detach, links, loader
+from . import detach, links, loader, untrusted
 from .discovery import Discovery
 from .events import FORMAT, Event, decode_many
-from .libs import Library, LibraryFinder
+from .libs import Library, LibraryFinder, mapped_inodes
 
 log = logging.getLogger(__name__)
 # How long after its bytes last changed a process may still have a free running in the driver:
@@ -66,6 +66,7 @@ class Tracer:
         self.started_ns = 0
         self._fd = None
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
+        self.on_release = lambda fds: None   # the enforcer's: its watchdog drops its duplicates of these links
         self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
 
     # --- life cycle ---
@@ -98,6 +99,8 @@ class Tracer:
             self.b.cleanup()   # detaches the perf events left (handed off: at once)
             self._fd = None
             self.b = None
+        for lib in self.finder.known.values():
+            untrusted.close(lib.fd)
         return child
 
     def __enter__(self):
@@ -130,14 +133,16 @@ class Tracer:
         return added
 
     def attach(self, lib: Library) -> loader.LibraryProbes | None:
-        """Probes on lib, self-tested; a failure is recorded in `failed` (one bad library must
-        not stop tracing the others), as is a required probe that never fired."""
+        """Probes on lib, verified by reading it (and self-tested if it is the host's own: a
+        required probe that never fired is then a failure too); a failure is recorded in
+        `failed` (one bad library must not stop tracing the others)."""
         try:
             with phases.timed("attach"):
                 lp = loader.attach_library(self.b, lib, recheck=self.recheck)
         except Exception as e:
             self.failed.append((lib, str(e)))
             log.warning("%s", e)
+            untrusted.close(lib.fd)   # nothing attached to it: its inode is all we keep
             return None
         if self.selftest:
             with phases.timed("self-test"):
@@ -151,6 +156,33 @@ class Tracer:
         self.attached.append(lp)
         log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
         return lp
+
+    def failure(self, inode) -> str | None:
+        """Why the library of this inode could not be probed, or None (probed, or unknown)."""
+        return next((err for f, err in self.failed if f.inode == inode), None)
+
+    def _release_unused(self) -> None:
+        """Driver copies that discovery or a scan found and that no live process opened or maps
+        any more lose their probes, their descriptor and their entries (issue 24 row 7: many
+        copies must not pile up links and lists); a later open finds one again. The host's
+        own driver and the libraries given on the command line stay."""
+        idle = [lib for lib in self.finder.known.values()
+                if not lib.trusted and lib.seen_as not in self.finder.extra and not self.discovery.in_use(lib.inode)]
+        if not idle:
+            return
+        mapped = mapped_inodes(self.finder.proc)
+        gone = {lib.inode for lib in idle if lib.inode[1] not in mapped}
+        if not gone:
+            return
+        mine = [lp for lp in self.attached if lp.library.inode in gone]
+        fds = [fd for lp in mine for fd in lp.link_fds]
+        self.on_release(fds)
+        links.release(self.b, fds)
+        self.attached = [lp for lp in self.attached if lp.library.inode not in gone]
+        self.failed = [(lib, err) for lib, err in self.failed if lib.inode not in gone]
+        for inode in gone:
+            untrusted.close(self.finder.known.pop(inode).fd)
+        log.info("%d driver copies no process uses any more: %d probes detached", len(gone), len(fds))
 
     @contextlib.contextmanager
     def _exempt(self, pid: int):
@@ -171,6 +203,7 @@ class Tracer:
         """Everything since the last poll; also attaches new libraries and cleans up. The
         housekeeping comes first, for what earlier polls found: an exit reaches the caller
         (the enforcer resumes a waiter on it) without waiting for its own sweep."""
+        self.discovery.beat()
         self.rescan()
         now = time.monotonic()
         if self._sweeps or now - self._last_sweep > self.sweep_every:
@@ -186,6 +219,7 @@ class Tracer:
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
+        self.discovery.work()
         out, self._pending = self._pending, []
         return out
 
@@ -210,6 +244,8 @@ class Tracer:
                 pass
         self._sweeps.clear()
         self.discovery.sweep()
+        if full:
+            self._release_unused()
 
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:
