@@ -110,7 +110,6 @@ class Discovery:
         self._lifeline = None
         self.pending: dict[tuple, Pending] = {}             # inode -> Pending, in arrival order
         self.openers: dict[tuple, set[int]] = {}            # inode -> pids that opened it
-        self.say = Said()
         self.beaten = time.monotonic()
         self._sentinel = None
         self._stop = threading.Event()
@@ -236,7 +235,7 @@ class Discovery:
             st = untrusted.check(mine)
         except (untrusted.Refused, OSError) as e:   # a FIFO, a socket...: no code can be mapped from it
             untrusted.close(mine)
-            self.say(logging.WARNING, (container_of(pid), str(e)), "pid %d opened %s: %s; not a driver, "
+            self.tracer.say(logging.WARNING, (container_of(pid), str(e)), "pid %d opened %s: %s; not a driver, "
                      "let go", pid, _seen_as(pid, fd), e)
             self._resume(key)
             return
@@ -265,7 +264,7 @@ class Discovery:
             inode = next(iter(self.pending))
             p = self.pending.pop(inode)
             self.tracer.finder.known[inode] = p.lib
-            self.tracer.attach(p.lib)
+            self.tracer.attach(p.lib, container_of(p.keys[0] >> 32))
             self.beat(force=True)    # progress: BPF keeps stopping at opens
             self._settle(inode, p.keys)
 
@@ -278,7 +277,7 @@ class Discovery:
             pid = key >> 32
             lib = self.tracer.finder.known[inode]
             action = self.on_unprobed(pid, lib, failed)
-            self.say(logging.ERROR, (container_of(pid), failed), "pid %d opened %s, which cannot be probed "
+            self.tracer.say(logging.ERROR, (container_of(pid), failed.replace(str(lib), "*")), "pid %d opened %s, which cannot be probed "
                      "(%s): %s", pid, lib, failed, WHAT[action])
             self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
             if action == "kill":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .. import phases
 from . import detach, links, loader, untrusted
-from .discovery import Discovery
+from .discovery import Discovery, Said
 from .events import FORMAT, Event, decode_many
 from .libs import Library, LibraryFinder, mapped_inodes
 
@@ -67,6 +67,7 @@ class Tracer:
         self._fd = None
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
         self.on_release = lambda fds: None   # the enforcer's: its watchdog drops its duplicates of these links
+        self.say = Said()                  # log lines a container can cause: rate-limited
         self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
 
     # --- life cycle ---
@@ -132,16 +133,18 @@ class Tracer:
                 added.append(lp)
         return added
 
-    def attach(self, lib: Library) -> loader.LibraryProbes | None:
+    def attach(self, lib: Library, container: str | None = None) -> loader.LibraryProbes | None:
         """Probes on lib, verified by reading it (and self-tested if it is the host's own: a
         required probe that never fired is then a failure too); a failure is recorded in
-        `failed` (one bad library must not stop tracing the others)."""
+        `failed` (one bad library must not stop tracing the others). container: whose open
+        found it (discovery): its log lines are then one per container and kind, as a container
+        can bring copies by the hundred (issue 24 row 7)."""
         try:
             with phases.timed("attach"):
                 lp = loader.attach_library(self.b, lib, recheck=self.recheck)
         except Exception as e:
             self.failed.append((lib, str(e)))
-            log.warning("%s", e)
+            self._say(logging.WARNING, container, str(e).replace(str(lib), "*"), "%s", e)
             untrusted.close(lib.fd)   # nothing attached to it: its inode is all we keep
             return None
         if self.selftest:
@@ -154,8 +157,15 @@ class Tracer:
                 self.failed.append((lib, f"required probes never fired in the self-test: {', '.join(silent)}"))
                 log.warning("%s: required probes never fired in the self-test: %s", lib, ", ".join(silent))
         self.attached.append(lp)
-        log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
+        self._say(logging.INFO, container, "attached", "probes attached to %s (%d symbols%s)", lib,
+                  sum(a.ok for a in lp.probes), "" if lib.trusted else ", verified by reading it")
         return lp
+
+    def _say(self, level, container, kind, msg, *args):
+        if container is None:
+            log.log(level, msg, *args)
+        else:
+            self.say(level, (container, kind), msg, *args)
 
     def failure(self, inode) -> str | None:
         """Why the library of this inode could not be probed, or None (probed, or unknown)."""
