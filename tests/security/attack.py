@@ -30,8 +30,10 @@ int cuDevicePrimaryCtxRetain(void **c, int d) { return 3; }
 
 
 def as_nobody(*argv) -> list[str]:
-    need(shutil.which("runuser") is not None, "runuser missing")
-    return ["runuser", "-u", "nobody", "--", *map(str, argv)]
+    """argv run as nobody, no capabilities left (setpriv execs: the pid is argv's own)."""
+    need(shutil.which("setpriv") is not None, "setpriv missing")
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--", *map(str, argv)]
 
 
 @pytest.fixture
