@@ -39,6 +39,8 @@ ATTACH_PER_PASS = 4   # new driver copies attached in one loop pass (one: ~30 li
 PASS_BUDGET_S = 0.5   # and no more attaching once a pass has spent this on it
 STALE_S = 3.0         # bpf/convgpu.bpf.c DISCOVERY_STALE_NS: BPF stops nobody after this
 BEAT_EVERY_S = 0.5
+COPIES_PER_CONTAINER = 32   # driver copies probed at once for one container: each costs ~60 links
+                            # (descriptors, kernel uprobes); a real one brings one or two
 LOG_EVERY_S = 600.0   # one line per (container, reason) in this long; the rest are counted
 WHAT = {"stall": "kept stopped until it is killed or the enforcer stops", "kill": "killed",
         "allow": "let run UNCHECKED"}
@@ -110,6 +112,7 @@ class Discovery:
         self._lifeline = None
         self.pending: dict[tuple, Pending] = {}             # inode -> Pending, in arrival order
         self.openers: dict[tuple, set[int]] = {}            # inode -> pids that opened it
+        self.owner: dict[tuple, str] = {}                   # inode -> the container whose open found it
         self.beaten = time.monotonic()
         self._sentinel = None
         self._stop = threading.Event()
@@ -264,8 +267,14 @@ class Discovery:
             inode = next(iter(self.pending))
             p = self.pending.pop(inode)
             self.tracer.finder.known[inode] = p.lib
-            self.tracer.attach(p.lib, container_of(p.keys[0] >> 32))
-            self.beat(force=True)    # progress: BPF keeps stopping at opens
+            container = container_of(p.keys[0] >> 32)
+            if sum(c == container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
+                why = f"its container has {COPIES_PER_CONTAINER} driver copies probed already, the most one may have"
+                self.tracer.failed.append((self.tracer.let_go(p.lib), why))
+            else:
+                if self.tracer.attach(p.lib, container) is not None:
+                    self.owner[inode] = container
+                self.beat(force=True)    # progress: BPF keeps stopping at opens
             self._settle(inode, p.keys)
 
     def _settle(self, inode, keys):
@@ -286,6 +295,11 @@ class Discovery:
             elif action == "allow":
                 self._resume(key)
             # stall: it stays in `held` (the watchdog resumes it if we die), stopped
+
+    def forget(self, inode) -> None:
+        """A copy released (no process uses it): its container may have another."""
+        self.owner.pop(inode, None)
+        self.openers.pop(inode, None)
 
     def in_use(self, inode) -> bool:
         """A process that opened this copy is still alive (the scan of maps is the tracer's)."""

@@ -160,7 +160,7 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
         syms = untrusted.read_symbols(lib.fd, [p.symbol for p in PROBES if p.library == lib.kind],
                                       prologue.PROLOGUE_BYTES)
     except (untrusted.Refused, OSError) as e:
-        raise ProbeError(f"{lib} is not probed: {e}", "a driver file must be a 64-bit ELF shared object") from e
+        raise ProbeError(f"not a driver file: {e}", "a driver file is a 64-bit ELF shared object") from e
     path = f"/proc/self/fd/{lib.fd}".encode()   # the inode we read, whatever its name is now
     for probe in PROBES:
         if probe.library != lib.kind:

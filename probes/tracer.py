@@ -2,6 +2,7 @@
 per-(process, device) accounting read from maps, and events for the live view."""
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import select
 import time
@@ -100,8 +101,8 @@ class Tracer:
             self.b.cleanup()   # detaches the perf events left (handed off: at once)
             self._fd = None
             self.b = None
-        for lib in self.finder.known.values():
-            untrusted.close(lib.fd)
+        for lib in list(self.finder.known.values()):
+            self.let_go(lib)
         return child
 
     def __enter__(self):
@@ -143,9 +144,9 @@ class Tracer:
             with phases.timed("attach"):
                 lp = loader.attach_library(self.b, lib, recheck=self.recheck)
         except Exception as e:
-            self.failed.append((lib, str(e)))
-            self._say(logging.WARNING, container, str(e).replace(str(lib), "*"), "%s", e)
-            untrusted.close(lib.fd)   # nothing attached to it: its inode is all we keep
+            self.failed.append((self.let_go(lib), str(e)))
+            if container is None:   # else discovery says it, with the opener and what it does to it
+                log.warning("%s: %s", lib, e)
             return None
         if self.selftest:
             with phases.timed("self-test"):
@@ -166,6 +167,15 @@ class Tracer:
             log.log(level, msg, *args)
         else:
             self.say(level, (container, kind), msg, *args)
+
+    def let_go(self, lib: Library) -> Library:
+        """Our descriptor of a library nothing is attached to is closed (its inode and why are
+        all we keep); the copy without it, also in finder.known."""
+        untrusted.close(lib.fd)
+        lib = dataclasses.replace(lib, fd=-1)
+        if lib.inode in self.finder.known:
+            self.finder.known[lib.inode] = lib
+        return lib
 
     def failure(self, inode) -> str | None:
         """Why the library of this inode could not be probed, or None (probed, or unknown)."""
@@ -192,6 +202,7 @@ class Tracer:
         self.failed = [(lib, err) for lib, err in self.failed if lib.inode not in gone]
         for inode in gone:
             untrusted.close(self.finder.known.pop(inode).fd)
+            self.discovery.forget(inode)
         log.info("%d driver copies no process uses any more: %d probes detached", len(gone), len(fds))
 
     @contextlib.contextmanager

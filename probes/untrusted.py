@@ -165,12 +165,9 @@ def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: float = BUDGE
     return out
 
 
-def describe(st: os.stat_result) -> str:
-    """What a log line says about a refused file's kind (the rate limit keys on it)."""
-    return "deleted" if st.st_nlink == 0 else "regular"
-
-
 def close(fd: int) -> None:
+    if fd < 0:
+        return
     try:
         os.close(fd)
     except OSError as e:
