@@ -188,7 +188,7 @@ class Discovery:
             self._resume(key)
         self.unprobed.clear()
         for p in self.pending.values():
-            untrusted.close(p.lib.fd)
+            self.tracer.let_go(p.lib)
         self.pending.clear()
         if self.watchdog is not None:
             self.watchdog.kill()
@@ -257,25 +257,32 @@ class Discovery:
             log.info("pid %d opened %s, deleted since: probed through its descriptor", pid, seen_as)
         self.pending[inode] = Pending(Library(CUDA, _shown(pid, seen_as), inode, seen_as, mine), [key])
 
-    def work(self):
+    def queue(self, lib: Library) -> None:
+        """A copy the periodic scan found (a process maps it): attached like an opened one."""
+        self.pending.setdefault(lib.inode, Pending(lib, []))
+
+    def work(self) -> int:
         """From the loop, after the pass's events: attach queued copies, at most ATTACH_PER_PASS
-        and PASS_BUDGET_S worth; the rest wait for the next pass, their openers held."""
+        and PASS_BUDGET_S worth; the rest wait for the next pass, their openers held. Returns
+        how many were taken."""
         t0 = time.monotonic()
-        for _ in range(ATTACH_PER_PASS):
+        n = 0
+        for n in range(1, ATTACH_PER_PASS + 1):
             if not self.pending or time.monotonic() - t0 > PASS_BUDGET_S:
-                break
+                return n - 1
             inode = next(iter(self.pending))
             p = self.pending.pop(inode)
             self.tracer.finder.known[inode] = p.lib
-            container = container_of(p.keys[0] >> 32)
-            if sum(c == container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
+            container = container_of(p.keys[0] >> 32) if p.keys else None
+            if container is not None and sum(c == container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
                 why = f"its container has {COPIES_PER_CONTAINER} driver copies probed already, the most one may have"
                 self.tracer.failed.append((self.tracer.let_go(p.lib), why))
             else:
-                if self.tracer.attach(p.lib, container) is not None:
+                if self.tracer.attach(p.lib, container) is not None and container is not None:
                     self.owner[inode] = container
                 self.beat(force=True)    # progress: BPF keeps stopping at opens
             self._settle(inode, p.keys)
+        return n
 
     def _settle(self, inode, keys):
         failed = self.tracer.failure(inode)

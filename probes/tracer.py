@@ -129,6 +129,9 @@ class Tracer:
         self._last_scan = now
         added = []
         for lib in self.finder.scan():
+            if not force:   # found by a later scan: attached by the loop, a few a pass (row 7)
+                self.discovery.queue(lib)
+                continue
             lp = self.attach(lib)
             if lp is not None:
                 added.append(lp)
@@ -230,6 +233,13 @@ class Tracer:
         if self._sweeps or now - self._last_sweep > self.sweep_every:
             self._sweep(full=now - self._last_sweep > self.sweep_every)
             self._last_sweep = now if now - self._last_sweep > self.sweep_every else self._last_sweep
+        self._consume()
+        if self.discovery.work():   # what the new probes (and a self-test) saw meanwhile, too
+            self._consume()
+        out, self._pending = self._pending, []
+        return out
+
+    def _consume(self) -> None:
         self.b.ring_buffer_consume()
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
@@ -240,9 +250,6 @@ class Tracer:
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
-        self.discovery.work()
-        out, self._pending = self._pending, []
-        return out
 
     def wait(self, timeout: float) -> None:
         """Sleep until an event that wakes (a stop at a driver's open, a stall) or timeout."""
