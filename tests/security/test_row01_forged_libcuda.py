@@ -11,7 +11,7 @@ import time
 import pytest
 
 from attack import as_nobody, busybox_rootfs, forge, podman_rm, podman_run, scratch  # noqa: F401
-from conftest import Enforcing, lines_until
+from conftest import Enforcing, lines_until, stop_all
 
 pytestmark = pytest.mark.system
 
@@ -43,10 +43,7 @@ def test_row01_forged_libcuda_as_nobody_is_read_never_run(root, build, scratch):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
         _attack(enf, opener, str(lib), marker)
     finally:
-        if opener:
-            opener.kill()
-            opener.wait()
-        enf.close()
+        stop_all([opener], enf)
 
 
 def test_row01_forged_libcuda_in_a_container_is_read_never_run(root, build, scratch):
@@ -64,7 +61,4 @@ def test_row01_forged_libcuda_in_a_container_is_read_never_run(root, build, scra
         _attack(enf, c, "/opt/libcuda.so.1", marker)
     finally:
         podman_rm(name)
-        if c:
-            c.kill()
-            c.wait()
-        enf.close()
+        stop_all([c], enf)

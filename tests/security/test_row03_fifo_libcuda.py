@@ -14,7 +14,7 @@ import time
 import pytest
 
 from attack import as_nobody, scratch  # noqa: F401
-from conftest import Enforcing, lines_until, proc_state
+from conftest import Enforcing, lines_until, proc_state, stop_all
 
 pytestmark = pytest.mark.system
 
@@ -81,9 +81,7 @@ def test_row03_fifo_named_libcuda_keeps_the_loop_beating(root, build, scratch):
         after = enf.ctl(cmd="status")["status"]
         assert after["discovery"]["stops"] > st["discovery"]["stops"]
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        stop_all(procs)
         if enf.p.poll() is None:    # before: blocked in open(); a writer lets it out
             w = subprocess.Popen(as_nobody(sys.executable, "-c", WRITER, fifo), cwd="/")
             enf.close()
@@ -135,7 +133,5 @@ def test_row03_a_hung_loop_stops_no_one_at_open(root, build, scratch):
         assert a.pid in t.discovery.recent and b.pid not in t.discovery.recent and c.pid in t.discovery.recent
         assert os.stat(copies[2]).st_ino in {lib.inode[1] for lib in t.libraries}
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        stop_all(procs)
         t.close()

@@ -22,7 +22,15 @@ GOOD, BAD = 160, 40
 
 
 def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """Our descriptors but perf events: where another tool's perf-event uprobe sits on an entry
+    point, ours is one too (probes/links.py), and those stay until the tracer stops."""
+    n = 0
+    for x in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{x}") != "anon_inode:[perf_event]"
+        except OSError:
+            pass
+    return n
 
 
 def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, build, scratch, caplog):
@@ -84,10 +92,11 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         assert all(a.fired is None for lp in attached for a in lp.probes)    # read, never loaded
         # one log line per kind of copy (this one container), not one per copy or open
         said = [r.getMessage() for r in caplog.records if str(base) in r.getMessage()]
-        kinds = {"probes attached to": 1, "not a 64-bit": 1, "driver copies probed already": 1}
-        for text, n in kinds.items():
-            assert len([m for m in said if text in m]) == n, [m for m in said if text in m][:5]
-        assert len(said) == sum(kinds.values()), said[:10]
+        # ("attached" may have been said for another copy of this cgroup just before: at most 1)
+        kinds = {"probes attached to": (0, 1), "not a 64-bit": (1, 1), "driver copies probed already": (1, 1)}
+        for text, (lo, hi) in kinds.items():
+            assert lo <= len([m for m in said if text in m]) <= hi, [m for m in said if text in m][:5]
+        assert len(said) == len([m for m in said if any(k in m for k in kinds)]), said[:10]
         # the openers exit: their copies lose links, descriptors and entries at the next sweep
         os.killpg(attacker.pid, signal.SIGKILL)
         attacker.wait()
@@ -99,7 +108,8 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         assert not (set(t.discovery.owner) | set(t.discovery.openers)) & my_inodes
         # copies other processes of this host opened meanwhile (other test runs) are allowed for
         others = sum(len(lp.link_fds) + 1 for lp in t.attached if lp.library.inode not in before)
-        assert len(links.fds(t.b)) <= links0 + others and _fds() <= fds0 + others + 8, (_fds(), fds0, others)
+        queued = len(t.discovery.pending)   # theirs too, each our descriptor until attached
+        assert len(links.fds(t.b)) <= links0 + others and _fds() <= fds0 + others + queued + 8, (_fds(), fds0, others, queued)
     finally:
         if attacker and attacker.poll() is None:
             os.killpg(attacker.pid, signal.SIGKILL)
