@@ -293,8 +293,8 @@ class Discovery:
             pid = key >> 32
             lib = self.tracer.finder.known[inode]
             action = self.on_unprobed(pid, lib, failed)
-            self.tracer.say(logging.ERROR, (container_of(pid), failed.replace(str(lib), "*")), "pid %d opened %s, which cannot be probed "
-                     "(%s): %s", pid, lib, failed, WHAT[action])
+            self.tracer.say(logging.ERROR, (container_of(pid), failed.replace(str(lib), "*")),
+                            "pid %d opened %s, which cannot be probed (%s): %s", pid, lib, failed, WHAT[action])
             self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
             if action == "kill":
                 os.kill(pid, signal.SIGKILL)

@@ -109,7 +109,8 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         # copies other processes of this host opened meanwhile (other test runs) are allowed for
         others = sum(len(lp.link_fds) + 1 for lp in t.attached if lp.library.inode not in before)
         queued = len(t.discovery.pending)   # theirs too, each our descriptor until attached
-        assert len(links.fds(t.b)) <= links0 + others and _fds() <= fds0 + others + queued + 8, (_fds(), fds0, others, queued)
+        assert len(links.fds(t.b)) <= links0 + others
+        assert _fds() <= fds0 + others + queued + 8, (_fds(), fds0, others, queued)
     finally:
         if attacker and attacker.poll() is None:
             os.killpg(attacker.pid, signal.SIGKILL)
