@@ -178,17 +178,17 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
             continue
         try:
             sym = probe.symbol.encode()
-            out.link_fds.append(links.attach(b, probe.enter.encode(), path, s.offset, s.vaddr, sym))
+            out.link_fds.append(links.attach(b, probe.enter.encode(), path, s.offset, sym))
             if probe.exit:
-                out.link_fds.append(links.attach(b, probe.exit.encode(), path, s.offset, s.vaddr, sym, ret=True))
+                out.link_fds.append(links.attach(b, probe.exit.encode(), path, s.offset, sym, ret=True))
             a.ok = True
             if recheck and probe.symbol in ADMITTED:
                 site = prologue.recheck_site(s.prologue)
                 a.recheck = site is not None
                 if site is not None:
                     a.recheck_at = f"+{site[0]} {site[1]}"
-                    out.link_fds.append(links.attach(b, b"recheck", path, s.offset + site[0], s.vaddr + site[0],
-                                                     sym, sym_off=site[0]))
+                    out.link_fds.append(links.attach(b, b"recheck", path, s.offset + site[0], sym,
+                                                     sym_off=site[0]))
         except Exception as e:
             a.reason = f"attach failed: {e}"
         out.probes.append(a)

@@ -9,7 +9,7 @@ symlink out of the container's root, or a file of gigabytes. So a library is
     through /proc/self/fd/N, a path nobody else can swap between the check and the attach;
   - fstat-ed: a regular file of at most MAX_FILE bytes, else refused with one reason;
   - read, not loaded: its ELF headers, section headers and symbol tables (each capped, within
-    BUDGET_S seconds) give each probed symbol's file offset, as bcc would compute it (the
+    BUDGET_S seconds) give each probed symbol's file offset, as bcc computes it (through the
     executable PT_LOAD segment that holds its address), and the first bytes there
     (probes/prologue.py classifies them).
 A call-based self-test stays only for `trusted` files: owned by root, on a host path (not
@@ -105,7 +105,6 @@ def trusted(path: str, st: os.stat_result) -> bool:
 
 @dataclass(frozen=True)
 class Symbol:
-    vaddr: int          # st_value: what bcc's attach_uprobe(addr=) takes
     offset: int         # file offset: where a uprobe link goes
     prologue: bytes     # the first bytes there (probes/prologue.py)
 
@@ -161,7 +160,7 @@ def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: float = BUDGE
                 continue
             off = next((value - v + o for v, n, o in exe if v <= value < v + n), None)
             if off is not None:
-                out[name.decode()] = Symbol(value, off, os.pread(fd, prologue_bytes, off))
+                out[name.decode()] = Symbol(off, os.pread(fd, prologue_bytes, off))
     return out
 
 
