@@ -9,6 +9,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from ..enforcer.tenants.limits import PodLimit
 from ..errors import SizeError
 from ..units import parse_size
 from . import api, devices as dv
@@ -116,38 +117,63 @@ def _listdir(path):
 _warned: set[tuple[str, str, str]] = set()
 
 
-def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit: int) -> dict[str, tuple[int, str]]:
-    """{key: (bytes, source)}: key is the container's id once it is known; a pod's uid as well
-    when that pod has one container, so that its limit is in place before the container's first
-    CUDA call even if the container id is not known yet. Units win over the annotation."""
+def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit: int) -> dict[str, PodLimit]:
+    """{key: PodLimit}: key is each container's id once it is known, and the pod's uid, so that
+    a limit is in place before the container's first CUDA call even if its id is not known yet.
+
+    A container with units gets them (per GPU too: kube/devices.py shares), lowered by the
+    pod's annotation if that is smaller; one without units gets the annotation as a bound that
+    only lowers what the operator's rules give (lower_only), or, with neither, an entry of 0
+    that says "the rules apply" (else it would fall back to its pod's uid entry). The pod's
+    uid gets the smallest grant of its containers: a sidecar that comes first never leaves the
+    GPU container under the default, and no container is given more than it was granted."""
     pods: dict[tuple[str, str], list[Assigned]] = {}
     for a in assigned:
         pods.setdefault((a.namespace, a.pod), []).append(a)
-    out: dict[str, tuple[int, str]] = {}
+    out: dict[str, PodLimit] = {}
     for (ns, pod), containers in sorted(pods.items()):
         meta = metas.get((ns, pod), PodMeta())
-        ann = meta.annotations.get(ANNOTATION)
-        ann_bytes = None
-        if ann is not None:
-            try:
-                ann_bytes = parse_size(ann, f"annotation {ANNOTATION} of {ns}/{pod}")
-            except SizeError as e:
-                if (ns, pod, ann) not in _warned:   # once per pod and value, not every round
-                    _warned.add((ns, pod, ann))
-                    log.warning("%s; the container keeps its other limit", e)
+        ann = _annotation(ns, pod, meta)
+        if ann is None and not any(a.devices for a in containers):
+            continue   # nothing from the pod: the operator's rules, as for any container
+        granted = []
         for a in containers:
-            if a.devices:
-                limit = (len(a.devices) * unit,
-                         f"pod {ns}/{pod} {a.container}: {len(a.devices)} x {unit >> 20} MiB {dv.RESOURCE}")
-            elif ann_bytes is not None:
-                limit = (ann_bytes, f"pod {ns}/{pod} annotation {ANNOTATION}")
-            else:
-                continue
+            limit = _container(ns, pod, a, ann, unit)
+            if not limit.lower_only:
+                granted.append(limit)
             for cid in sorted(meta.containers.get(a.container, ())):
                 out[cid] = limit
-            if meta.uid and len(containers) == 1:
-                out[meta.uid] = limit
+        if meta.uid:
+            out[meta.uid] = min(granted) if granted else \
+                PodLimit(ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True)
     return out
+
+
+def _annotation(ns: str, pod: str, meta: PodMeta) -> int | None:
+    ann = meta.annotations.get(ANNOTATION)
+    if ann is None:
+        return None
+    try:
+        return parse_size(ann, f"annotation {ANNOTATION} of {ns}/{pod}")
+    except SizeError as e:
+        if (ns, pod, ann) not in _warned:   # once per pod and value, not every round
+            _warned.add((ns, pod, ann))
+            log.warning("%s; the container keeps its other limit", e)
+        return None
+
+
+def _container(ns: str, pod: str, a: Assigned, ann: int | None, unit: int) -> PodLimit:
+    if not a.devices:
+        if ann is None:
+            return PodLimit(0, f"pod {ns}/{pod} {a.container}: no {dv.RESOURCE}", True)
+        return PodLimit(ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True)
+    total = len(a.devices) * unit
+    source = f"pod {ns}/{pod} {a.container}: {len(a.devices)} x {unit >> 20} MiB {dv.RESOURCE}"
+    split = dv.shares(a.devices, unit)
+    if ann is not None and ann < total:   # the author may ask for less than the units, not more
+        total, source = ann, f"{source}, lowered by annotation {ANNOTATION}"
+        split = {k: min(v, ann) for k, v in split.items()}
+    return PodLimit(total, source, False, tuple(split.items()))
 
 
 def _unresolved(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta]) -> bool:
@@ -169,7 +195,7 @@ class PodSync:
         self.clock = clock
         self.control, self.sources, self.unit, self.socket, self.resource = control, sources, unit, socket, resource
         self.sent: tuple | None = None
-        self.last: dict[str, tuple[int, str]] = {}
+        self.last: dict[str, PodLimit] = {}
         self.assigned: list[Assigned] = []
         self._cache: dict[int, tuple[float, dict]] = {}
 
@@ -194,13 +220,13 @@ class PodSync:
                     m.containers.setdefault(name, set()).update(ids)
         return metas
 
-    def round(self) -> dict[str, tuple[int, str]]:
+    def round(self) -> dict[str, PodLimit]:
         from ..enforcer.serving.server import request
         self.assigned = list_assigned(self.socket, self.resource)
         want = limits(self.assigned, self._metas(), self.unit)
         pid = request(self.control, {"cmd": "ping"})["pid"]
         if (pid, want) != self.sent:
-            r = request(self.control, {"cmd": "pod-limits", "limits": {k: list(v) for k, v in want.items()}})
+            r = request(self.control, {"cmd": "pod-limits", "limits": {k: v.wire() for k, v in want.items()}})
             if not r.get("ok"):
                 raise RuntimeError(r.get("error"))
             log.info("pod limits: %d container(s) and pod(s) sent to the enforcer", len(want))

@@ -8,6 +8,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from convgpu.enforcer.tenants.limits import PodLimit
 from convgpu.kube import api
 from convgpu.kube.pods import ANNOTATION, ApiServerPods, Assigned, KubeletLogPods, PodMeta, limits, list_assigned
 from kubelet_side import Kubelet
@@ -68,17 +69,37 @@ def test_limits_units_then_annotation_keyed_by_container_and_single_container_po
              ("ml", "server"): PodMeta(UID["server"], {}, {}),          # container not started yet
              ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": {CID["note"]}})}
     got = limits(list_assigned(listing), metas, UNIT)
+    train = PodLimit(768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory", False, (("g", 768 * MiB),))
+    note = PodLimit(1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}", True)
     assert got == {
-        CID["train"]: (768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory"),  # units win
-        CID["side"]: (3 << 30, f"pod ml/trainer annotation {ANNOTATION}"),    # no units: the annotation
-        UID["server"]: (256 * MiB, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory"),  # by pod uid
-        CID["note"]: (1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}"),
-        UID["notebook"]: (1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}")}
-    # a bad annotation is skipped (the enforcer's default applies), units unaffected
+        CID["train"]: train,                                                  # units win
+        CID["side"]: PodLimit(3 << 30, f"pod ml/trainer annotation {ANNOTATION}", True),  # only lowers
+        UID["trainer"]: train,          # the pod's uid: its GPU container's grant, sidecar or not
+        UID["server"]: PodLimit(256 * MiB, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory",
+                                False, (("g", 256 * MiB),)),                  # by pod uid
+        CID["note"]: note, UID["notebook"]: note}
+    # a bad annotation is skipped (the enforcer's rules apply), units unaffected; the sidecar is
+    # told "rules" (0, lower_only) so that it does not fall back to its pod's grant
     metas[("dev", "notebook")].annotations[ANNOTATION] = "lots"
     metas[("ml", "trainer")].annotations.clear()
     got = limits(list_assigned(listing), metas, UNIT)
-    assert sorted(got) == sorted([CID["train"], UID["server"]])
+    assert sorted(got) == sorted([CID["train"], CID["side"], UID["trainer"], UID["server"]])
+    assert got[CID["side"]] == PodLimit(0, "pod ml/trainer side: no convgpu.io/gpu-memory", True)
+
+
+def test_an_annotation_lowers_units_never_raises_them_and_a_split_grant_has_shares(listing):
+    """Row 10 of docs/SECURITY.md on the agent's side: an annotation above the units changes
+    nothing, below them lowers the grant and each GPU's share; units over two GPUs keep each
+    GPU's share (issue 26 item 1)."""
+    ids = [f"GPU-a::{i}" for i in range(3)] + ["GPU-b::0"]
+    one = [Assigned("ml", "big", "train", tuple(ids))]
+    meta = {("ml", "big"): PodMeta(UID["trainer"], {ANNOTATION: "64GiB"}, {"train": {CID["train"]}})}
+    got = limits(one, meta, UNIT)[CID["train"]]
+    assert (got.bytes, got.lower_only, got.gpus) == (4 * UNIT, False, (("GPU-a", 3 * UNIT), ("GPU-b", UNIT)))
+    meta[("ml", "big")].annotations[ANNOTATION] = "512MiB"
+    got = limits(one, meta, UNIT)[CID["train"]]
+    assert (got.bytes, got.gpus) == (512 * MiB, (("GPU-a", 512 * MiB), ("GPU-b", UNIT)))
+    assert got.source.endswith(f"lowered by annotation {ANNOTATION}")
 
 
 def test_api_server_pods_through_the_kubernetes_client(tmp_path, monkeypatch):
@@ -157,19 +178,21 @@ def test_pod_sync_sends_on_change_and_to_a_restarted_enforcer(listing, tmp_path)
     (tmp_path / "log" / "pods" / f"ml_server_{UID['server']}").mkdir(parents=True)
     try:
         sync = PodSync(str(tmp_path / "control.sock"), [KubeletLogPods(str(tmp_path / "log"))], UNIT, listing)
-        want = {UID["server"]: (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")}
+        want = {UID["server"]: PodLimit(UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory",
+                                        False, (("g", UNIT),))}
         assert sync.round() == want and sync.round() == want
-        assert ctl.got == [{"cmd": "pod-limits", "limits": {UID["server"]: [UNIT, want[UID["server"]][1]]}}]
+        assert ctl.got == [{"cmd": "pod-limits", "limits": {UID["server"]: [
+            UNIT, want[UID["server"]][1], {"lower_only": False, "gpus": {"g": UNIT}}]}}]
         ctl.pid = 101                       # a new enforcer knows nothing: sent again
         sync.round()
         assert len(ctl.got) == 2
         (tmp_path / "log" / "pods" / f"ml_trainer_{UID['trainer']}").mkdir()   # trainer has 2 containers:
-        sync.round()                                                              # no key by uid, no change
-        assert len(ctl.got) == 2
+        sync.round()                                        # keyed by uid all the same (the GPU one's grant)
+        assert len(ctl.got) == 3 and ctl.got[-1]["limits"][UID["trainer"]][0] == 3 * UNIT
         (tmp_path / "log" / "containers").mkdir()
         (tmp_path / "log" / "containers" / f"trainer_ml_train-{CID['train']}.log").symlink_to("/nonexistent")
-        assert sync.round()[CID["train"]] == (3 * UNIT, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory")
-        assert len(ctl.got) == 3 and set(ctl.got[-1]["limits"]) == {UID["server"], CID["train"]}
+        assert sync.round()[CID["train"]][:2] == (3 * UNIT, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory")
+        assert len(ctl.got) == 4 and set(ctl.got[-1]["limits"]) == {UID["server"], UID["trainer"], CID["train"]}
     finally:
         ctl.stop.set()
         ctl.thread.join(timeout=5)
@@ -207,7 +230,7 @@ def test_pod_sync_asks_a_source_with_a_ttl_again_only_when_it_must(listing, tmp_
         sync.round()
         assert Api.calls == 3
         clock[0] += 1
-        assert sync.round()[CID["infer"]] == (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")
+        assert sync.round()[CID["infer"]][:2] == (UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory")
         assert Api.calls == 4
     finally:
         ctl.stop.set()
