@@ -6,6 +6,7 @@ enforcer's control socket as one `pod-limits` request per change."""
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -62,11 +63,19 @@ def _strip_runtime(cid: str) -> str:
 
 class ApiServerPods:
     """This node's pods through the API server (`kubernetes` client: in-cluster config, else
-    kubeconfig). Gives uids, annotations and container ids."""
+    kubeconfig): uids, annotations and container ids, kept by a watch, as an informer does.
 
-    ttl = 30.0      # seconds between lists of the node's pods, unless one is unknown (PodSync)
+    One list, served from the API server's watch cache (resourceVersion=0: no quorum read of
+    etcd), then a watch from that version in a thread of its own; pods() answers from what the
+    watch has told, without asking the API server. The watch is restarted from its last version
+    when the server closes it (timeoutSeconds), and the list is done again only when that version
+    is gone (410) or the connection failed; a node's agent then costs the API server one watch
+    instead of a list every two seconds while a new pod's container id is unknown."""
 
-    def __init__(self, node: str):
+    ttl = 0.0           # pods() is the watch's cache: PodSync may ask it every round
+    watch_timeout = 300  # seconds a watch request lasts before it is made again (the server's cap)
+
+    def __init__(self, node: str, start: bool = True):
         from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
         try:
             config.load_incluster_config()
@@ -74,16 +83,78 @@ class ApiServerPods:
             config.load_kube_config()
         self.core = client.CoreV1Api()
         self.node = node
+        self.lists = 0           # lists done (tests: one, unless the watch lost its version)
+        self._pods: dict[tuple[str, str], PodMeta] = {}
+        self._version = None
+        self._synced = threading.Event()
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pod-watch", daemon=True)
+        if start:
+            self._thread.start()
 
-    def pods(self) -> dict[tuple[str, str], PodMeta]:
-        out = {}
-        for p in self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}").items:
-            statuses = (p.status.container_statuses or []) + (p.status.init_container_statuses or []) \
-                if p.status else []
-            out[(p.metadata.namespace, p.metadata.name)] = PodMeta(
-                p.metadata.uid, dict(p.metadata.annotations or {}),
-                {s.name: {_strip_runtime(s.container_id)} for s in statuses if s.container_id})
-        return out
+    @staticmethod
+    def _meta(p) -> PodMeta:
+        statuses = (p.status.container_statuses or []) + (p.status.init_container_statuses or []) \
+            if p.status else []
+        return PodMeta(p.metadata.uid, dict(p.metadata.annotations or {}),
+                       {s.name: {_strip_runtime(s.container_id)} for s in statuses if s.container_id})
+
+    def _list(self):
+        got = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}",
+                                                    resource_version="0", resource_version_match="NotOlderThan")
+        self.lists += 1
+        self._pods = {(p.metadata.namespace, p.metadata.name): self._meta(p) for p in got.items}
+        self._version = got.metadata.resource_version
+        self._synced.set()
+
+    def _watch(self):
+        from kubernetes import watch
+        w = watch.Watch()
+        for ev in w.stream(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={self.node}",
+                           resource_version=self._version, allow_watch_bookmarks=True,
+                           timeout_seconds=self.watch_timeout, _request_timeout=self.watch_timeout + 30):
+            if self.stop.is_set():
+                w.stop()
+                return
+            kind, p = ev["type"], ev["object"]
+            if kind == "ERROR":
+                raise _Gone()
+            self._version = p.metadata.resource_version or self._version
+            key = (p.metadata.namespace, p.metadata.name)
+            if kind == "DELETED":
+                self._pods = {k: v for k, v in self._pods.items() if k != key}
+            elif kind in ("ADDED", "MODIFIED"):
+                self._pods = {**self._pods, key: self._meta(p)}   # one swap: readers see old or new
+
+    def _run(self):
+        from kubernetes.client.exceptions import ApiException
+        delay = 1.0
+        while not self.stop.is_set():
+            try:
+                if self._version is None:
+                    self._list()
+                self._watch()          # returns when the server ends the watch: again from its version
+                delay = 1.0
+            except (_Gone, ApiException) as e:
+                if getattr(e, "status", 410) == 410:
+                    self._version = None          # the version is gone: list again
+                log.warning("pod watch: %s; again in %.0f s", str(e)[:200] or "resource version gone", delay)
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+            except Exception as e:     # the API server restarting, the network
+                self._version = None
+                log.warning("pod watch: %s; listing again in %.0f s", str(e)[:200], delay)
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+
+    def pods(self, wait: float = 5.0) -> dict[tuple[str, str], PodMeta]:
+        """What the watch knows now (after the first list, waited for up to `wait` s)."""
+        self._synced.wait(wait)
+        return dict(self._pods)
+
+
+class _Gone(Exception):
+    """The watch's resource version is too old (an ERROR event, 410 Gone)."""
 
 
 class KubeletLogPods:

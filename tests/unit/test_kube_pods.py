@@ -3,7 +3,9 @@ kubelet (gRPC), container ids from the kubelet's log links, annotations from an 
 stand-in speaking HTTP/JSON to the real `kubernetes` client."""
 import http.server
 import json
+import queue
 import threading
+import time
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -102,49 +104,92 @@ def test_an_annotation_lowers_units_never_raises_them_and_a_split_grant_has_shar
     assert got.source.endswith(f"lowered by annotation {ANNOTATION}")
 
 
-def test_api_server_pods_through_the_kubernetes_client(tmp_path, monkeypatch):
-    seen = []
-    body = {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
-        "metadata": {"name": "trainer", "namespace": "ml", "uid": UID["trainer"],
-                     "annotations": {ANNOTATION: "2GiB", "other": "x"}},
-        "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "train"}, {"name": "side"}]},
-        "status": {"containerStatuses": [
-            {"name": "train", "containerID": f"containerd://{CID['train']}", "image": "i", "imageID": "",
-             "ready": True, "restartCount": 0},
-            {"name": "side", "image": "i", "imageID": "", "ready": False, "restartCount": 0}]}}]}
+def _pod(name, uid, cid, annotations=None, rv="10"):
+    return {"metadata": {"name": name, "namespace": "ml", "uid": uid, "resourceVersion": rv,
+                         "annotations": annotations or {}},
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main"}]},
+            "status": {"containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}", "image": "i",
+                                              "imageID": "", "ready": True, "restartCount": 0}] if cid else []}}
+
+
+def test_api_server_pods_one_cached_list_then_a_watch(tmp_path, monkeypatch):
+    """Issue 26 item 6: one list served from the API server's cache (resourceVersion=0), then a
+    watch from the list's version; a pod added and another's container id learned later come
+    through the watch, and asking pods() again and again asks the API server nothing."""
+    seen, events, done = [], queue.Queue(), threading.Event()
+    listed = {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": [
+        _pod("trainer", UID["trainer"], CID["train"], {ANNOTATION: "2GiB"}), _pod("server", UID["server"], None)]}
 
     class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"     # the watch's events in chunks, as the API server sends them
+
         def do_GET(self):
             u = urlparse(self.path)
-            seen.append((u.path, parse_qs(u.query)))
-            data = json.dumps(body).encode()
+            q = parse_qs(u.query)
+            seen.append((u.path, {k: v for k, v in q.items() if k not in ("timeoutSeconds", "allowWatchBookmarks")}))
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            if q.get("watch") != ["true"]:
+                data = json.dumps(listed).encode()
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            self.wfile.write(data)
+            while not done.is_set():     # the watch: events as the test makes them, until the end
+                try:
+                    ev = (json.dumps(events.get(timeout=0.1)) + "\n").encode()
+                except queue.Empty:
+                    continue
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+                self.wfile.flush()
+            self.close_connection = True
 
         def log_message(self, *a):
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _kubeconfig(tmp_path, monkeypatch, srv.server_address[1])
+    src = ApiServerPods("gpu-node-1")
+    try:
+        got = src.pods()
+        assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "2GiB"}, {"main": {CID["train"]}}),
+                       ("ml", "server"): PodMeta(UID["server"], {}, {})}
+        events.put({"type": "MODIFIED", "object": _pod("server", UID["server"], CID["infer"], rv="11")})
+        events.put({"type": "ADDED", "object": _pod("notebook", UID["notebook"], CID["note"], rv="12")})
+        events.put({"type": "DELETED", "object": _pod("trainer", UID["trainer"], CID["train"], rv="13")})
+        end = time.monotonic() + 10
+        while src.pods().get(("ml", "notebook")) is None or ("ml", "trainer") in src.pods():
+            assert time.monotonic() < end, src.pods()
+            time.sleep(0.02)
+        for _ in range(100):
+            got = src.pods()
+        assert got == {("ml", "server"): PodMeta(UID["server"], {}, {"main": {CID["infer"]}}),
+                       ("ml", "notebook"): PodMeta(UID["notebook"], {}, {"main": {CID["note"]}})}
+        sel = ["spec.nodeName=gpu-node-1"]
+        assert seen == [("/api/v1/pods", {"fieldSelector": sel, "resourceVersion": ["0"],
+                                          "resourceVersionMatch": ["NotOlderThan"]}),
+                        ("/api/v1/pods", {"fieldSelector": sel, "resourceVersion": ["10"], "watch": ["true"]})]
+        assert src.lists == 1
+    finally:
+        src.stop.set()
+        done.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def _kubeconfig(tmp_path, monkeypatch, port):
     cfg = tmp_path / "kubeconfig"
     cfg.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{srv.server_address[1]}"}}],
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
         "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "x"}}]}))
     monkeypatch.setenv("KUBECONFIG", str(cfg))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    try:
-        got = ApiServerPods("gpu-node-1").pods()
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert seen == [("/api/v1/pods", {"fieldSelector": ["spec.nodeName=gpu-node-1"]})]
-    assert got == {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "2GiB", "other": "x"},
-                                              {"train": {CID["train"]}})}
 
 
 class _Control:
