@@ -209,6 +209,10 @@ def test_doctor_kubernetes_section(tmp_path):
         got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs)}
         assert got_["convgpu.io/gpu-memory plugin"] == (True, f"{d}/convgpu.sock: 6 units", "")
         assert got_["convgpu.io/gpu-memory registered"] == (True, "the kubelet's checkpoint lists 6 devices", "")
+        plugin.set_health({GPUS[0].key})        # GPU 0's XID: its 4 units
+        got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs, run_dir=str(tmp_path))}
+        assert got_["convgpu.io/gpu-memory plugin"][:2] == (False, f"{d}/convgpu.sock: 6 units, 4 unhealthy")
+        assert got_["enforcer"][0] is False and got_["enforcer"][1].startswith(f"{tmp_path}/control.sock: ")
     finally:
         plugin.close()
         k.stop()
