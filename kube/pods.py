@@ -79,8 +79,8 @@ class ApiServerPods:
         from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
         try:
             config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        except config.ConfigException:   # KUBECONFIG read now: the client reads it once, at import
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         self.core = client.CoreV1Api()
         self.node = node
         self.lists = 0           # lists done (tests: one, unless the watch lost its version)

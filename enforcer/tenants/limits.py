@@ -56,7 +56,8 @@ class LimitRules:
     def pod_limit(self, c: Container) -> PodLimit | None:
         for key in (c.id, c.pod):   # the container's own entry, else its pod's (id not known yet)
             if key and key in self.pods:
-                return self.pods[key]
+                p = self.pods[key]
+                return p if isinstance(p, PodLimit) else PodLimit(*p)   # (bytes, source) as before
         return None
 
     def shares_for(self, c: Container) -> dict[str, int]:
@@ -64,6 +65,15 @@ class LimitRules:
         that spans GPUs is limited on each to its share, not to the total on every one)."""
         p = self.pod_limit(c)
         return dict(p.gpus) if p is not None and not p.lower_only else {}
+
+    def share(self, c: Container, gpu: str, limit: int, source: str) -> int:
+        """The container's limit on one GPU (gpu: its uuid, else "gpu<index>"): its pod's share
+        there while the limit is the pod's grant (`source` is its source); else `limit`. A GPU
+        the grant does not name (an ordinal not mapped to a host GPU yet) keeps `limit`."""
+        p = self.pod_limit(c)
+        if p is None or p.lower_only or p.source != source:
+            return limit
+        return min(limit, dict(p.gpus).get(gpu, limit))
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
