@@ -1,8 +1,8 @@
 """Limits from the pods: which container got how many convgpu.io/gpu-memory units (the kubelet's
 pod-resources API, List), which container id that container has (the API server, else the
-kubelet's /var/log/containers links), and the pod annotation convgpu.io/gpu-memory-limit for
-containers without units. The result, {container id or pod uid: (bytes, source)}, goes to the
-enforcer's control socket as one `pod-limits` request per change."""
+kubelet's /var/log/containers links), and the pod annotation convgpu.io/gpu-memory-limit, which
+only lowers a limit. The result, {container id or pod uid: PodLimit} (with each GPU's share of a
+grant), goes to the enforcer's control socket as one `pod-limits` request per change."""
 import logging
 import os
 import re
@@ -271,8 +271,8 @@ class PodSync:
         self._cache: dict[int, tuple[float, dict]] = {}
 
     def _metas(self) -> dict[tuple[str, str], PodMeta]:
-        """What the sources know, merged (container ids: all of them). A source with a `ttl` (the
-        API server: one list of the node's pods costs the API server, and every node asks) is
+        """What the sources know, merged (container ids: all of them). A source with a `ttl` (one
+        that costs to ask; ApiServerPods has none: it answers from its watch) is
         asked again after ttl seconds, or sooner (MIN_REFRESH) while a listed pod or a container
         that has a limit is unknown to it: a new pod, a new container id."""
         now = self.clock()
