@@ -29,6 +29,7 @@ DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
+            "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
             "probes": True, "unprobed": "stall"}
 
@@ -135,7 +136,7 @@ def enforce(
            "stall": stall.value if stall else None, "over_limit": over_limit.value if over_limit else None,
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
-           "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
+           "metrics_address": metrics_address, "metrics_tls": metrics_tls, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
@@ -166,7 +167,7 @@ def enforce(
         if s["metrics_port"]:
             try:
                 enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml,
-                                            tls=metrics_tls_of(metrics_tls))
+                                            tls=metrics_tls_of(s["metrics_tls"]))
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: "
                                   f"{e.strerror or e}", "choose a free --metrics-port, and readable "
