@@ -1,49 +1,96 @@
 /* Test-only stand-in for libnvidia-ml.so.1: the memory queries the preload shim wraps
  * (nvmlDeviceGetMemoryInfo, _v2) and what a caller needs to reach them (init, count, handle,
- * index), plus what convgpu reads of a GPU (driver version, name, UUID, minor number), with
- * the NVML ABI (nvml.h: handles are opaque pointers, nvmlReturn_t is an int).
- * GPUs: $CONVGPU_STANDIN_DEVICES (default 1), in host order (NVML ignores CUDA_VISIBLE_DEVICES),
- * UUIDs as the stand-in driver's; minor numbers $CONVGPU_STANDIN_MINORS ("3,5": GPU 0 is
- * /dev/nvidia3's minor...; default the index). No per-process lists (NOT_SUPPORTED).
+ * index), with the NVML ABI (nvml.h: handles are opaque pointers, nvmlReturn_t is an int).
  * Total = $CONVGPU_STANDIN_CAPACITY (default as the stand-in driver), all of it free.
  * Built into build/standin-nvml/, apart from the stand-in driver: the enforcer and the CLI
- * must not find it and take this host for a GPU host. */
+ * must not find it and take this host for a GPU host.
+ *
+ * It plays a node of $CONVGPU_STANDIN_GPUS GPUs (else $CONVGPU_STANDIN_DEVICES, as the stand-in
+ * driver; default 1) in host order (NVML ignores CUDA_VISIBLE_DEVICES), with the stand-in
+ * driver's UUIDs (si_uuid_text: cuDeviceGetUuid gives the same 16 bytes), names, minor numbers
+ * ($CONVGPU_STANDIN_MINORS="3,5": GPU 0 is /dev/nvidia3's...; default the index; probes/gpumap.py),
+ * no per-process lists (NOT_SUPPORTED), MIG mode off, and for the Kubernetes agent's tests
+ * (tests/system/test_kube_health.py) faults read from the file $CONVGPU_STANDIN_NVML_FAULTS, one a line:
+ *   lost I     GPU I answers NVML_ERROR_GPU_IS_LOST while the line is there
+ *   mig I      GPU I has MIG mode on
+ *   xid I C    an XID C event on GPU I, delivered once by nvmlEventSetWait */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "standin_shm.h"
 
 #define API __attribute__((visibility("default")))
 #define NVML_SUCCESS 0
 #define NVML_ERROR_INVALID_ARGUMENT 2
-#define NVML_ERROR_NOT_SUPPORTED 3
-#define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_NOT_FOUND 6
 
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 
-static int devices[SI_MAX_DEV];   /* GPU i's handle is &devices[i] */
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_GPU_IS_LOST 15
+#define MAX_GPUS 16
 
-static unsigned count(void)
+static int devices[MAX_GPUS];   /* GPU i's handle is &devices[i] */
+
+static unsigned int ngpus(void)
 {
-    const char *s = getenv("CONVGPU_STANDIN_DEVICES");
+    const char *s = getenv("CONVGPU_STANDIN_GPUS");
+    if (!s || !*s)
+        s = getenv("CONVGPU_STANDIN_DEVICES");
     unsigned long n = s && *s ? strtoul(s, NULL, 0) : 1;
-    return n > SI_MAX_DEV ? SI_MAX_DEV : (unsigned)n;
+    return n < 1 ? 1 : n > MAX_GPUS ? MAX_GPUS : (unsigned int)n;
 }
 
-static int index_of(void *device)   /* -1: not one of ours */
+static int gpu_of(void *device)
 {
     long i = (int *)device - devices;
-    return device && i >= 0 && i < (long)count() ? (int)i : -1;
+    return device && i >= 0 && i < (long)ngpus() ? (int)i : -1;
 }
 
-static int copy_text(char *out, unsigned len, const char *text)
+/* Is the line "<what> <i>" (or, for xid, "<what> <i> <code>") in the faults file? For xid, the
+ * n-th xid line (0-based) with its GPU and code. */
+static int fault(const char *what, int gpu, int nth, int *xgpu, unsigned long long *code)
 {
-    if (!out || strlen(text) + 1 > len)
-        return NVML_ERROR_INSUFFICIENT_SIZE;
-    memcpy(out, text, strlen(text) + 1);
+    const char *path = getenv("CONVGPU_STANDIN_NVML_FAULTS");
+    char line[128], word[16];
+    int found = 0, seen = 0;
+    FILE *f = path && *path ? fopen(path, "r") : NULL;
+    if (!f)
+        return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        int i;
+        unsigned long long c = 0;
+        if (sscanf(line, "%15s %d %llu", word, &i, &c) < 2 || strcmp(word, what))
+            continue;
+        if (nth < 0)
+            found = i == gpu;
+        else if (seen++ == nth) {
+            *xgpu = i;
+            *code = c;
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+static int check(void *device)
+{
+    int i = gpu_of(device);
+    if (i < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return fault("lost", i, -1, NULL, NULL) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+static int put(char *buf, unsigned int len, const char *s)
+{
+    if (!buf || strlen(s) + 1 > len)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memcpy(buf, s, strlen(s) + 1);
     return NVML_SUCCESS;
 }
 
@@ -58,11 +105,11 @@ API int nvmlInitWithFlags(unsigned int flags) { (void)flags; return NVML_SUCCESS
 API int nvmlShutdown(void) { return NVML_SUCCESS; }
 API const char *nvmlErrorString(int result) { return result ? "stand-in error" : "Success"; }
 
-API int nvmlDeviceGetCount_v2(unsigned int *n)
+API int nvmlDeviceGetCount_v2(unsigned int *count)
 {
-    if (!n)
+    if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *n = count();
+    *count = ngpus();
     return NVML_SUCCESS;
 }
 
@@ -70,7 +117,7 @@ API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device)
 {
     if (!device)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (index >= count())
+    if (index >= ngpus())
         return NVML_ERROR_NOT_FOUND;
     *device = &devices[index];
     return NVML_SUCCESS;
@@ -78,16 +125,18 @@ API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device)
 
 API int nvmlDeviceGetIndex(void *device, unsigned int *index)
 {
-    if (index_of(device) < 0 || !index)
+    if (gpu_of(device) < 0 || !index)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *index = (unsigned)index_of(device);
+    *index = gpu_of(device);
     return NVML_SUCCESS;
 }
 
 API int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m)
 {
-    if (index_of(device) < 0 || !m)
+    if (gpu_of(device) < 0 || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (check(device))
+        return check(device);
     m->total = m->free = capacity();
     m->used = 0;
     return NVML_SUCCESS;
@@ -95,46 +144,44 @@ API int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m)
 
 API int nvmlDeviceGetMemoryInfo_v2(void *device, nvmlMemory_v2_t *m)
 {
-    if (index_of(device) < 0 || !m)
+    if (gpu_of(device) < 0 || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (check(device))
+        return check(device);
     m->total = m->free = capacity();
     m->reserved = m->used = 0;
     return NVML_SUCCESS;
 }
 
-API int nvmlSystemGetDriverVersion(char *version, unsigned int len)
+/* --- a node of several GPUs, its faults and XID events (the Kubernetes agent's tests) --- */
+API int nvmlSystemGetDriverVersion(char *buf, unsigned int len) { return put(buf, len, "580.0-standin"); }
+
+API int nvmlDeviceGetUUID(void *device, char *buf, unsigned int len)
 {
-    return copy_text(version, len, "580.0.0-standin");
+    char uuid[41];
+    if (check(device))
+        return check(device);
+    si_uuid_text(gpu_of(device), uuid);
+    return put(buf, len, uuid);
 }
 
-API int nvmlDeviceGetName(void *device, char *name, unsigned int len)
+API int nvmlDeviceGetName(void *device, char *buf, unsigned int len)
 {
-    return index_of(device) < 0 ? NVML_ERROR_INVALID_ARGUMENT : copy_text(name, len, "convgpu stand-in GPU");
-}
-
-API int nvmlDeviceGetUUID(void *device, char *uuid, unsigned int len)
-{
-    int i = index_of(device);
-    if (i < 0)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    char t[41];
-    si_uuid_text(i, t);
-    return copy_text(uuid, len, t);
+    return check(device) ? check(device) : put(buf, len, "Stand-in GPU");
 }
 
 API int nvmlDeviceGetMinorNumber(void *device, unsigned int *minor)
 {
-    int i = index_of(device);
-    if (i < 0 || !minor)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    if (check(device) || !minor)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
     const char *s = getenv("CONVGPU_STANDIN_MINORS");
-    *minor = (unsigned)i;
+    *minor = gpu_of(device);
     for (int k = 0; s && *s; k++) {     /* the i-th number of "3,5,..." */
         char *end;
         unsigned long v = strtoul(s, &end, 10);
         if (end == s)
             break;
-        if (k == i) {
+        if (k == gpu_of(device)) {
             *minor = (unsigned)v;
             break;
         }
@@ -146,5 +193,74 @@ API int nvmlDeviceGetMinorNumber(void *device, unsigned int *minor)
 API int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned int *n, void *infos)
 {
     (void)device, (void)n, (void)infos;
-    return NVML_ERROR_NOT_SUPPORTED;
+    return 3;   /* NVML_ERROR_NOT_SUPPORTED: the stand-in keeps no per-process lists */
+}
+
+API int nvmlDeviceGetMigMode(void *device, unsigned int *current, unsigned int *pending)
+{
+    if (check(device) || !current || !pending)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = fault("mig", gpu_of(device), -1, NULL, NULL);
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    void *device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+static int event_set;    /* the one event set's handle is &event_set */
+static int xids_given;   /* xid lines of the faults file delivered so far */
+
+API int nvmlEventSetCreate(void **set)
+{
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *set = &event_set;
+    return NVML_SUCCESS;
+}
+
+API int nvmlEventSetFree(void *set) { (void)set; return NVML_SUCCESS; }
+
+API int nvmlDeviceGetSupportedEventTypes(void *device, unsigned long long *types)
+{
+    if (check(device) || !types)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *types = 0x8 | 0x4;   /* XidCriticalError, DoubleBitEccError */
+    return NVML_SUCCESS;
+}
+
+API int nvmlDeviceRegisterEvents(void *device, unsigned long long types, void *set)
+{
+    (void)types;
+    return set != &event_set ? NVML_ERROR_INVALID_ARGUMENT : check(device);
+}
+
+API int nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    struct timespec tick = {0, 10 * 1000 * 1000};
+    if (set != &event_set || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int waited = 0;; waited += 10) {
+        int gpu;
+        unsigned long long code;
+        if (fault("xid", 0, xids_given, &gpu, &code) && gpu >= 0 && gpu < (int)ngpus()) {
+            xids_given++;
+            memset(data, 0, sizeof *data);
+            data->device = &devices[gpu];
+            data->eventType = 0x8;
+            data->eventData = code;
+            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFF;
+            return NVML_SUCCESS;
+        }
+        if (waited >= timeout_ms)
+            return NVML_ERROR_TIMEOUT;
+        nanosleep(&tick, NULL);
+    }
+}
+
+API int nvmlEventSetWait(void *set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    return nvmlEventSetWait_v2(set, data, timeout_ms);
 }
