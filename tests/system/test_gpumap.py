@@ -49,7 +49,7 @@ class TwoGpus(StandinNvml):
 
     def gpus(self):
         from convgpu.probes.nvml import GpuInfo
-        return [GpuInfo(d, "convgpu stand-in GPU", 4 * GiB, 0, UUID[d], MINORS[d]) for d in (0, 1)]
+        return [GpuInfo(d, "Stand-in GPU", 4 * GiB, 0, UUID[d], MINORS[d]) for d in (0, 1)]
 
 
 @pytest.fixture
