@@ -50,9 +50,10 @@ def test_row4_a_container_filling_the_maps_stops_at_its_own_quota(root, build, o
                                  env=env)
             lines: list = []
             # before: it allocates all of them ("ready"); now: stopped or killed at its quota
-            until(lambda: attacker.p.poll() is not None or _state(attacker.pid) in ("T", "gone")
-                  or any(line.startswith("ready") for line in lines) or _read(attacker, lines),
-                  180, f"the attacker neither finished nor stopped: {lines[-3:]}")
+            stopped = (lambda: attacker.p.poll() is not None) if over_limit == "kill" else \
+                (lambda: _state(attacker.pid) == "T")
+            until(lambda: _read(attacker, lines) or "ready" in lines or stopped(), 180,
+                  "the attacker neither finished nor stopped")
             time.sleep(0.5)
             victim = Container(build, "/usr/bin/python3", "-c", VICTIM, env=env)
             seen: list = []
@@ -102,12 +103,12 @@ def test_row4_a_container_filling_the_maps_stops_at_its_own_quota(root, build, o
 def _state(pid: int) -> str:
     try:
         return proc_state(pid)
-    except FileNotFoundError:
+    except OSError:     # gone, or going (ESRCH)
         return "gone"
 
 
 def _read(c: Container, lines: list) -> bool:
-    """Whatever the container printed so far goes into lines (never waits)."""
+    """Whatever the container printed so far goes into lines (never waits); False."""
     q = _lines(c.p.stdout)
     while not q.empty():
         line = q.get()
