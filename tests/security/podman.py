@@ -16,7 +16,7 @@ PODMAN = ["podman", "--cgroup-manager=cgroupfs", "--runtime", "runc"]
 
 def rootfs() -> Path:
     need(shutil.which("podman") is not None and shutil.which("runc") is not None, "podman and runc not installed")
-    for d in ("proc", "sys", "dev", "tmp", "etc", "usr", "lib", "lib64", "bin", "build"):
+    for d in ("proc", "sys", "dev", "tmp", "etc", "usr", "lib", "lib64", "bin", "build", "cg"):
         (ROOTFS / d).mkdir(parents=True, exist_ok=True)
     return ROOTFS
 
