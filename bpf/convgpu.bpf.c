@@ -157,9 +157,11 @@ static __always_inline s64 q_left(struct cg_quota *s, u64 key, int what, struct 
     u64 max = what == Q_OBJS ? ctl->max_objs : what == Q_THREADS ? ctl->max_threads : ctl->max_procs;
     if (!max)
         return 1LL << 40;
-    u64 held = what == Q_OBJS ? s->objs : what == Q_THREADS ? s->threads : s->procs;
-    u64 *gone = what == Q_OBJS ? swept.lookup(&key) : 0;
-    return (s64)max - (s64)(held - (gone ? *gone : 0));
+    s64 left = (s64)max - (s64)(what == Q_OBJS ? s->objs : what == Q_THREADS ? s->threads : s->procs);
+    if (left > 0 || what != Q_OBJS)     // swept only gives room back: read it only when short
+        return left;
+    u64 *gone = swept.lookup(&key);
+    return gone ? left + (s64)*gone : left;
 }
 
 // One entry more in the bucket `key`: returns what the entry records as its bucket (0: none,
@@ -209,18 +211,24 @@ static __always_inline struct cg_proc *find_proc(u32 tgid, int create)
 }
 
 // objs entries count in the bucket of the process that made them: put and del keep it exact.
-// 0: recorded; -1: its container is at its quota; -2: the map is full.
-static __always_inline int obj_put(struct cg_obj_key *k, struct cg_obj *o, struct cg_proc *p)
+// 0: recorded (*was: the entry it replaced, if any); -1: its container is at its quota; -2: the
+// map is full.
+static __always_inline int obj_put(struct cg_obj_key *k, struct cg_obj *o, struct cg_proc *p,
+                                   struct cg_obj *was)
 {
-    struct cg_obj *old = objs.lookup(k);
-    u64 was = old ? old->quota : 0;     // replaced (an address reused): its place goes
     u64 q = q_take(p->quota ? p->quota : member_key(k->tgid), Q_OBJS);
     if (q == Q_DENIED)
         return -1;
     o->quota = q;
-    if (objs.update(k, o) == 0) {
-        q_give(old ? was : 0, Q_OBJS);
+    if (objs.insert(k, o) == 0)
         return 0;
+    struct cg_obj *old = objs.lookup(k);    // the key is taken: replaced, and its place goes
+    if (old) {
+        *was = *old;
+        if (objs.update(k, o) == 0) {
+            q_give(was->quota, Q_OBJS);
+            return 0;
+        }
     }
     q_give(q, Q_OBJS);
     stat_inc(ST_UNRECORDED);
@@ -607,17 +615,16 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (!u)
         return;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
-    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
-    struct cg_obj *old = objs.lookup(&k);
-    if (old && old->gen == p->gen && old->dev == dev) {   // freed by a path we do not see
-        __sync_fetch_and_sub(&u->live, old->size);
-        cg_charge(tgid, dev, -(s64)old->size, 0);
-    }
+    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api}, old = {};
     // Not recorded, its free goes unseen. Past its own container's quota (threads racing past
     // quota_ok): charged to the process until it exits. The map full (more containers at their
     // quotas than the maps are sized for): charged nowhere, since the bytes of an innocent
     // process would stay charged for good (issue 24 row 4: a victim stalled holding nothing).
-    int put = obj_put(&k, &o, p);
+    int put = obj_put(&k, &o, p, &old);
+    if (put == 0 && old.size && old.gen == p->gen && old.dev == dev) {   // freed unseen
+        __sync_fetch_and_sub(&u->live, old.size);
+        cg_charge(tgid, dev, -(s64)old.size, 0);
+    }
     if (put == -2) {
         emit(id, api, OP_ALLOC, flags | EF_UNRECORDED, dev, addr, size, u->live, 0);
         return;
@@ -696,10 +703,11 @@ static __always_inline void ctx_made(u64 id, struct cg_proc *p, u16 api, u64 ctx
             __sync_fetch_and_add(&pr->maps, 1);
             return;
         }
-        struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1};
-        obj_put(&pk, &n, p);
+        struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1}, was;
+        obj_put(&pk, &n, p, &was);
     }
-    obj_put(&ck, &c, p);            // unrecorded: its context stays counted until exit
+    struct cg_obj was;
+    obj_put(&ck, &c, p, &was);      // unrecorded: its context stays counted until exit
     ctx_count(id, p, dev, 1, api, ctx);
 }
 
@@ -1051,7 +1059,8 @@ int exit_vmm_map(struct pt_regs *ctx)
     struct cg_obj_key mk = {.tgid = tgid, .ns = NS_MAPPING, .addr = c.a0};
     struct cg_obj m = {.size = c.a1, .gen = p->gen, .ref = c.a3, .dev = o ? o->dev : dev,
                        .api = c.api};
-    if (obj_put(&mk, &m, p) == 0 && o)  // unrecorded: the handle stays held until exit
+    struct cg_obj was;
+    if (obj_put(&mk, &m, p, &was) == 0 && o)  // unrecorded: the handle stays held until exit
         __sync_fetch_and_add(&o->maps, 1);
     emit(id, c.api, OP_MAP, 0, m.dev, c.a0, c.a1, 0, 0);
     release(&c);
