@@ -216,7 +216,7 @@ static __always_inline struct cg_proc *find_proc(u32 tgid, int create)
 static __always_inline int obj_put(struct cg_obj_key *k, struct cg_obj *o, struct cg_proc *p,
                                    struct cg_obj *was)
 {
-    u64 q = q_take(p->quota ? p->quota : member_key(k->tgid), Q_OBJS);
+    u64 q = q_take(p->quota, Q_OBJS);   // 0: its process is counted nowhere (yet): quota_ok()
     if (q == Q_DENIED)
         return -1;
     o->quota = q;
@@ -494,8 +494,16 @@ static __always_inline int quota_ok(u32 tgid, struct cg_thread *t, u64 key, stru
     if (!s)
         return 1;
     if (!t->quota) {
-        if (!procs.lookup(&tgid) && q_left(s, key, Q_PROCS, ctl) <= 0)
+        struct cg_proc *p = procs.lookup(&tgid);
+        if (!p && q_left(s, key, Q_PROCS, ctl) <= 0)
             return 0;
+        if (p && !p->quota) {       // made before it was placed (or any enforcer ran): from now on
+            u64 pq = q_take(key, Q_PROCS);
+            if (pq == Q_DENIED)
+                return 0;
+            if (__sync_val_compare_and_swap(&p->quota, 0, pq) != 0)
+                q_give(pq, Q_PROCS);    // a sibling thread counted it first
+        }
         u64 q = q_take(key, Q_THREADS);
         if (q == Q_DENIED)
             return 0;

@@ -249,7 +249,7 @@ def pin_dir(root):
     shutil.rmtree(d, ignore_errors=True)
 
 
-STATE = {"threads", "procs", "usage", "objs", "members", "assign", "cgstate", "control"}
+STATE = {"threads", "procs", "usage", "objs", "members", "assign", "cgstate", "control", "quotas", "swept"}
 
 
 def test_replay_pins_the_state_maps_and_a_second_start_continues_on_them(pin_dir):
