@@ -308,7 +308,8 @@ static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 
 // A new entry counts in its container's bucket (a process not placed yet: at its first
 // admitted call, quota_ok()). unplaced: whether a process the enforcer has not placed may
 // make one: only at a call's entry, where admission then stops it until it is placed.
-static __always_inline struct cg_thread *get_thread(u64 id, int unplaced)
+// *denied: its container is at its thread quota (else NULL is a full map: nobody's fault).
+static __always_inline struct cg_thread *get_thread(u64 id, int unplaced, int *denied)
 {
     struct cg_thread *t = threads.lookup(&id);
     if (t)
@@ -318,7 +319,8 @@ static __always_inline struct cg_thread *get_thread(u64 id, int unplaced)
         return 0;
     struct cg_thread z = {.dev = -1};
     z.quota = q_take(key, Q_THREADS);
-    if (z.quota == Q_DENIED)
+    *denied = z.quota == Q_DENIED;
+    if (*denied)
         return 0;
     if (threads.update(&id, &z) != 0) {
         q_give(z.quota, Q_THREADS);
@@ -329,7 +331,8 @@ static __always_inline struct cg_thread *get_thread(u64 id, int unplaced)
 
 static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 {
-    struct cg_thread *t = get_thread(id, 0);
+    int denied = 0;
+    struct cg_thread *t = get_thread(id, 0, &denied);
     if (!t)
         return;
     if (push) {
@@ -823,10 +826,11 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
         *h += 1;
     if ((id >> 32) == self_tgid() || retired())
         return 0;
-    struct cg_thread *t = get_thread(id, 1);
+    int denied = 0;
+    struct cg_thread *t = get_thread(id, 1, &denied);
     struct cg_control *ctl = enforcing();
     if (!t) {                       // its container is at its thread quota: no call runs untracked
-        if (ctl)
+        if (ctl && denied)
             quota_stop(id, 0, api, 0, member_key(id >> 32), ctl);
         return 0;
     }

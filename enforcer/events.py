@@ -91,6 +91,8 @@ class Events:
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if alive(pid) else None
             return
+        if self._process_quota_full(box, pid):   # `members` is bounded too (enforcer/quotas.py)
+            return
         self._join(box, pid, dev, request)
         self._waiter(box, dev, pid, request, count=False)
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet

@@ -11,6 +11,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from .actions import alive
 from .books import Box
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..."
@@ -78,20 +79,36 @@ class Quotas:
         if self.over_limit != "kill":
             self.quota_held[e.pid] = box.key
 
+    def _process_quota_full(self, box: Box, pid: int) -> bool:
+        """A process to place in a container that has --max-processes already: not placed (no
+        `members` entry, which BPF would need room for), but stopped (BPF stopped it at its first
+        call) or killed, as at any quota; placed once one of them exits."""
+        if pid in box.pids or len(box.pids) < self.quota.processes:
+            return False
+        box.quota_hits += 1
+        if pid not in self.quota_held:
+            log.warning("container %s pid %d: the container has %d processes, its quota (--max-processes): %s",
+                        box.name, pid, len(box.pids), "killed" if self.over_limit == "kill" else "stopped until one exits")
+        if self.over_limit == "kill":
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        else:
+            self.quota_held[pid] = box.key
+        return True
+
     def _quota_resume(self):
         """SIGCONT whoever waits at a quota once its container has room in every one; BPF's
         recheck lets its call run only then (else it is stopped again)."""
         for pid, key in list(self.quota_held.items()):
             box = self.by_key.get(key)
-            if box is None or pid not in box.pids:
+            if not alive(pid):
                 del self.quota_held[pid]
                 continue
-            n = self._quota_counts(box)
-            if (n["objects"] < self.quota.objects and n["threads"] <= self.quota.threads
-                    and n["processes"] <= self.quota.processes):
-                del self.quota_held[pid]
-                log.info("container %s pid %d: room under its quotas again (objects %d/%d): resumed",
-                         box.name, pid, n["objects"], self.quota.objects)
+            n = self._quota_counts(box) if box is not None else None
+            if n is None or (n["objects"] < self.quota.objects and n["threads"] < self.quota.threads
+                             and max(n["processes"], len(box.pids - {pid})) < self.quota.processes):
+                del self.quota_held[pid]   # its container gone: resumed, it is placed afresh
+                log.info("pid %d%s: room under its quotas again: resumed", pid, f" of {box.name}" if box else "")
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGCONT)
 

@@ -117,3 +117,37 @@ def _read(c: Container, lines: list) -> bool:
             break
         lines.append(line.strip())
     return False
+
+
+def test_row4_processes_past_the_quota_are_not_placed(root, build, cgroups, env5):
+    """`members` is bounded too: with --max-processes 2, a third process of the container is
+    not placed (no entry) but stopped at its first call, and placed once one of the two exits."""
+    from convgpu.enforcer.quotas import MapQuota
+    from conftest import read_until, start_in, wait_state
+    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "row4-procs", LIMIT, capacity={0: 2 * GiB},
+                             quota=MapQuota(processes=2))
+    cg = cgroups("many")
+    procs = []
+    with serving(enf):
+        try:
+            for _ in range(2):
+                procs.append(start_in(cg, build, env5, "alloc", "-n", 1, "-s", MiB, "--hold"))
+                read_until(procs[-1], "ready")
+            third = start_in(cg, build, env5, "alloc", "-n", 1, "-s", MiB, "--hold")
+            procs.append(third)
+            until(lambda: third.pid in enf.quota_held, 20, "the third process was not held at the quota")
+            wait_state(third.pid, "T")
+            [box] = enf.status()["containers"]
+            assert sorted(box["pids"]) == sorted(p.pid for p in procs[:2])
+            assert ct.c_uint(third.pid) not in enf.tracer.b[b"members"]
+            assert box["map_quota"]["stopped_pids"] == [third.pid] and box["map_quota"]["processes"] == 2
+            procs[0].stdin.write("\n")       # one exits: the third is placed and runs
+            procs[0].stdin.flush()
+            assert procs[0].wait(timeout=20) == 0
+            assert f"allocated 1 {MiB} pid={third.pid}" in read_until(third, "ready")
+            [box] = enf.status()["containers"]
+            assert sorted(box["pids"]) == sorted(p.pid for p in procs[1:])
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
