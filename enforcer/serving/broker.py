@@ -14,6 +14,7 @@ too (pending = credit unspent + taken but not yet reported), and every unspent b
 container comes back (`revoke`) before any other request of it is decided."""
 import ctypes as ct
 import logging
+import time
 from collections import defaultdict
 
 from ...probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
@@ -35,6 +36,10 @@ class ShimBroker:
 
     def _box(self, pid: int):
         enf = self.enf
+        if self.ledger is not None:   # an exec not yet read from the connector: the old image leaves first
+            e = self.ledger.exec_seen(pid)
+            if e is not None:
+                enf._take([e], time.monotonic())
         box = enf.pid_box.get(pid)
         if box is None:
             box = enf._box_for(pid)
