@@ -1203,7 +1203,8 @@ int exit_meminfo(struct pt_regs *ctx)
 
 static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 {
-    members.delete(&tgid);          // also for a process placed before its procs entry was made
+    if (op == OP_EXIT)              // also a process placed before its procs entry was made
+        members.delete(&tgid);
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p)
         return;
@@ -1220,6 +1221,7 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
             usage.delete(&k);
         }
     }
+    members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation. The driver frees the
     // bytes later (when the files close): the enforcer holds them until then.
