@@ -98,8 +98,7 @@ def runtime_container(parts: list[str]) -> tuple[str, str, int, str | None] | No
     and the container directly in a pod under the kubepods root (kind's node: kubelet.slice/
     kubelet-kubepods.slice)."""
     first = parts[0]
-    kube = 1 if first in ("kubepods", "kubepods.slice") else \
-        2 if parts[:2] == ["kubelet.slice", "kubelet-kubepods.slice"] else 0
+    kube = _kubepods_root(parts)
     if kube:
         return _pod_container(parts, kube)
     if len(parts) < 2:
@@ -122,6 +121,20 @@ def runtime_container(parts: list[str]) -> tuple[str, str, int, str | None] | No
     if _HEX64.fullmatch(second):   # a containerd namespace at the top: /default/<id>, /k8s.io/<id>
         return ("containerd", second, 2, None)
     return None
+
+
+def _kubepods_root(parts: list[str]) -> int:
+    """Where the pods start (after `kubepods`, `kubepods.slice`, kind's `kubelet.slice/
+    kubelet-kubepods.slice`): at the top, as the kubelet makes them, or below plain directories
+    only (a prefix no unit, slice or container lies in: a test's, a nested node's); 0: none."""
+    for i, comp in enumerate(parts):
+        if comp in ("kubepods", "kubepods.slice"):
+            return i + 1
+        if parts[i:i + 2] == ["kubelet.slice", "kubelet-kubepods.slice"]:
+            return i + 2
+        if comp.endswith(".slice") or _UNIT.fullmatch(comp) or _ENGINE_UNIT.fullmatch(comp) or _HEX64.fullmatch(comp):
+            return 0
+    return 0
 
 
 def _engine(comp: str, n: int, pod: str | None, pod_level: bool):

@@ -104,6 +104,10 @@ PATHS = [
     (f"/convgpu-test/a/libpod_parent/libpod-{H2}", "cgroup", f"/convgpu-test/a/libpod_parent/libpod-{H2}",
      None, f"libpod-{H2}"),
     (f"/system.slice/ssh.service/docker-{H2}.scope", "systemd", "ssh.service", None, "ssh"),
+    (f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}", "systemd", "ssh.service", None, "ssh"),
+    (f"/docker/{H1}/kubepods/pod{UID}/{H2}", "docker", H1, None, H1[:12]),
+    # a kubepods tree below plain directories (a test's prefix) is still the kubelet's
+    (f"/convgpu-test/kubepods/besteffort/pod{UID}/{H1}", "kubernetes", H1, UID, H1[:12]),
 ]
 CG = {f"/libpod_parent/libpod-{H1}/container": f"/libpod_parent/libpod-{H1}",
       f"/docker/{H2}/docker/{H1}": f"/docker/{H2}",
@@ -118,7 +122,9 @@ CG = {f"/libpod_parent/libpod-{H1}/container": f"/libpod_parent/libpod-{H1}",
       f"{BURST}/cri-containerd-{H1}.scope/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{H2}.scope":
           f"{BURST}/cri-containerd-{H1}.scope",
       "/convgpu.run/job1/sub": "/convgpu.run/job1",
-      f"/system.slice/ssh.service/docker-{H2}.scope": "/system.slice/ssh.service"}
+      f"/system.slice/ssh.service/docker-{H2}.scope": "/system.slice/ssh.service",
+      f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}": "/system.slice/ssh.service",
+      f"/docker/{H1}/kubepods/pod{UID}/{H2}": f"/docker/{H1}"}
 CG.update({p: p.rsplit("/", 1)[0] for p in (f"/machine.slice/libpod-{H1}.scope/container",
                                             f"/machine.slice/libpod-{H1}.scope/init.scope")})
 CG[f"/machine.slice/libpod-{H1}.scope/system.slice/nginx.service"] = f"/machine.slice/libpod-{H1}.scope"
