@@ -236,9 +236,6 @@ class Events:
 
     def _unprobed(self, pid: int, lib, reason: str) -> str:
         """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls
-        would go unchecked, so by default it stays stopped (fail closed; `status` says why)."""
-        what = {"stall": "kept stopped until it is killed or the enforcer stops",
-                "kill": "killed", "allow": "let run UNCHECKED"}[self.unprobed]
-        log.error("pid %d opened %s, which cannot be probed (%s): %s (--unprobed %s)", pid, lib, reason,
-                  what, self.unprobed)
+        would go unchecked, so by default it stays stopped (fail closed; `status` says why).
+        Discovery logs it, once per container and reason (a container can open a bad copy in a loop)."""
         return self.unprobed
