@@ -33,6 +33,7 @@ from .events import Events
 from .failsafe.heartbeat import Heartbeat
 from .tenants.limits import LimitRules
 from .overhead import ContextOverhead
+from .quotas import MapQuota, Quotas
 from .reporting import Reporting
 from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
@@ -46,7 +47,7 @@ MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured contex
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
-class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChanges, Reporting, Adopt):
+class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
     """One enforcer: its state is set here, its methods come from the parts named above (each
     reads and writes this one object: the books and the BPF maps are shared by all of them)."""
 
@@ -55,7 +56,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
-                 state_dir: str | None = None, unmapped_charge: str = "all"):
+                 state_dir: str | None = None, quota: MapQuota | None = None,
+                 unmapped_charge: str = "all"):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
@@ -68,6 +70,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.contradicted: dict[int, str] = {}   # pid -> what NVML's lists say against its mapping
         if nvml is not None and nvml.ok and hasattr(tracer, "gpumap"):
             tracer.gpumap.gpus = nvml.gpus()     # ordinals to host GPUs (probes/gpumap.py)
+        self.quota = quota or MapQuota()   # entries per container in the BPF maps (enforcer/quotas.py)
+        self.quota_held: dict[int, int] = {}   # pid -> container key: stopped at a quota
         self.rng = random.Random(seed)
         self.engines = engines
         self.nvml = nvml
@@ -228,6 +232,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         events = self.tracer.poll()
         self.acct.feed(events)
         dirty = self._take(events, now)
+        if self.quota_held:
+            self._quota_resume()
         if dirty:   # a resume first: the periodic work below can wait for it
             self._changed()
         if now - self._measured >= MEASURE_EVERY:

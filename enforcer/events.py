@@ -53,6 +53,8 @@ class Events:
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
+            elif e.op == "quota":
+                self._quota_hit(e)
             elif e.op == "exec":
                 self._gone(e.pid)
                 dirty = True
@@ -96,6 +98,8 @@ class Events:
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if alive(pid) else None
             return
+        if self._process_quota_full(box, pid):   # `members` is bounded too (enforcer/quotas.py)
+            return
         self._join(box, pid, dev, request)
         for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
             self._new_device(box, d)
@@ -114,6 +118,7 @@ class Events:
         charged = set(box.assigned) if self.pid_box.get(pid) is box else set()
         held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
                 if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}
+        self._ensure_quota(box)
         self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
         box.pids.add(pid)
         self.pid_box[pid] = box
@@ -193,6 +198,7 @@ class Events:
                         del t[t.Key(container=box.key, dev=dev)]
                     except KeyError:
                         pass
+            self._drop_quota(box)
             del self.boxes[box.container.id]
             del self.by_key[box.key]
             log.info("container %s exited: %s back to the pool", box.name,

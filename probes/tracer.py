@@ -277,12 +277,16 @@ class Tracer:
         dead = []
         for k, v in objs.items():
             if (k.tgid, v.gen) in self._sweeps or (full and live.get(k.tgid) != v.gen):
-                dead.append(k)
-        for k in dead:
+                dead.append((k, v.quota))
+        gone: dict[int, int] = {}
+        for k, quota in dead:
             try:
                 del objs[k]
             except KeyError:
-                pass
+                continue
+            if quota:
+                gone[quota] = gone.get(quota, 0) + 1
+        self._swept(gone)
         self._sweeps.clear()
         if full:    # an exit event lost to a full ring buffer: its pid is mapped no more
             self.mapped = {p for p in self.mapped if os.path.exists(f"/proc/{p}")}
@@ -301,6 +305,20 @@ class Tracer:
             t[ctypes.c_uint64(key)] = t.Leaf(host, also)
         self.mapped.add(pid)
         return m
+
+    def _swept(self, gone: dict[int, int]) -> None:
+        """The objects just deleted leave their containers' quotas (bpf/convgpu.bpf.c, q_left):
+        counted in `swept`, which only this writes, so BPF's own counters never race with it."""
+        quotas, swept = self.b[b"quotas"], self.b[b"swept"]
+        for key, n in gone.items():
+            k = ctypes.c_ulonglong(key)
+            if k not in quotas:     # the container is gone, and its bucket with it
+                continue
+            try:
+                old = swept[k].value
+            except KeyError:
+                old = 0
+            swept[k] = ctypes.c_ulonglong(old + n)
 
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:
@@ -334,7 +352,7 @@ class Tracer:
         return running | {k.tgid for k, u in self.b[b"usage"].items() if u.last_ns > since}
 
     def stats(self) -> dict[str, int]:
-        names = ("drops", "unknown_free", "unchecked")   # enum cg_stat
+        names = ("drops", "unknown_free", "unchecked", "unrecorded", "over_quota")   # enum cg_stat
         return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b[b"stats"].items(), key=lambda kv: kv[0].value))}
 
     def object_count(self) -> int:

@@ -39,11 +39,15 @@ SETTINGS = {
     "discover": ("bool", None),
     "probes": ("bool", None),
     "unprobed": ("choice", ("stall", "kill", "allow")),
+    "max_objects": ("int", None),
+    "max_threads": ("int", None),
+    "max_processes": ("int", None),
     "unmapped_charge": ("choice", ("all", "guess")),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
-                "libs", "discover", "probes", "unprobed", "unmapped_charge")
+                "libs", "discover", "probes", "unprobed", "max_objects", "max_threads", "max_processes",
+                "unmapped_charge")
 MATCHES = ("name", "id", "cgroup", "label")
 
 
