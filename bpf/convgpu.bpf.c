@@ -248,6 +248,9 @@ STATE("hash", u32, u64, members, 16384);
 STATE("hash", struct cg_limit_key, struct cg_assign, assign, 4096);
 STATE("hash", struct cg_limit_key, struct cg_cgstate, cgstate, 4096);
 STATE("array", int, struct cg_control, control, 1);
+// An exited member's charge per device (generation -> cg_gone), read once by the enforcer:
+// LRU, so exits nobody reads (the enforcer gone) never fill it.
+STATE("lru_hash", u64, struct cg_gone, gone, 4096);
 
 static __always_inline struct cg_control *enforcing(void)
 {
@@ -337,7 +340,7 @@ static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts
 static __always_inline u64 charged(struct cg_cgstate *s, struct cg_assign *a, struct cg_control *ctl)
 {
     s64 v = s->used + a->adopted + (s->contexts + a->adopted_contexts) * a->ctx_charge
-            + a->extra_overhead;
+            + a->extra_overhead + (s64)(s->tearing - a->torn);
     return v < 0 ? 0 : v;
 }
 
@@ -365,10 +368,25 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     // To this thread: a SIGSTOP sent to the process merges with one already pending for it,
     // which may be another thread's to take, and this thread would then return to its call
     // before that group stop reached it. Taken here, it stops the whole process all the same.
-    u64 why = 0;
+    // The stop's number (never 0, below HELD_OPEN), in `held` and the event: the enforcer's
+    // release names the stop it ends, so a late one never lets a later stop's call run
+    // (enforcer/failsafe/threadhold.py holds the thread under ptrace).
+    u64 why = (u32)bpf_ktime_get_ns() | 1;
     held.update(&id, &why);         // listed before it stops: the watchdog always finds it
     bpf_send_signal_thread(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
-    emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
+    emit_flags(id, api, op, flags, dev, key, size, total, (u32)why, BPF_RB_FORCE_WAKEUP);
+}
+
+// Over the limit: the call can never run, even once every other process (or thread) of its
+// container is gone: its size and its own process's contexts (which no sibling can free)
+// exceed the limit. Anything less is a wait (docs/ENFORCE.md, "Waits"), decided by the
+// enforcer per thread. Looked up only on the way to a stop.
+static __always_inline u8 stall_op(u32 tgid, s32 dev, u64 size, struct cg_assign *a)
+{
+    struct cg_usage_key k = {.tgid = tgid, .dev = dev};
+    struct cg_usage *u = usage.lookup(&k);
+    u64 own = u && u->contexts > 0 ? u->contexts * a->ctx_charge : 0;
+    return own + size > a->limit ? OP_OVER_LIMIT : OP_STALL;
 }
 
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
@@ -405,8 +423,11 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
         return;
     __sync_fetch_and_add(&s->stalls, 1);
     t->call.stalled = 1;
-    u8 op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
-    stop_then_tell(id, api, op, 0, dev, key, size, total, ctl);
+    // A stopped call holds no reservation: its siblings' calls must not stop on it, and a
+    // sibling resumed first must pass its recheck. The recheck reserves again before it
+    // compares, so racing threads still cannot pass together (the event carries the size).
+    release(&t->call);
+    stop_then_tell(id, api, stall_op(tgid, dev, size, a), 0, dev, key, size, total, ctl);
 }
 
 // In the prologue of every admitted call, on the first emulated instruction after the entry
@@ -447,7 +468,8 @@ int recheck(struct pt_regs *ctx)
             held.delete(&id);
             return 0;
         }
-        op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
+        release(&t->call);          // stopped again: it holds nothing meanwhile (admit())
+        op = stall_op(tgid, dev, t->call.want, a);
     }
     stop_then_tell(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, ctl);
     return 0;
@@ -1026,6 +1048,8 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     if (!p)
         return;
     u64 freed = 0, contexts = 0;
+    u64 *m = members.lookup(&tgid);
+    struct cg_gone g = {};
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
         struct cg_usage *u = usage.lookup(&k);
@@ -1033,10 +1057,26 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
             freed += u->live;
             if (u->contexts > 0)
                 contexts += u->contexts;
-            cg_charge(tgid, d, -(s64)u->live, -u->contexts);
+            // The driver frees the bytes only when the files close (the H100: ~55 ms after this
+            // tracepoint): until the enforcer saw its pidfd fire, the container still holds
+            // them, so neither a sibling's call nor a resumed waiter takes their place.
+            struct cg_cgstate *s = member_state(m, d, &g.container);
+            struct cg_limit_key lk = {.container = g.container, .dev = d};
+            struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+            if (a) {
+                u64 c = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
+                g.charge[d] = c;
+                __sync_fetch_and_add(&s->tearing, c);
+            }
+            if (s) {
+                __sync_fetch_and_add(&s->used, -(s64)u->live);
+                __sync_fetch_and_add(&s->contexts, -u->contexts);
+            }
             usage.delete(&k);
         }
     }
+    if (m)
+        gone.update(&p->gen, &g);
     members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation. The driver frees the

@@ -168,12 +168,22 @@ struct cg_assign {     /* written by the enforcer */
     __s64 adopted_contexts;
     __u64 ctx_charge;  /* per context on this device until NVML measures it: the device's
                         * estimate (enforcer/ctxest.py) */
+    __u64 torn;        /* of cg_cgstate.tearing, what the driver has freed since (the exited
+                        * processes' pidfds fired): cumulative, like tearing */
 };
 struct cg_cgstate {    /* written by BPF */
     __u64 used;        /* live bytes of the container's processes */
     __u64 reserved;    /* admitted or stalled calls not yet returned */
     __s64 contexts;
     __u64 stalls;
+    __u64 tearing;     /* cumulative charge of the container's exited processes: the driver frees
+                        * it only later (tearing - cg_assign.torn is still held) */
+};
+/* An exited member's charge per device, for the enforcer to give back once its pidfd fires
+ * (keyed by the process's generation: a reused pid never mixes two). */
+struct cg_gone {
+    __u64 container;
+    __u64 charge[CG_MAX_DEV];
 };
 struct cg_control {
     __u64 heartbeat_ns;    /* the enforcer's last sign of life (bpf_ktime_get_ns clock) */
