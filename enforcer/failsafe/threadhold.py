@@ -100,7 +100,8 @@ def refused(pid: int) -> str | None:
 class _Proc:
     tids: set[int] = field(default_factory=set)
     held: dict[int, int] = field(default_factory=dict)     # tid -> BPF stall number it is held at
-    tokens: dict[int, int] = field(default_factory=dict)   # tid -> released before its stop reached us
+    released: dict[int, int] = field(default_factory=dict)  # tid -> the stop last let go (its later
+                                                            # traps before the recheck are no new stop)
     jobstop: bool = False        # a job-control stop (not ours) was delivered: threads LISTEN
     idle_since: float = 0.0      # no thread held since (0: one is)
     detaching: bool = False
@@ -180,7 +181,6 @@ class ThreadHolder:
             p = self._procs.get(pid)
             if p is not None:
                 p.held.clear()
-                p.tokens.clear()
         elif what == "close":
             for pid, p in self._procs.items():
                 for t in list(p.held):
@@ -196,9 +196,10 @@ class ThreadHolder:
         p = self._procs.get(pid)
         if p is not None:
             p.detaching = False   # its INTERRUPT traps now only resume (_on_stop)
-            for t in sorted(_tids(pid) - p.tids):
-                if ptrace(PTRACE_SEIZE, t, 0, PTRACE_O_TRACECLONE) == 0:
-                    p.tids.add(t)
+            new = [t for t in sorted(_tids(pid) - p.tids) if ptrace(PTRACE_SEIZE, t, 0, PTRACE_O_TRACECLONE) == 0]
+            p.tids.update(new)
+            if any(_state(pid, t) in "tT" for t in new):   # a group stop of a thread let go before
+                _kill(pid, signal.SIGCONT)
             return
         tids = _tids(pid)
         if len(tids) <= 1:    # one thread: holding it is holding the process (no ptrace needed)
@@ -252,15 +253,17 @@ class ThreadHolder:
             time.sleep(POLL)
 
     def _release(self, pid: int, tid: int, seq: int):
+        log.debug("release pid %d thread %d stop %d", pid, tid, seq)
         p = self._procs.get(pid)
         if p is None or tid not in p.tids:   # held whole (refused, one thread, or detached
             _kill(pid, signal.SIGCONT)        # already): the stop is a group stop
             return
-        if tid in p.held and seq in (0, p.held[tid]):
+        if not seq:
+            seq = p.held.get(tid) or self.held_seq(pid, tid) or 0
+        p.released[tid] = seq     # its stop, held or on its way: released when it comes
+        if p.held.get(tid) == seq:
             del p.held[tid]
             self._cont(p, tid, 0)
-        else:
-            p.tokens[tid] = seq   # its stop is on its way: released when it comes
 
     def _cont(self, p: _Proc, tid: int, sig: int):
         ptrace(PTRACE_CONT, tid, 0, sig)
@@ -268,17 +271,16 @@ class ThreadHolder:
             p.idle_since = p.idle_since or time.monotonic()
 
     def _keep(self, pid: int, p: _Proc, tid: int) -> bool:
-        """At a stop of tid: is it BPF's stop at a call, not yet released? Then held."""
-        if p.detaching:
-            return False
+        """At a stop of tid: is it BPF's stop at a call, not yet released? Then held (and a
+        detach under way stops: the threads it let go already are seized again at the hold)."""
         seq = self.held_seq(pid, tid)
         if seq is None:
             return False
-        tok = p.tokens.pop(tid, None)
-        if tok is not None and tok in (0, seq):
+        if p.released.get(tid) == seq:
             return False
         p.held[tid] = seq
         p.idle_since = 0.0
+        p.detaching = False
         return True
 
     def _reap(self):
@@ -292,10 +294,11 @@ class ThreadHolder:
                 self.traced.discard(pid)
 
     def _on_stop(self, pid: int, p: _Proc, tid: int, st: int):
+        log.debug("pid %d thread %d: status %#x held %s", pid, tid, st, p.held)
         if st == -1 or os.WIFEXITED(st) or os.WIFSIGNALED(st):
             p.tids.discard(tid)
             p.held.pop(tid, None)
-            p.tokens.pop(tid, None)
+            p.released.pop(tid, None)
             return
         if not os.WIFSTOPPED(st):
             return
@@ -315,9 +318,8 @@ class ThreadHolder:
             else:
                 ptrace(PTRACE_CONT, tid, 0, 0)
             return
-        # signal-delivery-stop (while detaching, everything is delivered: our SIGSTOP then
-        # stops the whole process, and a release SIGCONTs it once it is detached)
-        if sig == signal.SIGSTOP and not p.detaching:
+        # signal-delivery-stop
+        if sig == signal.SIGSTOP:
             if self._keep(pid, p, tid):
                 return
             if self.held_seq(pid, tid) is not None:
@@ -335,8 +337,10 @@ class ThreadHolder:
     def _linger(self, closing: bool):
         now = time.monotonic()
         for pid, p in self._procs.items():
-            if p.detaching or p.held or p.tokens or not p.idle_since:
+            if p.detaching or p.held or not p.idle_since:
                 continue
+            if any(self.held_seq(pid, t) is not None for t in p.tids):
+                continue   # a stop released but not yet past its recheck, or one on its way
             if closing or now - p.idle_since >= LINGER:
                 p.detaching = True
                 for t in p.tids:
