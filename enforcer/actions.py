@@ -92,6 +92,8 @@ class Actions:
             return self._resume(box, dev, why)
         for a in asks:
             w.asks.pop(a.tid, None)
+            if self.holder is not None:   # its room is taken until BPF reserves it (books._taken)
+                box.going.setdefault(dev, {})[a.tid] = a
             self._let_go(a.pid, a.tid, a.seq)
         w.pids = {a.pid for a in w.asks.values()} | {p for p, _, _ in w.wakes}
         self._stuck.discard(dev)

@@ -77,6 +77,10 @@ class Box:
     adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
     shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
     torn: dict[int, int] = field(default_factory=dict)   # device -> cgstate.tearing the driver has freed
+    # device -> tid -> an Ask resumed alone whose thread has not passed its recheck yet (where
+    # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
+    # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)
+    going: dict[int, dict] = field(default_factory=dict)
 
 
 class Books:
@@ -102,9 +106,11 @@ class Books:
 
     def _taken(self, box: Box, dev: int) -> int:
         """What the container holds and its calls in flight have reserved: what a resume
-        must fit beside (BPF's charged() + reserved)."""
+        must fit beside (BPF's charged() + reserved), with the calls resumed that have not
+        reserved yet (they do at their recheck: Box.going)."""
         used, contexts, reserved = self._usage(box, dev)
-        return self._ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
+        return (self._ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
+                + sum(a.size for a in box.going.get(dev, {}).values()))
 
     def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the
@@ -143,11 +149,18 @@ class Books:
             if dev not in b.assigned or b is but:
                 continue
             held = self._held(b, dev)
-            w = b.waiting.get(dev)
+            w = b.waiting.get(dev) if self._paused(b, dev) else None
             out.append(policies.Claim(b.container.id, b.limit,
                                       max(held, b.assigned[dev]) if w is None else held,
                                       stuck=w is not None and (w.over_limit or w.circular)))
         return out
+
+    def _paused(self, box: Box, dev: int) -> bool:
+        """Every process of the container waits on dev (a stopped call or a shim request): a
+        container with one still running may allocate up to its assignment (issue 23: waits
+        are per process and thread, so a container can be both)."""
+        w = box.waiting.get(dev)
+        return w is not None and box.pids <= w.pids
 
     def find(self, container: str) -> Box:
         for box in self.boxes.values():

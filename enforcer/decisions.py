@@ -24,6 +24,7 @@ class Decisions:
 
     def schedule(self):
         now = time.monotonic()
+        self._gone_through()
         for dev in sorted(self.capacity):
             if self._room(dev) < 0:   # an exit's memory is still in the driver and the card is full
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
@@ -125,9 +126,10 @@ class Decisions:
     def _reclaim(self, dev: int) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
         on = [b for b in self.boxes.values() if dev in b.assigned]
-        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in on if dev in b.waiting}
-        within = any(not b.waiting[dev].over_limit for b in on if dev in b.waiting)
-        back = policies.reclaim(waiting, any(dev not in b.waiting for b in on), within) if waiting else {}
+        paused = [b for b in on if self._paused(b, dev)]
+        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in paused}
+        within = any(not b.waiting[dev].over_limit for b in paused)
+        back = policies.reclaim(waiting, len(paused) < len(on), within) if waiting else {}
         for cid, held in back.items():
             box = self.boxes[cid]
             log.warning("reclaim %s from %s on GPU%d: every container waits, none can run on what "
@@ -221,6 +223,17 @@ class Decisions:
             return True
         room = box.limit - self._taken(box, dev) - size - sum(a.size for u in go for a in u)
         return len(policies.finishers(claims, room + sum(c.held for c in claims))) == len(claims)
+
+    def _gone_through(self):
+        """Resumed calls (Box.going) whose thread passed its recheck (BPF reserved them: its
+        `held` entry for that stop is gone), stopped again (a new stop: a new ask) or died."""
+        if self.holder is None:
+            return
+        for box in self.boxes.values():
+            for dev, going in box.going.items():
+                for tid, a in list(going.items()):
+                    if self.holder.held_seq(a.pid, tid) != a.seq:
+                        del going[tid]
 
     def _drop_dead_asks(self, box: Box, dev: int, w):
         """A thread killed while stopped (its process lives on): its call went with it."""

@@ -146,6 +146,7 @@ class Events:
         if pid in self.shimmed:
             w.unreserved += unreserved
         if ask is not None:   # a re-stall replaces its thread's ask (the same call)
+            box.going.get(dev, {}).pop(ask.tid, None)
             old = w.asks.get(ask.tid)
             w.asks[ask.tid] = ask if old is None else Ask(ask.pid, ask.tid, ask.size, old.since, ask.seq, ask.over_limit)
         w.pids.add(pid)
@@ -182,6 +183,9 @@ class Events:
         settled = False
         if self.holder is not None:
             self.holder.forget(pid)
+        for going in box.going.values():
+            for t in [t for t, a in going.items() if a.pid == pid]:
+                del going[t]
         for dev, w in list(box.waiting.items()):
             w.pids.discard(pid)
             w.asks = {t: a for t, a in w.asks.items() if a.pid != pid}

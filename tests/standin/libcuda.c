@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "libcuda_int.h"
@@ -190,6 +191,16 @@ API CUresult cuInit(unsigned int Flags)
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
+        /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
+         * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
+         * freed when the shm file closes; host memory touched now makes exit_mm, and so the
+         * gap, as long (a few ms per 100 MiB). */
+        uint64_t exit_mb = env_u64("CONVGPU_STANDIN_EXIT_MB", 0);
+        if (exit_mb) {
+            void *m = mmap(NULL, exit_mb << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m != MAP_FAILED)
+                memset(m, 1, exit_mb << 20);
+        }
         if (g_ndev == 0) {
             rc = CUDA_ERROR_NO_DEVICE;
         } else if (si_open(&g_shm, 1) != 0) {
