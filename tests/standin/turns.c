@@ -7,7 +7,10 @@
  * -n N: N allocations per round (freed together); -b: the threads wait for each other after
  * each allocation (each holds its i-th before any asks for its (i+1)-th: a circular wait
  * where the limit fits fewer).
- * usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b]   (SIZE: K/M/G)
+ * -w MS: wait that long after the context, before the threads start (a framework's start-up:
+ * CuPy's on the H100 takes long enough that four processes started together all make their
+ * contexts before any allocates).
+ * usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS]
  * stdout: "done ALLOCS BYTES pid=PID" once every thread finished; exit 0.
  * Unexpected CUresult: "error API CODE" on stderr, exit status 2.
  * Linked against "libcuda.so.1" by name: the stand-in here, the real driver on a GPU host.
@@ -24,7 +27,7 @@
 static int threads = 8, rounds = 3, per = 1, lockstep;
 static pthread_barrier_t step;
 static uint64_t size = 256ull << 20;
-static long hold_ms = 500;
+static long hold_ms = 500, wait_ms;
 static CUcontext ctx;
 static uint64_t allocs, bytes;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -73,7 +76,7 @@ static void *run(void *arg)
 int main(int argc, char **argv)
 {
     int c;
-    while ((c = getopt(argc, argv, "t:r:n:s:h:b")) != -1) {
+    while ((c = getopt(argc, argv, "t:r:n:s:h:bw:")) != -1) {
         switch (c) {
         case 't': threads = atoi(optarg); break;
         case 'r': rounds = atoi(optarg); break;
@@ -81,8 +84,9 @@ int main(int argc, char **argv)
         case 'h': hold_ms = atol(optarg); break;
         case 'n': per = atoi(optarg); break;
         case 'b': lockstep = 1; break;
+        case 'w': wait_ms = atol(optarg); break;
         default:
-            fprintf(stderr, "usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b]\n");
+            fprintf(stderr, "usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS]\n");
             return 1;
         }
     }
@@ -90,6 +94,7 @@ int main(int argc, char **argv)
     check("cuInit", cuInit(0));
     check("cuDeviceGet", cuDeviceGet(&dev, 0));
     check("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
+    usleep((useconds_t)wait_ms * 1000);
     pthread_t th[256];
     if (threads < 1 || threads > 256 || per < 1 || per > 64)
         return 1;
