@@ -46,6 +46,8 @@ struct cg_thread {                  // one entry per thread that ever called CUD
     u16 rt_api;                     // runtime call in progress (cudaMalloc...)
     u16 depth;                      // context stack (cuCtxPush/Pop)
     s32 stack[4];
+    s64 live;                       // enforce: bytes it obtained, less those freed since (by
+                                    // anyone): what no sibling thread can give back for it
     struct cg_call call;            // kept here, not in a map of its own: one hash lookup
                                     // at entry and one at return (probe cost, FACTS.md)
 };
@@ -377,15 +379,16 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     emit_flags(id, api, op, flags, dev, key, size, total, (u32)why, BPF_RB_FORCE_WAKEUP);
 }
 
-// Over the limit: the call can never run, even once every other process (or thread) of its
-// container is gone: its size and its own process's contexts (which no sibling can free)
-// exceed the limit. Anything less is a wait (docs/ENFORCE.md, "Waits"), decided by the
+// Over the limit: the call can never run, even once every other process and thread of its
+// container is gone: its size, what its own thread obtained and still holds, and its
+// process's contexts (which no sibling can free) exceed the limit. Anything less is a wait (docs/ENFORCE.md, "Waits"), decided by the
 // enforcer per thread. Looked up only on the way to a stop.
-static __always_inline u8 stall_op(u32 tgid, s32 dev, u64 size, struct cg_assign *a)
+static __always_inline u8 stall_op(u32 tgid, s32 dev, u64 size, struct cg_assign *a,
+                                   struct cg_thread *t)
 {
     struct cg_usage_key k = {.tgid = tgid, .dev = dev};
     struct cg_usage *u = usage.lookup(&k);
-    u64 own = u && u->contexts > 0 ? u->contexts * a->ctx_charge : 0;
+    u64 own = (u && u->contexts > 0 ? u->contexts * a->ctx_charge : 0) + (t->live > 0 ? t->live : 0);
     return own + size > a->limit ? OP_OVER_LIMIT : OP_STALL;
 }
 
@@ -427,7 +430,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     // sibling resumed first must pass its recheck. The recheck reserves again before it
     // compares, so racing threads still cannot pass together (the event carries the size).
     release(&t->call);
-    stop_then_tell(id, api, stall_op(tgid, dev, size, a), 0, dev, key, size, total, ctl);
+    stop_then_tell(id, api, stall_op(tgid, dev, size, a, t), 0, dev, key, size, total, ctl);
 }
 
 // In the prologue of every admitted call, on the first emulated instruction after the entry
@@ -469,7 +472,7 @@ int recheck(struct pt_regs *ctx)
             return 0;
         }
         release(&t->call);          // stopped again: it holds nothing meanwhile (admit())
-        op = stall_op(tgid, dev, t->call.want, a);
+        op = stall_op(tgid, dev, t->call.want, a, t);
     }
     stop_then_tell(id, t->call.api, op, EF_RESTALL, dev, key, t->call.want, total, ctl);
     return 0;
@@ -486,7 +489,7 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (!u)
         return;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
-    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
+    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api, .tid = (u32)id};
     if (objs.insert(&k, &o) != 0) {     // the address is taken: freed by a path we do not see
         struct cg_obj *old = objs.lookup(&k);
         if (old && old->gen == p->gen && old->dev == dev) {
@@ -496,6 +499,9 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
         objs.update(&k, &o);
     }
     cg_charge(tgid, dev, size, 0);
+    struct cg_thread *t = threads.lookup(&id);
+    if (t)
+        __sync_fetch_and_add(&t->live, size);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -518,6 +524,10 @@ static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struc
         return;
     u64 live = __sync_fetch_and_sub(&u->live, o->size) - o->size;
     cg_charge(tgid, o->dev, -(s64)o->size, 0);
+    u64 owner = ((u64)tgid << 32) | o->tid;
+    struct cg_thread *t = threads.lookup(&owner);
+    if (t)
+        __sync_fetch_and_add(&t->live, -(s64)o->size);
     __sync_fetch_and_add(&u->n_free, 1);
     __sync_fetch_and_add(&u->bytes_free, o->size);
     u->last_ns = bpf_ktime_get_ns();

@@ -144,7 +144,7 @@ struct cg_obj {
     __u16 api;
     __u8 released;     /* NS_VMM: cuMemRelease seen while still mapped; NS_CTX: primary */
     __u8 pad;
-    __u32 pad2;
+    __u32 tid;         /* the thread that obtained it (enforce: what a thread holds itself) */
     __u64 maps;        /* NS_VMM: live mappings of the handle; NS_PRIMARY: retain count
                         * (64-bit: LLVM 14 has no 32-bit atomic fetch-sub for BPF) */
 };

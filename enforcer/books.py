@@ -22,7 +22,7 @@ class Ask:
     size: int
     since: float
     seq: int = 0              # BPF's stall number (held map): a release names the stop it ends
-    over_limit: bool = False  # can never fit: size + its process's contexts > the limit (BPF)
+    over_limit: bool = False  # can never fit: size + what its thread holds + its contexts > the limit (BPF)
     said: bool = False        # logged as over the limit
 
 

@@ -62,10 +62,17 @@ class Sampler:
         return self.most
 
 
-def finish(procs, timeout) -> list[str]:
+def finish(procs, timeout, enf=None) -> list[str]:
     out = []
     for p in procs:
-        o, e = p.communicate(timeout=timeout)
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if enf is not None:
+                print(enf.ctl(cmd="status")["status"]["containers"])
+                enf.stop()
+                print(*enf.log, sep="\n")
+            raise
         assert p.returncode == 0, (p.returncode, o, e)
         out.append(o.strip())
     return out
@@ -88,7 +95,7 @@ def test_four_workers_at_once_each_waits_for_itself(cgroups, build, env):
         sampler = Sampler(env)
         started = time.monotonic()
         procs = [turns(build, cg, env, "-t", 1, "-r", 1, "-s", "256M", "-h", 1000, "-w", 300) for _ in range(4)]
-        done = finish(procs, 60)
+        done = finish(procs, 60, enf)
         took = time.monotonic() - started
         print(f"4 workers finished in {took:.2f} s")
 
