@@ -1130,6 +1130,13 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 
 #define O_ACCMODE 3
 #define NAME_MAX_BPF 256
+// Nobody is stopped at an open while the tracer's loop has not run for this long: a hung loop
+// (issue 24 row 3: bcc blocked on a container's FIFO) must not hold every new CUDA process.
+// Beaten by every loop pass and between two attaches (probes/discovery.py); a pass of the
+// enforcer takes milliseconds, attaching one driver copy well under a second.
+#ifndef DISCOVERY_STALE_NS
+#define DISCOVERY_STALE_NS 3000000000ULL
+#endif
 
 BPF_ARRAY(discovery, struct cg_discovery, 1);
 BPF_TABLE("lru_hash", u64, u8, opening, 16384);   // threads inside an openat of a driver-named file (LRU: a thread killed inside the call never fills it)
@@ -1140,7 +1147,9 @@ static __always_inline struct cg_discovery *discovering(u32 tgid)
 {
     u32 k = 0;
     struct cg_discovery *d = discovery.lookup(&k);
-    return d && d->on && tgid != d->exempt && tgid != self_tgid() ? d : 0;
+    if (!d || !d->on || tgid == d->exempt || tgid == self_tgid())
+        return 0;
+    return (s64)(bpf_ktime_get_ns() - d->beat_ns) <= (s64)DISCOVERY_STALE_NS ? d : 0;
 }
 
 // The last path component is "libcuda.so" with or without a version (".1", ".580.159.04").

@@ -214,6 +214,7 @@ struct cg_config {
 struct cg_discovery {
     __u32 on;              /* stop a process that opens a driver-named file until it is probed */
     __u32 exempt;          /* the self-test child, which opens a library being attached */
+    __u64 beat_ns;         /* the tracer's loop last ran (bpf_ktime_get_ns clock): stale, no stops */
 };
 
 /* Global counters (per-CPU array slots). */

@@ -161,6 +161,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                                                        held, self.fds.theirs, self.pin_dir)
         self.fds.theirs.close()
         self.fds.send(takeover.probe_fds(self.tracer.b))
+        self.tracer.on_release = self.fds.drop
         self._save_held()
         self._control(True)
         self.tracer.discovery.on_unprobed = self._unprobed

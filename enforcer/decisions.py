@@ -31,11 +31,11 @@ class Decisions:
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
                 demand = self._demand(box, dev)
-                if demand > box.assigned[dev] or demand > box.limit:
+                if demand > box.assigned[dev] or demand > self._limit(box, dev):
                     self._serve(box, dev, now)   # not all of them: those that fit, one by one
                     continue
                 # running, it may use all of its assignment: only as much as is safe
-                me = policies.Claim(box.container.id, box.limit, self._held(box, dev))
+                me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
                 top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
                                                demand, box.assigned[dev])
                 if top is not None:
@@ -66,7 +66,7 @@ class Decisions:
             if a.over_limit:
                 self._over_limit(box, dev, a.size, a)
         taken = self._taken(box, dev) + w.unreserved
-        room = min(box.assigned[dev], box.limit) - taken
+        room = min(box.assigned[dev], self._limit(box, dev)) - taken
         units = self._units(w)
         holds = self._process_holds(box, dev) if len(units) > 1 else {}
 
@@ -100,7 +100,7 @@ class Decisions:
                 continue
             w = box.waiting[dev]
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
-                                         suspended_at=w.since, limit=box.limit,
+                                         suspended_at=w.since, limit=self._limit(box, dev),
                                          assigned=box.assigned[dev], used=want, request=0,
                                          held=self._held(box, dev)))
         free = self._free(dev)
@@ -158,7 +158,7 @@ class Decisions:
         they fit the limit together (at least the first). None: nothing a grant could help
         (every request above the limit)."""
         taken = self._taken(box, dev)
-        if w.wakes and taken + w.unreserved > box.limit:
+        if w.wakes and taken + w.unreserved > self._limit(box, dev):
             self._over_limit(box, dev, taken + w.unreserved)
         for a in list(w.asks.values()):
             if a.over_limit:
@@ -174,7 +174,7 @@ class Decisions:
             return self._demand(box, dev)   # the freezer resumes the container whole
         want = taken + w.unreserved
         for i, a in enumerate(asks):
-            if i and want + a.size > box.limit:
+            if i and want + a.size > self._limit(box, dev):
                 break
             want += a.size
         return want
@@ -221,7 +221,7 @@ class Decisions:
             claims.append(policies.Claim(str(q), h + sum(a.size for a in u), h))
         if not claims:
             return True
-        room = box.limit - self._taken(box, dev) - size - sum(a.size for u in go for a in u)
+        room = self._limit(box, dev) - self._taken(box, dev) - size - sum(a.size for u in go for a in u)
         return len(policies.finishers(claims, room + sum(c.held for c in claims))) == len(claims)
 
     def _gone_through(self):
@@ -254,7 +254,7 @@ class Decisions:
             w.freed_at = now
         w.held_was = taken
         units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
-        if not units or any(taken + sum(a.size for a in u) <= box.limit for u in units):
+        if not units or any(taken + sum(a.size for a in u) <= self._limit(box, dev) for u in units):
             w.circular = False
             return
         asking = {a.pid for a in w.asks.values()}
@@ -270,7 +270,7 @@ class Decisions:
         log.warning("container %s GPU%d: circular wait: %d stopped calls (pids %s) each need at least %s more, "
                     "and only its own processes hold it (%s held of its limit %s): %s", box.name, dev,
                     len(w.asks), ", ".join(map(str, sorted(asking))), format_size(need), format_size(taken),
-                    format_size(box.limit),
+                    format_size(self._limit(box, dev)),
                     f"killing pid {newest.pid} (the newest waiter)" if self.over_limit == "kill"
                     else "stalled until one of them exits, frees, or its limit is raised")
         if self.over_limit == "kill" and alive(newest.pid):
@@ -283,7 +283,7 @@ class Decisions:
                 ask.said = True
                 box.over_limits += 1
                 log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
-                            format_size(demand), format_size(box.limit),
+                            format_size(demand), format_size(self._limit(box, dev)),
                             f"killing pid {ask.pid}" if self.over_limit == "kill" else "stalled until the limit is raised")
                 if self.over_limit == "kill" and alive(ask.pid):
                     os.kill(ask.pid, signal.SIGKILL)
@@ -292,11 +292,11 @@ class Decisions:
             w.over_limit = True
             box.over_limits += 1
             log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
-                        format_size(demand), format_size(box.limit),
+                        format_size(demand), format_size(self._limit(box, dev)),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
         if w.wakes:   # the shim can fail the call: a real out-of-memory error
             self.broker.granted(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
-                                                            f"above its limit {format_size(box.limit)}"})
+                                                            f"above its limit {format_size(self._limit(box, dev))}"})
             for pid, size, _ in w.wakes:
                 w.unreserved -= size
                 w.pids.discard(pid)

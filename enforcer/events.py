@@ -126,13 +126,13 @@ class Events:
         on top of what it already holds) is not (policies.assign_new)."""
         free = self._free(dev)
         held = self._held(box, dev)
-        box.assigned[dev] = policies.assign_new(box.limit, free, self._claims(dev, but=box),
+        box.assigned[dev] = policies.assign_new(self._limit(box, dev), free, self._claims(dev, but=box),
                                                 self.capacity.get(dev, 0), held, held + request,
                                                 box.container.id)
         self._ensure_state(box, dev)
         self._write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
-                 format_size(box.assigned[dev]), format_size(box.limit))
+                 format_size(box.assigned[dev]), format_size(self._limit(box, dev)))
 
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True,
                 ask: Ask | None = None):
@@ -278,9 +278,6 @@ class Events:
 
     def _unprobed(self, pid: int, lib, reason: str) -> str:
         """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls
-        would go unchecked, so by default it stays stopped (fail closed; `status` says why)."""
-        what = {"stall": "kept stopped until it is killed or the enforcer stops",
-                "kill": "killed", "allow": "let run UNCHECKED"}[self.unprobed]
-        log.error("pid %d opened %s, which cannot be probed (%s): %s (--unprobed %s)", pid, lib, reason,
-                  what, self.unprobed)
+        would go unchecked, so by default it stays stopped (fail closed; `status` says why).
+        Discovery logs it, once per container and reason (a container can open a bad copy in a loop)."""
         return self.unprobed
