@@ -146,7 +146,7 @@ def test_a_server_and_its_workers(cgroups, build, env):
         server = popen_in(cg, build / "cgcaller", "alloc", "-n", 1, "-s", 512 * MiB, "--hold", env=env)
         enf.wait_for("container srv GPU0: assigned")
         procs = [turns(build, cg, env, "-t", 1, "-r", 1, "-n", 2, "-s", "256M", "-h", 300) for _ in range(6)]
-        assert len(finish(procs, 90)) == 6
+        assert len(finish(procs, 90, enf)) == 6
         server.stdin.write("\n")
         server.stdin.flush()
         assert server.wait(timeout=30) == 0
