@@ -52,6 +52,8 @@ struct cg_thread {                  // one entry per thread that ever called CUD
     u16 depth;                      // context stack (cuCtxPush/Pop)
     s32 stack[4];
     u64 quota;                      // the cg_quota bucket it counts in (0: not counted yet)
+    s64 live;                       // enforce: bytes it obtained, less those freed since (by
+                                    // anyone): what no sibling thread can give back for it
     struct cg_call call;            // kept here, not in a map of its own: one hash lookup
                                     // at entry and one at return (probe cost, FACTS.md)
 };
@@ -389,6 +391,9 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 
 STATE("hash", struct cg_limit_key, struct cg_assign, assign, 4096);
 STATE("hash", struct cg_limit_key, struct cg_cgstate, cgstate, 4096);
+// An exited member's charge per device (generation -> cg_gone), read once by the enforcer:
+// LRU, so exits nobody reads (the enforcer gone) never fill it.
+STATE("lru_hash", u64, struct cg_gone, gone, 4096);
 
 // A successor owns admission (control.owner is another enforcer's): this program belongs to a
 // crashed enforcer whose watchdog still holds its probes, and they detach one by one (~100 ms
@@ -479,7 +484,7 @@ static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts
 static __always_inline u64 charged(struct cg_cgstate *s, struct cg_assign *a, struct cg_control *ctl)
 {
     s64 v = s->used + a->adopted + (s->contexts + a->adopted_contexts) * a->ctx_charge
-            + a->extra_overhead;
+            + a->extra_overhead + (s64)(s->tearing - a->torn);
     return v < 0 ? 0 : v;
 }
 
@@ -507,10 +512,26 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     // To this thread: a SIGSTOP sent to the process merges with one already pending for it,
     // which may be another thread's to take, and this thread would then return to its call
     // before that group stop reached it. Taken here, it stops the whole process all the same.
-    u64 why = 0;
+    // The stop's number (never 0, below HELD_OPEN), in `held` and the event: the enforcer's
+    // release names the stop it ends, so a late one never lets a later stop's call run
+    // (enforcer/failsafe/threadhold.py holds the thread under ptrace).
+    u64 why = (u32)bpf_ktime_get_ns() | 1;
     held.update(&id, &why);         // listed before it stops: the watchdog always finds it
     bpf_send_signal_thread((op == OP_OVER_LIMIT || op == OP_QUOTA) && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
-    emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
+    emit_flags(id, api, op, flags, dev, key, size, total, (u32)why, BPF_RB_FORCE_WAKEUP);
+}
+
+// Over the limit: the call can never run, even once every other process and thread of its
+// container is gone: its size, what its own thread obtained and still holds, and its
+// process's contexts (which no sibling can free) exceed the limit. Anything less is a wait (docs/ENFORCE.md, "Waits"), decided by the
+// enforcer per thread. Looked up only on the way to a stop.
+static __always_inline u8 stall_op(u32 tgid, s32 dev, u64 size, struct cg_assign *a,
+                                   struct cg_thread *t)
+{
+    struct cg_usage_key k = {.tgid = tgid, .dev = dev};
+    struct cg_usage *u = usage.lookup(&k);
+    u64 own = (u && u->contexts > 0 ? u->contexts * a->ctx_charge : 0) + (t->live > 0 ? t->live : 0);
+    return own + size > a->limit ? OP_OVER_LIMIT : OP_STALL;
 }
 
 // Room in its container's quotas (cg_quota) for a call of a placed process: its thread
@@ -592,8 +613,11 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
         return;
     __sync_fetch_and_add(&s->stalls, 1);
     t->call.stalled = 1;
-    u8 op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
-    stop_then_tell(id, api, op, 0, dev, key, size, total, ctl);
+    // A stopped call holds no reservation: its siblings' calls must not stop on it, and a
+    // sibling resumed first must pass its recheck. The recheck reserves again before it
+    // compares, so racing threads still cannot pass together (the event carries the size).
+    release(&t->call);
+    stop_then_tell(id, api, stall_op(tgid, dev, size, a, t), 0, dev, key, size, total, ctl);
 }
 
 // In the prologue of every admitted call, on the first emulated instruction after the entry
@@ -638,7 +662,8 @@ int recheck(struct pt_regs *ctx)
             held.delete(&id);
             return 0;
         }
-        op = total > a->limit ? OP_OVER_LIMIT : OP_STALL;
+        release(&t->call);          // stopped again: it holds nothing meanwhile (admit())
+        op = stall_op(tgid, dev, t->call.want, a, t);
     }
     stop_then_tell(id, t->call.api, op, EF_RESTALL | (t->call.ordinal ? EF_ORDINAL : 0), dev,
                    key, t->call.want, total, ctl);
@@ -656,7 +681,7 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (!u)
         return;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
-    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api}, old = {};
+    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api, .tid = (u32)id}, old = {};
     // Not recorded, its free goes unseen. Past its own container's quota (threads racing past
     // quota_ok): charged to the process until it exits. The map full (more containers at their
     // quotas than the maps are sized for): charged nowhere, since the bytes of an innocent
@@ -673,6 +698,9 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (put)
         flags |= EF_UNRECORDED;
     cg_charge(tgid, dev, size, 0);
+    struct cg_thread *t = threads.lookup(&id);
+    if (t)
+        __sync_fetch_and_add(&t->live, size);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
     if (live > peak)
@@ -695,6 +723,10 @@ static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struc
         return;
     u64 live = __sync_fetch_and_sub(&u->live, o->size) - o->size;
     cg_charge(tgid, o->dev, -(s64)o->size, 0);
+    u64 owner = ((u64)tgid << 32) | o->tid;
+    struct cg_thread *t = threads.lookup(&owner);
+    if (t)
+        __sync_fetch_and_add(&t->live, -(s64)o->size);
     __sync_fetch_and_add(&u->n_free, 1);
     __sync_fetch_and_add(&u->bytes_free, o->size);
     u->last_ns = bpf_ktime_get_ns();
@@ -1248,15 +1280,17 @@ static __always_inline void forget_gpus(u32 tgid)
 
 static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 {
-    if (op == OP_EXIT)              // also a process placed before its procs entry was made
-        members.delete(&tgid);
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p) {
+        if (op == OP_EXIT)          // placed before its procs entry was made: its membership too
+            members.delete(&tgid);
         forget_gpus(tgid);          // killed while stopped at its placement: mapped, no calls
         return;
     }
     q_give(p->quota, Q_PROCS);
     u64 freed = 0, contexts = 0;
+    u64 *m = members.lookup(&tgid);
+    struct cg_gone g = {};
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
         struct cg_usage *u = usage.lookup(&k);
@@ -1264,11 +1298,24 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
             freed += u->live;
             if (u->contexts > 0)
                 contexts += u->contexts;
-            cg_charge(tgid, d, -(s64)u->live, -u->contexts);
+            // The driver frees the bytes only when the files close (the H100: ~55 ms after this
+            // tracepoint): until the enforcer saw its pidfd fire, the container still holds
+            // them, so neither a sibling's call nor a resumed waiter takes their place.
+            struct cg_cgstate *s = member_state(m, d, &g.container);
+            struct cg_limit_key lk = {.container = g.container, .dev = d};
+            struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+            if (a) {
+                u64 c = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
+                g.charge[d] = c;
+                __sync_fetch_and_add(&s->tearing, c);
+            }
+            cg_charge(tgid, d, -(s64)u->live, -u->contexts);   // and on its `also` GPUs
             usage.delete(&k);
         }
     }
     forget_gpus(tgid);              // after its bytes left every GPU they counted on
+    if (m)
+        gone.update(&p->gen, &g);
     members.delete(&tgid);
     // Objects of this generation are swept by user space (it iterates the map); the totals
     // above are already exact, and a reused pid gets a new generation. The driver frees the

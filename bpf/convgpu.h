@@ -148,7 +148,7 @@ struct cg_obj {
     __u16 api;
     __u8 released;     /* NS_VMM: cuMemRelease seen while still mapped; NS_CTX: primary */
     __u8 pad;
-    __u32 pad2;
+    __u32 tid;         /* the thread that obtained it (enforce: what a thread holds itself) */
     __u64 maps;        /* NS_VMM: live mappings of the handle; NS_PRIMARY: retain count
                         * (64-bit: LLVM 14 has no 32-bit atomic fetch-sub for BPF) */
     __u64 quota;       /* the cg_quota bucket it counts in (0: none) */
@@ -197,12 +197,22 @@ struct cg_assign {     /* written by the enforcer */
     __s64 adopted_contexts;
     __u64 ctx_charge;  /* per context on this device until NVML measures it: the device's
                         * estimate (enforcer/ctxest.py) */
+    __u64 torn;        /* of cg_cgstate.tearing, what the driver has freed since (the exited
+                        * processes' pidfds fired): cumulative, like tearing */
 };
 struct cg_cgstate {    /* written by BPF */
     __u64 used;        /* live bytes of the container's processes */
     __u64 reserved;    /* admitted or stalled calls not yet returned */
     __s64 contexts;
     __u64 stalls;
+    __u64 tearing;     /* cumulative charge of the container's exited processes: the driver frees
+                        * it only later (tearing - cg_assign.torn is still held) */
+};
+/* An exited member's charge per device, for the enforcer to give back once its pidfd fires
+ * (keyed by the process's generation: a reused pid never mixes two). */
+struct cg_gone {
+    __u64 container;
+    __u64 charge[CG_MAX_DEV];
 };
 struct cg_control {
     __u64 heartbeat_ns;    /* the enforcer's last sign of life (bpf_ktime_get_ns clock) */

@@ -48,7 +48,7 @@ class Actions:
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=self._limit(box, dev), assigned=box.assigned[dev],
                                                       extra_overhead=box.extra.get(dev, 0),
                                                       adopted=nbytes, adopted_contexts=nctx,
-                                                      ctx_charge=self._ctx(dev))
+                                                      ctx_charge=self._ctx(dev), torn=box.torn.get(dev, 0))
 
     def _state(self, box: Box, dev: int):
         t = self._t("cgstate")
@@ -82,6 +82,32 @@ class Actions:
             self._exempt = 0
             self._control(enforcing)
 
+    def _resume_asks(self, box: Box, dev: int, asks, why: str):
+        """Some of the container's stopped calls may run (each fits: decisions._serve); the
+        others go on waiting. The whole wait, when they were all."""
+        w = box.waiting.get(dev)
+        if w is None:
+            return
+        if {a.tid for a in asks} >= set(w.asks) and not w.wakes:
+            return self._resume(box, dev, why)
+        for a in asks:
+            w.asks.pop(a.tid, None)
+            if self.holder is not None:   # its room is taken until BPF reserves it (books._taken)
+                box.going.setdefault(dev, {})[a.tid] = a
+            self._let_go(a.pid, a.tid, a.seq)
+        w.pids = {a.pid for a in w.asks.values()} | {p for p, _, _ in w.wakes}
+        self._stuck.discard(dev)
+        now = time.monotonic()
+        log.info("resume %s on GPU%d after %.3f s (%s): %s; %d still waiting", box.name, dev,
+                 now - min(a.since for a in asks), why,
+                 ", ".join(f"pid {a.pid} thread {a.tid}" for a in asks), len(w.asks))
+
+    def _let_go(self, pid: int, tid: int, seq: int):
+        if self.holder is not None:
+            self.holder.release(pid, tid, seq)   # the thread alone, or SIGCONT where held whole
+        else:
+            self.stopper.resume(Target((pid,)))
+
     def _resume(self, box: Box, dev: int, why: str):
         w = box.waiting.pop(dev, None)
         if w is None:
@@ -90,7 +116,11 @@ class Actions:
         self._stuck.discard(dev)
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
-            self.stopper.resume(Target(tuple(w.pids - self.shimmed)))
+            for a in w.asks.values():
+                self._let_go(a.pid, a.tid, a.seq)
+            rest = w.pids - self.shimmed - {a.pid for a in w.asks.values()}
+            if rest:
+                self.stopper.resume(Target(tuple(rest)))
         elif box.waiting:   # freezer: thawed, its process on another GPU would meet no grant
             log.info("resume %s on GPU%d after %.3f s (%s); it stays frozen until GPU%s %s",
                      box.name, dev, time.monotonic() - w.since, why,
@@ -141,3 +171,16 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def held_seq(held):
+    """(pid, tid) -> the number of the stop BPF lists that thread with in `held` (an admission
+    stop), None if none. For the ptrace holder's thread: the table object is made here, in the
+    loop's thread, and each call is one map lookup."""
+    def seq(pid: int, tid: int) -> int | None:
+        try:
+            v = held[ct.c_ulonglong(pid << 32 | tid)].value
+        except KeyError:
+            return None
+        return None if v & HELD_OPEN else v & 0xFFFFFFFF
+    return seq

@@ -1,6 +1,6 @@
 """The enforcer's books: per container and device, what it was assigned, holds, reserves and
-waits for (Box, Wait), and the sums the decisions read (room, free, claims). Reads only: the
-BPF counters through Actions._state, never a write."""
+waits for (Box, Wait, and per stopped thread an Ask), and the sums the decisions read (room,
+free, claims). Reads only: the BPF counters through Actions._state, never a write."""
 import logging
 from dataclasses import dataclass, field
 
@@ -13,12 +13,45 @@ MASK64 = (1 << 64) - 1
 
 
 @dataclass
+class Ask:
+    """One call stopped at its entry: a thread's, for `size` bytes (a context: its charge). A
+    wait belongs to it, not to its container: it resumes once its own call fits
+    (docs/ENFORCE.md, "Waits")."""
+    pid: int
+    tid: int
+    size: int
+    since: float
+    seq: int = 0              # BPF's stall number (held map): a release names the stop it ends
+    over_limit: bool = False  # can never fit: size + what its thread holds + its contexts > the limit (BPF)
+    said: bool = False        # logged as over the limit
+
+
+@dataclass
 class Wait:
+    """A container's waits on one device: its stopped threads (asks) and shim requests."""
     since: float
     pids: set[int]
-    unreserved: int = 0      # requests stopped before placement: not reserved in BPF
-    over_limit: bool = False
+    unreserved: int = 0      # shim requests: not in BPF
+    over_limit: bool = False  # every request is over the limit: nothing but a new limit helps
     wakes: list = field(default_factory=list)   # shim waiters: (pid, size, wake(answer))
+    asks: dict[int, Ask] = field(default_factory=dict)   # tid -> its stopped call
+    circular: bool = False    # no ask fits even in the whole limit, and its own processes hold
+    held_was: int = 0         # what the container held when last looked at (a drop: a free)
+    freed_at: float = 0.0     # when it last dropped (or the wait began)
+
+    @property
+    def asked(self) -> int:
+        return sum(a.size for a in self.asks.values())
+
+
+@dataclass
+class Exit:
+    """A process that exited and whose memory the driver may still hold (until its pidfd fires)."""
+    pid: int
+    until: float                 # give up waiting then (a pid reused meanwhile never fires it)
+    held: dict[int, int]         # device -> bytes, against the card's room
+    box: "Box | None" = None     # its container, and per device what BPF moved to its tearing
+    charge: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,12 +70,18 @@ class Box:
     stalls: int = 0
     grants: int = 0
     over_limits: int = 0
+    circulars: int = 0
     restalls: int = 0
     quota_hits: int = 0      # calls stopped (or killed) at a quota in the BPF maps (enforcer/quotas.py)
     extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
     labels: dict | None = None
     adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
     shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
+    torn: dict[int, int] = field(default_factory=dict)   # device -> cgstate.tearing the driver has freed
+    # device -> tid -> an Ask resumed alone whose thread has not passed its recheck yet (where
+    # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
+    # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)
+    going: dict[int, dict] = field(default_factory=dict)
 
 
 class Books:
@@ -70,14 +109,23 @@ class Books:
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         if s is None:
             return nbytes, nctx, 0
-        return (s.used + nbytes) & MASK64, max(s.contexts + nctx, 0), s.reserved
+        # an exited process's charge stays until the driver freed it (bpf process_gone)
+        tearing = max(0, s.tearing - box.torn.get(dev, 0))
+        return (s.used + nbytes + tearing) & MASK64, max(s.contexts + nctx, 0), s.reserved
 
     def _demand(self, box: Box, dev: int) -> int:
-        """U_c plus what is pending: everything the container needs to run on."""
-        used, contexts, reserved = self._usage(box, dev)
+        """U_c plus what is pending: everything the container needs to run on (every stopped
+        call: BPF holds no reservation for them)."""
         w = box.waiting.get(dev)
-        return (self._ctx_held(box, dev, used, contexts) + reserved
-                + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0))
+        return self._taken(box, dev) + (w.unreserved + w.asked if w else 0)
+
+    def _taken(self, box: Box, dev: int) -> int:
+        """What the container holds and its calls in flight have reserved: what a resume
+        must fit beside (BPF's charged() + reserved), with the calls resumed that have not
+        reserved yet (they do at their recheck: Box.going)."""
+        used, contexts, reserved = self._usage(box, dev)
+        return (self._ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
+                + sum(a.size for a in box.going.get(dev, {}).values()))
 
     def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the
@@ -90,8 +138,10 @@ class Books:
         return self._ctx_held(box, dev, used, contexts) + box.shim_pending.get(dev, 0)
 
     def _tearing(self, dev: int) -> int:
-        """Bytes of exited processes that the driver has not freed yet."""
-        return sum(held.get(dev, 0) for _, _, held in self._exits.values())
+        """Bytes of exited processes that the driver has not freed yet, where no container
+        holds them any more (its last process went: its assignment is back in the pool); a
+        live container's are in its own usage (cgstate.tearing)."""
+        return sum(x.held.get(dev, 0) for x in self._exits.values() if x.box is None or x.box.key not in self.by_key)
 
     def _assigned(self, dev: int) -> int:
         return sum(b.assigned.get(dev, 0) for b in self.boxes.values())
@@ -114,11 +164,18 @@ class Books:
             if dev not in b.assigned or b is but:
                 continue
             held = self._held(b, dev)
-            w = b.waiting.get(dev)
+            w = b.waiting.get(dev) if self._paused(b, dev) else None
             out.append(policies.Claim(b.container.id, self._limit(b, dev),
                                       max(held, b.assigned[dev]) if w is None else held,
-                                      stuck=w is not None and (w.over_limit or self._demand(b, dev) > self._limit(b, dev))))
+                                      stuck=w is not None and (w.over_limit or w.circular)))
         return out
+
+    def _paused(self, box: Box, dev: int) -> bool:
+        """Every process of the container waits on dev (a stopped call or a shim request): a
+        container with one still running may allocate up to its assignment (issue 23: waits
+        are per process and thread, so a container can be both)."""
+        w = box.waiting.get(dev)
+        return w is not None and box.pids <= w.pids
 
     def find(self, container: str) -> Box:
         for box in self.boxes.values():

@@ -23,9 +23,9 @@ from . import ctxest, policies
 from .serving import server
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
-from .actions import VIEW_GRACE, Actions
+from .actions import VIEW_GRACE, Actions, held_seq
 from .failsafe.adopt import Adopt
-from .books import Books, Box, Wait  # noqa: F401 (Box, Wait: re-exported)
+from .books import Books, Box, Exit, Wait  # noqa: F401 (Box, Wait: re-exported)
 from .serving.broker import ShimBroker
 from .tenants.containers import container_of_pid
 from .decisions import Decisions
@@ -37,6 +37,7 @@ from .quotas import MapQuota, Quotas
 from .reporting import Reporting
 from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
+from .failsafe.threadhold import ThreadHolder
 from .failsafe.watchdog import write_state
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
-        self._exits: dict[int, tuple[int, float, dict]] = {}   # pidfd -> (pid, give up at, {dev: bytes held})
+        self._exits: dict[int, Exit] = {}   # pidfd -> an exited process the driver may still hold memory of
+        self.holder = None                 # ThreadHolder: a stop holds the asking thread alone (ptrace)
         self.sampler = None                # NVML's per-process memory, sampled in a thread
         # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
         self.excess: dict[tuple[int, int], tuple[int, int]] = {}
@@ -171,6 +173,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self._save_held()
         self._control(True)
         self.tracer.discovery.on_unprobed = self._unprobed
+        if isinstance(self.stopper, SignalStopper):   # the freezer holds containers whole
+            self.holder = ThreadHolder(held_seq(self._t("held"))).start()
         self.tracer.enable_discovery(own_watchdog=False)
         self.heartbeat.loop_ran()
         self.heartbeat.start()
@@ -186,6 +190,9 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         for box in self.boxes.values():
             for dev in list(box.waiting):
                 self._resume(box, dev, "enforcer stopping")
+        if self.holder is not None:   # after the releases above: it lets go of every thread
+            self.holder.close()
+            self.holder = None
         if self.tracer.kernel and self.tracer.b is not None:   # BPF stops only with probes
             self._resume_unplaced()
         for srv in self.servers:

@@ -11,6 +11,10 @@ from ..units import format_size
 from . import policies
 from .actions import alive
 from .books import Box
+from .failsafe.stall import SignalStopper
+from .failsafe.threadhold import _tids
+
+CIRCULAR_S = 3.0   # s without a free in a container whose threads still run, before its waits are circular
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
@@ -20,25 +24,70 @@ class Decisions:
 
     def schedule(self):
         now = time.monotonic()
+        self._gone_through()
         for dev in sorted(self.capacity):
             if self._room(dev) < 0:   # an exit's memory is still in the driver and the card is full
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
                 demand = self._demand(box, dev)
-                if demand <= box.assigned[dev] and demand <= self._limit(box, dev):
-                    # running, it may use all of its assignment: only as much as is safe
-                    me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
-                    top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
-                                                   demand, box.assigned[dev])
-                    if top is not None:
-                        if top < box.assigned[dev]:
-                            box.assigned[dev] = top
-                            self._write_assign(box, dev)
-                        self._resume(box, dev, "fits its assignment")
+                if demand > box.assigned[dev] or demand > self._limit(box, dev):
+                    self._serve(box, dev, now)   # not all of them: those that fit, one by one
+                    continue
+                # running, it may use all of its assignment: only as much as is safe
+                me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
+                top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
+                                               demand, box.assigned[dev])
+                if top is not None:
+                    if top < box.assigned[dev]:
+                        box.assigned[dev] = top
+                        self._write_assign(box, dev)
+                    self._resume(box, dev, "fits its assignment")
             if (not self._grant(dev, now) and not self._tearing(dev) and self._reclaim(dev)
                     and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
+
+    def _serve(self, box: Box, dev: int, now: float) -> bool:
+        """Within a container: resume the stopped calls that fit its assignment now, each on
+        its own (a wait belongs to a thread, or to a process held whole), the calls of
+        processes that hold memory first (finishing them frees it), in the order they stopped.
+        A newcomer (a process holding nothing but contexts) only where, after it, every
+        waiting holder could still be served in the banker's order (policies.finishers over
+        the container's processes: a newcomer's context must not take the room its siblings
+        need to finish). Then circular waits are looked for. True if one resumed."""
+        w = box.waiting.get(dev)
+        if w is None or not w.asks:
+            return False
+        if not isinstance(self.stopper, SignalStopper):   # the freezer holds the container
+            self._circular(box, dev, w, now)               # whole: it resumes whole (schedule)
+            return False
+        self._drop_dead_asks(box, dev, w)
+        for a in list(w.asks.values()):
+            if a.over_limit:
+                self._over_limit(box, dev, a.size, a)
+        taken = self._taken(box, dev) + w.unreserved
+        room = min(box.assigned[dev], self._limit(box, dev)) - taken
+        units = self._units(w)
+        holds = self._process_holds(box, dev) if len(units) > 1 else {}
+
+        def newcomer(u) -> bool:
+            held, ctx = holds.get(u[0].pid, (0, 0))
+            return held <= ctx
+
+        go = []
+        for unit in sorted(units, key=lambda u: (newcomer(u), min(a.since for a in u))):
+            size = sum(a.size for a in unit)
+            if any(a.over_limit for a in unit) or size > room:
+                continue
+            if holds and not self._newcomer_safe(unit, units, go, holds, box, dev, size):
+                continue
+            go.append(unit)
+            room -= size
+        if go:
+            self._resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
+            return True
+        self._circular(box, dev, w, now)
+        return False
 
     def _grant(self, dev: int, now: float, fit_only: bool = False) -> bool:
         """One pass of the policy over the waiters on dev; True if it resumed one."""
@@ -46,14 +95,13 @@ class Decisions:
         for box in self.boxes.values():
             if dev not in box.waiting:
                 continue
-            demand = self._demand(box, dev)
-            if demand > self._limit(box, dev):
-                self._over_limit(box, dev, demand)
+            want = self._want(box, dev, box.waiting[dev])
+            if want is None:
                 continue
             w = box.waiting[dev]
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
                                          suspended_at=w.since, limit=self._limit(box, dev),
-                                         assigned=box.assigned[dev], used=demand, request=0,
+                                         assigned=box.assigned[dev], used=want, request=0,
                                          held=self._held(box, dev)))
         free = self._free(dev)
         resumed = False
@@ -68,16 +116,20 @@ class Decisions:
             log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
                      dev, format_size(box.assigned[dev]))
             if g.resume:
-                self._resume(box, dev, f"policy {self.policy}")
-                resumed = True
+                if self._demand(box, dev) <= box.assigned[dev]:
+                    self._resume(box, dev, f"policy {self.policy}")
+                    resumed = True
+                else:
+                    resumed = self._serve(box, dev, now) or resumed
         return resumed
 
     def _reclaim(self, dev: int) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
         on = [b for b in self.boxes.values() if dev in b.assigned]
-        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in on if dev in b.waiting}
-        within = any(not b.waiting[dev].over_limit for b in on if dev in b.waiting)
-        back = policies.reclaim(waiting, any(dev not in b.waiting for b in on), within) if waiting else {}
+        paused = [b for b in on if self._paused(b, dev)]
+        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in paused}
+        within = any(not b.waiting[dev].over_limit for b in paused)
+        back = policies.reclaim(waiting, len(paused) < len(on), within) if waiting else {}
         for cid, held in back.items():
             box = self.boxes[cid]
             log.warning("reclaim %s from %s on GPU%d: every container waits, none can run on what "
@@ -100,8 +152,142 @@ class Decisions:
                     "rest is held by the waiters themselves, their contexts): it ends when one of them "
                     "exits", dev, format_size(free))
 
-    def _over_limit(self, box: Box, dev: int, demand: int):
+    def _want(self, box: Box, dev: int, w) -> int | None:
+        """What the policy is asked to make room for (its `used`): what the container holds
+        and reserves, its shim requests, and its stopped calls in the order they stopped while
+        they fit the limit together (at least the first). None: nothing a grant could help
+        (every request above the limit)."""
+        taken = self._taken(box, dev)
+        if w.wakes and taken + w.unreserved > self._limit(box, dev):
+            self._over_limit(box, dev, taken + w.unreserved)
+        for a in list(w.asks.values()):
+            if a.over_limit:
+                self._over_limit(box, dev, a.size, a)
+        w = box.waiting.get(dev)
+        if w is None:
+            return None
+        asks = sorted((a for a in w.asks.values() if not a.over_limit), key=lambda a: a.since)
+        w.over_limit = not asks and not w.unreserved
+        if w.over_limit:
+            return None
+        if not isinstance(self.stopper, SignalStopper):
+            return self._demand(box, dev)   # the freezer resumes the container whole
+        want = taken + w.unreserved
+        for i, a in enumerate(asks):
+            if i and want + a.size > self._limit(box, dev):
+                break
+            want += a.size
+        return want
+
+    def _units(self, w) -> list[list]:
+        """Who resumes together: a thread alone, or every stopped thread of a process held
+        whole (ptrace refused: one SIGCONT resumes them all)."""
+        out, whole = [], {}
+        for a in w.asks.values():
+            if self.holder is None or self.holder.mode(a.pid) == "process":
+                whole.setdefault(a.pid, []).append(a)
+            else:
+                out.append([a])
+        return out + list(whole.values())
+
+    def _process_holds(self, box: Box, dev: int) -> dict[int, tuple[int, int]]:
+        """pid -> (what it holds on dev, of that its contexts), from BPF's per-process usage
+        and NVML's measured contexts (read only when there are several units to order)."""
+        out = {}
+        for u in self.tracer.usage():
+            if u.dev != dev or u.pid not in box.pids:
+                continue
+            ctx = self.excess[(u.pid, dev)][0] if (u.pid, dev) in self.excess else max(u.contexts, 0) * self._ctx(dev)
+            out[u.pid] = (u.live + ctx, ctx)
+        return out
+
+    def _newcomer_safe(self, unit, units, go, holds, box: Box, dev: int, size: int) -> bool:
+        """The banker's check over the container's processes, for a unit of a process that
+        holds no bytes yet (a newcomer: at most its contexts): after it, every waiting process
+        that holds bytes can still reach what it asks for in some order within the limit, each
+        giving back what it holds once done (policies.finishers). Its context must not take
+        the room its siblings need to finish (they would wait on each other for good)."""
+        pid = unit[0].pid
+        held, ctx = holds.get(pid, (0, 0))
+        if held > ctx:
+            return True
+        started = {u[0].pid for u in go}
+        claims = []
+        for u in units:
+            q = u[0].pid
+            h, c = holds.get(q, (0, 0))
+            if q == pid or q in started or h <= c:
+                continue
+            claims.append(policies.Claim(str(q), h + sum(a.size for a in u), h))
+        if not claims:
+            return True
+        room = self._limit(box, dev) - self._taken(box, dev) - size - sum(a.size for u in go for a in u)
+        return len(policies.finishers(claims, room + sum(c.held for c in claims))) == len(claims)
+
+    def _gone_through(self):
+        """Resumed calls (Box.going) whose thread passed its recheck (BPF reserved them: its
+        `held` entry for that stop is gone), stopped again (a new stop: a new ask) or died."""
+        if self.holder is None:
+            return
+        for box in self.boxes.values():
+            for dev, going in box.going.items():
+                for tid, a in list(going.items()):
+                    if self.holder.held_seq(a.pid, tid) != a.seq:
+                        del going[tid]
+
+    def _drop_dead_asks(self, box: Box, dev: int, w):
+        """A thread killed while stopped (its process lives on): its call went with it."""
+        for tid, a in list(w.asks.items()):
+            if a.tid != a.pid and not os.path.exists(f"/proc/{a.pid}/task/{a.tid}"):
+                del w.asks[tid]
+
+    def _circular(self, box: Box, dev: int, w, now: float):
+        """Waits that only the container's own processes could end: no stopped call fits even
+        in its whole limit beside what it holds, so no grant helps, only a free of its own.
+        Certain at once where every process of it is stopped whole (the freezer, ptrace
+        refused, one thread); where threads of it still run, once none of them freed anything
+        for CIRCULAR_S. Said in the log and `status`, and --over-limit applies: stall keeps
+        them (a free, an exit or a new limit still resumes them), kill ends the newest
+        waiter's process."""
+        taken = self._taken(box, dev) + w.unreserved
+        if taken < w.held_was:
+            w.freed_at = now
+        w.held_was = taken
+        units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
+        if not units or any(taken + sum(a.size for a in u) <= self._limit(box, dev) for u in units):
+            w.circular = False
+            return
+        asking = {a.pid for a in w.asks.values()}
+        whole = not isinstance(self.stopper, SignalStopper) or (
+            box.pids <= asking and all(self.holder is None or self.holder.mode(p) == "process"
+                                       or len(_tids(p)) <= 1 for p in box.pids))
+        if w.circular or (not whole and now - w.freed_at < CIRCULAR_S):
+            return
+        w.circular = True
+        box.circulars += 1
+        need = min(sum(a.size for a in u) for u in units)
+        newest = max(w.asks.values(), key=lambda a: a.since)
+        log.warning("container %s GPU%d: circular wait: %d stopped calls (pids %s) each need at least %s more, "
+                    "and only its own processes hold it (%s held of its limit %s): %s", box.name, dev,
+                    len(w.asks), ", ".join(map(str, sorted(asking))), format_size(need), format_size(taken),
+                    format_size(self._limit(box, dev)),
+                    f"killing pid {newest.pid} (the newest waiter)" if self.over_limit == "kill"
+                    else "stalled until one of them exits, frees, or its limit is raised")
+        if self.over_limit == "kill" and alive(newest.pid):
+            os.kill(newest.pid, signal.SIGKILL)
+
+    def _over_limit(self, box: Box, dev: int, demand: int, ask=None):
         w = box.waiting[dev]
+        if ask is not None:   # a stopped call that can never fit
+            if not ask.said:
+                ask.said = True
+                box.over_limits += 1
+                log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
+                            format_size(demand), format_size(self._limit(box, dev)),
+                            f"killing pid {ask.pid}" if self.over_limit == "kill" else "stalled until the limit is raised")
+                if self.over_limit == "kill" and alive(ask.pid):
+                    os.kill(ask.pid, signal.SIGKILL)
+            return
         if not w.over_limit:
             w.over_limit = True
             box.over_limits += 1

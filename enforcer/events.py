@@ -13,7 +13,7 @@ from ..probes.events import EF_ORDINAL
 from ..units import format_size
 from . import policies
 from .actions import alive
-from .books import Box, Wait
+from .books import Ask, Box, Exit, Wait
 from .failsafe.stall import SignalStopper, Target
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
@@ -28,7 +28,7 @@ class Events:
         the books; True if that changed what schedule() may decide."""
         dirty = False
         if self._exits:     # for callers of step() alone; run() wakes on them in select()
-            late = [fd for fd, (_, until, _) in self._exits.items() if now > until]
+            late = [fd for fd, x in self._exits.items() if now > x.until]
             for fd in set(select.select(list(self._exits), [], [], 0)[0] + late):
                 self._reap(fd)
                 dirty = True
@@ -40,7 +40,7 @@ class Events:
                     e, also = e._replace(dev=m.host(e.dev)), m.also if self.unmapped_charge == "all" else ()
                 if e.restall:
                     self._restalled(e)
-                self._place(e.pid, max(e.dev, 0), e.size, also)
+                self._place(e.pid, max(e.dev, 0), e.size, e.tid, e.result, also)
                 dirty = True
             elif e.op in ("stall", "over_limit"):
                 box = self.by_key.get(e.addr)
@@ -51,7 +51,8 @@ class Events:
                         log.info("stall %s pid %d on GPU%d: %s %s would bring it to %s (assigned %s)",
                                  box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
-                    self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
+                    self._waiter(box, max(e.dev, 0), e.pid, 0, ask=Ask(e.pid, e.tid, e.size, now, e.result,
+                                                                        over_limit=e.op == "over_limit"))
                 dirty = True
             elif e.op == "quota":
                 self._quota_hit(e)
@@ -59,7 +60,7 @@ class Events:
                 self._gone(e.pid)
                 dirty = True
             elif e.op == "exit":
-                self._exiting(e.pid, e.size, e.ts_ns, contexts=e.live)
+                self._exiting(e.pid, e.size, e.ts_ns, contexts=e.live, gen=e.addr)
                 dirty = True
             elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
@@ -91,7 +92,7 @@ class Events:
                     pass
         return box
 
-    def _place(self, pid: int, dev: int, request: int, also=()):
+    def _place(self, pid: int, dev: int, request: int, tid: int = 0, seq: int = 0, also=()):
         """also: the other GPUs it may be using (its mapping is not established: BPF charges
         its bytes there too, into the container's state on each)."""
         box = self._box_for(pid)
@@ -103,7 +104,8 @@ class Events:
         self._join(box, pid, dev, request)
         for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
             self._new_device(box, d)
-        self._waiter(box, dev, pid, request, count=False)
+        self._waiter(box, dev, pid, 0, count=False,
+                     ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self._limit(box, dev)))
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
@@ -146,16 +148,27 @@ class Events:
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
                  format_size(box.assigned[dev]), format_size(self._limit(box, dev)))
 
-    def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
+    def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True,
+                ask: Ask | None = None):
+        """A shim request (unreserved bytes) or a stopped call (ask) waits on dev."""
         self.broker.revoke(box, dev)   # credit of the container's shim processes: for the waiter
         w = box.waiting.get(dev)
         if w is None:
-            w = box.waiting[dev] = Wait(time.monotonic(), set())
+            now = time.monotonic()
+            w = box.waiting[dev] = Wait(now, set(), freed_at=now, held_was=self._taken(box, dev))
             box.stalls += count
-        if pid not in w.pids or pid in self.shimmed:   # a re-stall is not a second request
+        if pid in self.shimmed:
             w.unreserved += unreserved
+        if ask is not None:   # a re-stall replaces its thread's ask (the same call)
+            box.going.get(dev, {}).pop(ask.tid, None)
+            old = w.asks.get(ask.tid)
+            w.asks[ask.tid] = ask if old is None else Ask(ask.pid, ask.tid, ask.size, old.since, ask.seq, ask.over_limit)
         w.pids.add(pid)
-        if isinstance(self.stopper, SignalStopper) or pid in self.shimmed:
+        if pid in self.shimmed:
+            return w
+        if isinstance(self.stopper, SignalStopper):
+            if ask is not None and self.holder is not None:
+                self.holder.hold(pid, ask.tid)   # only that thread waits, where ptrace allows
             return w
         # freezer mode: hold the whole container in its cgroup, then drop the signal stop,
         # so that no SIGCONT from inside the container can undo the stall
@@ -183,8 +196,14 @@ class Events:
             return
         box.pids.discard(pid)
         settled = False
+        if self.holder is not None:
+            self.holder.forget(pid)
+        for going in box.going.values():
+            for t in [t for t, a in going.items() if a.pid == pid]:
+                del going[t]
         for dev, w in list(box.waiting.items()):
             w.pids.discard(pid)
+            w.asks = {t: a for t, a in w.asks.items() if a.pid != pid}
             if not w.pids:
                 del box.waiting[dev]
                 settled = True
@@ -204,7 +223,7 @@ class Events:
             log.info("container %s exited: %s back to the pool", box.name,
                      format_size(sum(box.assigned.values())))
 
-    def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0):
+    def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0, gen: int = 0):
         """The last thread of pid is in exit: it leaves its container now, but the driver frees
         its device memory only when the kernel closes its files, after the event (do_exit: the
         tracepoint, exit_mm, exit_files), 55 ms later on the H100. Until its pidfd becomes
@@ -212,7 +231,10 @@ class Events:
         _room), so a waiter resumes at once where the card has room for both, and only
         once they are back where it has not. tracked: its live bytes and context charges;
         at: the exit tracepoint's time (CLOCK_MONOTONIC ns), for the timeline; contexts: how
-        many it had (measured by NVML: what NVML said; else the estimate each)."""
+        many it had (measured by NVML: what NVML said; else the estimate each); gen: its BPF
+        generation, under which BPF left what it moved to its container's `tearing` (until
+        the pidfd fires, the container holds it: a sibling or a resumed waiter cannot take
+        its place while the driver still holds it, issue 23 part 2)."""
         t = time.monotonic_ns()
         box = self.pid_box.get(pid)
         devs = sorted(box.assigned) if box else []
@@ -222,27 +244,53 @@ class Events:
         held = (tracked + sum(over for over, _ in measured)
                 + unmeasured * max((self._ctx(d) for d in devs), default=self.ctx_overhead))
         log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
+        charge = self._torn_at_exit(gen)
         self._gone(pid)
+        x = Exit(pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs}, box, charge)
         if not held or not devs:
-            return
+            return self._torn(x)
         try:
             fd = os.pidfd_open(pid)
         except OSError:     # reaped already
-            return
-        self._exits[fd] = (pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs})
+            return self._torn(x)
+        self._exits[fd] = x
         if select.select([fd], [], [], 0)[0]:
             self._reap(fd)
             return
         self.sel.register(fd, selectors.EVENT_READ, lambda _mask, fd=fd: (self._reap(fd), self._changed()))
 
     def _reap(self, fd: int):
-        pid, _, _ = self._exits.pop(fd)
+        x = self._exits.pop(fd)
         try:
             self.sel.unregister(fd)
         except KeyError:
             pass
         os.close(fd)
-        log.debug("pid %d gone (t=%d)", pid, time.monotonic_ns())
+        self._torn(x)
+        log.debug("pid %d gone (t=%d)", x.pid, time.monotonic_ns())
+
+    def _torn_at_exit(self, gen: int) -> dict[int, int]:
+        """What BPF moved to the exited process's container's `tearing`, per device (read once)."""
+        if not gen or not self.tracer.kernel:
+            return {}
+        t = self._t("gone")
+        k = ct.c_ulonglong(gen)
+        try:
+            g = t[k]
+            del t[k]
+        except KeyError:
+            return {}
+        return {d: c for d, c in enumerate(g.charge) if c}
+
+    def _torn(self, x: Exit):
+        """The driver has freed an exited process's memory: its container holds it no more."""
+        box = x.box
+        if box is None or not x.charge or self.by_key.get(box.key) is not box:
+            return
+        for d, c in x.charge.items():
+            box.torn[d] = box.torn.get(d, 0) + c
+            if d in box.assigned:
+                self._write_assign(box, d)
 
     def _unprobed(self, pid: int, lib, reason: str) -> str:
         """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls

@@ -36,19 +36,32 @@ class Reporting:
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit),
+                    "circular": bool(w and w.circular),
+                    "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
-                    "waiting_pids": sorted(w.pids) if w else []}
+                    "waiting_pids": sorted(w.pids) if w else [],
+                    # one per stopped call: a wait belongs to a thread (docs/ENFORCE.md, "Waits")
+                    "waits": [{"pid": a.pid, "tid": a.tid, "size": a.size, "waiting_s": round(now - a.since, 3),
+                               "over_limit": a.over_limit, "held": self._hold_mode(a.pid)}
+                              for a in sorted(w.asks.values(), key=lambda a: a.since)] if w else []}
             stalled = box.stalled_s + sum(now - w.since for w in box.waiting.values())
             rows.append({"id": box.container.id, "name": box.name, "kind": box.container.kind,
                          "cgroup": box.container.cgroup, "limit": box.limit, "source": box.source,
                          "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
                          "stalls": box.stalls, "grants": box.grants,
-                         "over_limit_events": box.over_limits, "restalls": box.restalls,
+                         "over_limit_events": box.over_limits, "circular_waits": box.circulars, "restalls": box.restalls,
                          "map_quota": self._quota_status(box)})
         return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
                 "map_quota": {"objects": self.quota.objects, "threads": self.quota.threads,
                               "processes": self.quota.processes},
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
+                # how a stopped call is held: its thread alone (ptrace), or its whole process
+                # where ptrace was refused (pid -> why), or its whole container (the freezer)
+                "holds": {"threads": "ptrace" if self.holder is not None else "container" if not
+                          isinstance(self.stopper, SignalStopper) else "process",
+                          "whole_process": {str(p): why for p, why in
+                                            sorted((self.holder.refused if self.holder else {}).items())},
+                          "seized": sorted(self.holder.traced) if self.holder else []},
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
                 "started": self.started, "shim_asks": self.broker.asks,
                 # per GPU, what the shim's memory queries leave for a context NVML has not measured
@@ -71,6 +84,16 @@ class Reporting:
         rows = [{"pid": pid, **m.to_json(), "contradiction": self.contradicted.get(pid, "")}
                 for pid in sorted(self.tracer.mapped) if (m := g.cache.get(pid, (0, None))[1]) is not None]
         return {"unmapped_charge": self.unmapped_charge, "gpu_mappings": rows}
+
+    def _hold_mode(self, pid: int) -> str:
+        if not isinstance(self.stopper, SignalStopper):
+            return "container"
+        return self.holder.mode(pid) if self.holder is not None else "process"
+
+    def _tearing_of(self, box: Box, dev: int) -> int:
+        """Bytes of the container's exited processes the driver has not freed yet."""
+        s = self._state(box, dev) if self.tracer.kernel else None
+        return max(0, s.tearing - box.torn.get(dev, 0)) if s is not None else 0
 
     def _discovery_status(self) -> dict:
         d = getattr(self.tracer, "discovery", None)

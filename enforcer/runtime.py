@@ -28,8 +28,11 @@ class RuntimeChanges:
             self.broker.revoke(box, dev)
             box.assigned[dev] = min(box.assigned[dev], max(self._limit(box, dev), self._demand(box, dev)))
             self._write_assign(box, dev)
-            if dev in box.waiting:
-                box.waiting[dev].over_limit = False
+            if dev in box.waiting:   # its recheck tells again (with its contexts) if it still cannot fit
+                w = box.waiting[dev]
+                w.over_limit = w.circular = False
+                for a in w.asks.values():
+                    a.over_limit, a.said = a.size > limit, False
         log.info("limit of %s set to %s (%s)", box.name, format_size(limit), source)
         self.schedule()
 

@@ -92,8 +92,8 @@ class Ledger:
         self.b = {b"control": Table((), ("heartbeat_ns", "ctx_overhead", "enforcing", "over_limit_kill",
                                          "waiters", "owner", "quiet", "exempt")),
                   b"assign": Table(("container", "dev"), ("limit", "assigned", "extra_overhead", "adopted",
-                                                          "adopted_contexts", "ctx_charge")),
-                  b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls")),
+                                                          "adopted_contexts", "ctx_charge", "torn")),
+                  b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls", "tearing")),
                   b"members": Table((), ()),
                   b"quotas": Table((), ("objs", "threads", "procs", "denied")), b"swept": Table((), ())}
         self._ep = select.epoll()

@@ -315,19 +315,36 @@ def read_until(p, word, timeout=20):
 
 
 def proc_state(pid):
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    """A thread's state letter ("PID/task/TID"), or a process's: "T" while any of its threads
+    is held at a call (the enforcer holds the asking thread alone under ptrace, state "t", its
+    siblings run: docs/ENFORCE.md, "Waits"), else its main thread's."""
+    main = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    if "/" in str(pid) or main in "Tt":
+        return "T" if main == "t" and "/" not in str(pid) else main
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "t":
+                return "T"
+        except OSError:
+            pass
+    return main
 
 
 def wait_state(pid, want, timeout=20):
     """Every thread of pid in state `want`. The stop lands shortly after the BPF program asks
     for it (30-75 us, FACTS.md); under load on 2 vCPUs a sleeping sibling thread can take
-    much longer to join the group stop, which is still before the allocation runs."""
+    much longer to join the group stop, which is still before the allocation runs. "T" (held):
+    stopped, or held alone by ptrace ("t") while its siblings sleep or run (a hold of one
+    thread is not a group stop)."""
     deadline = time.monotonic() + timeout
+    states = []
     while time.monotonic() < deadline:
-        if all(proc_state(f"{pid}/task/{t}") == want for t in os.listdir(f"/proc/{pid}/task")):
+        states = [proc_state(f"{pid}/task/{t}") for t in os.listdir(f"/proc/{pid}/task")]
+        if all(s == want for s in states) or (want == "T" and "t" in states
+                                              and all(s in "tTSRD" for s in states)):
             return
         time.sleep(0.01)
-    raise AssertionError(f"pid {pid} not all {want}: {[proc_state(f'{pid}/task/{t}') for t in os.listdir(f'/proc/{pid}/task')]}")
+    raise AssertionError(f"pid {pid} not all {want}: {states}")
 
 
 # Capabilities eBPF needs (CAP_SYS_ADMIN implies the other two): a shim-only enforcer runs

@@ -87,6 +87,8 @@ class Adopt:
             box.assigned[k.dev] = a.assigned
             box.extra[k.dev] = a.extra_overhead
             box.adopted[k.dev] = (a.adopted, a.adopted_contexts)
+            st = self._state(box, k.dev)   # exits the old enforcer saw no pidfd of: freed by now
+            box.torn[k.dev] = st.tearing if st is not None else a.torn
             charge[(box.key, k.dev)] = a.ctx_charge
         for box in self.boxes.values():
             for dev in box.assigned:

@@ -18,6 +18,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "libcuda_int.h"
@@ -193,6 +196,16 @@ API CUresult cuInit(unsigned int Flags)
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
+        /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
+         * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
+         * freed when the shm file closes; host memory touched now makes exit_mm, and so the
+         * gap, as long (a few ms per 100 MiB). */
+        uint64_t exit_mb = env_u64("CONVGPU_STANDIN_EXIT_MB", 0);
+        if (exit_mb) {
+            void *m = mmap(NULL, exit_mb << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m != MAP_FAILED)
+                memset(m, 1, exit_mb << 20);
+        }
         if (g_ndev == 0) {
             rc = CUDA_ERROR_NO_DEVICE;
         } else if (si_open(&g_shm, 1) != 0) {
@@ -207,6 +220,20 @@ API CUresult cuInit(unsigned int Flags)
                 g_shm.seg->capacity_hint = g_capacity;
                 ensure_slot();
                 si_unlock(&g_shm);
+            }
+            /* Teardown, second part: files opened after the segment are closed after it,
+             * but their releases run first (exit_files queues each as task work, run last
+             * in, first out), so the segment's lock (this process's "device memory")
+             * drops only after them: a gap between the exit tracepoint and the free. */
+            uint64_t exit_fds = env_u64("CONVGPU_STANDIN_EXIT_FDS", 0);
+            if (exit_fds) {
+                struct rlimit rl;
+                if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < exit_fds + 64) {
+                    rl.rlim_cur = rl.rlim_max < exit_fds + 64 ? rl.rlim_max : exit_fds + 64;
+                    setrlimit(RLIMIT_NOFILE, &rl);
+                }
+                for (uint64_t i = 0; i < exit_fds && eventfd(0, EFD_CLOEXEC) >= 0; i++)
+                    ;
             }
             for (int d = 0; d < SI_MAX_DEV; d++) { /* inactive until retained */
                 g_primary[d].kind = K_CTX;

@@ -103,7 +103,7 @@ def test_a_hung_loop_lets_the_heartbeat_lapse(root, build, cgroups, caller_env, 
 def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgroups, caller_env, caplog):
     """A second copy of the driver appears while a container waits over its limit. Its
     self-test child calls every symbol unstalled; the waiter, sent SIGCONT while the child
-    runs, is stopped again before its allocation (admission was not turned off for it)."""
+    runs, does not reach its allocation (admission was not turned off for it)."""
     caplog.set_level(logging.WARNING, logger="convgpu.enforcer.daemon")
     enf = _enforcer(build, "selftest")
     enf.start()
@@ -137,7 +137,10 @@ def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgro
         assert ok and all(a.fired for a in ok), [a.probe.symbol for a in ok if not a.fired]
         assert seen["exempt"] > 0 and seen["waiter"] == "T"
         assert enf._t("control")[ct.c_int(0)].exempt == 0
-        assert len(_said(caplog, "resumed without a grant")) == 1
+        # its stopped thread is held under ptrace, which SIGCONT does not undo; held whole
+        # (ptrace refused), the recheck stops it again (issue 23)
+        [w] = enf.status()["containers"][0]["gpus"]["0"]["waits"]
+        assert len(_said(caplog, "resumed without a grant")) == (0 if w["held"] == "thread" else 1), w
         assert enf.tracer.stats()["unchecked"] == 0
         assert select.select([p.stdout], [], [], 0)[0] == []   # no "allocated": it did not run
     finally:

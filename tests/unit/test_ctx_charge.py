@@ -97,7 +97,7 @@ def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
         enf.excess = {(p, 0): (518 * MiB, 1)}
         enf._exiting(p, 64 * MiB, contexts=1)
         enf._exiting(q, 0, contexts=1)
-        assert {pid: h[0] for pid, _, h in enf._exits.values()} == {p: 64 * MiB + 518 * MiB, q: 550 * MiB}
+        assert {x.pid: x.held[0] for x in enf._exits.values()} == {p: 64 * MiB + 518 * MiB, q: 550 * MiB}
     finally:
         for k in kids:
             k.kill()
