@@ -21,6 +21,7 @@ from ...units import format_size
 from .. import ctxest
 from . import memview
 from .credit import CreditPage
+from .peers import SHIM_CAPS, LogBudget
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class ShimBroker:
         self.ledger = None if enf.tracer.kernel else enf.tracer   # no probes: we account
         self.pages: dict[int, CreditPage] = {}    # pid -> its credit page
         self.asks = 0                              # requests that had to be decided here
+        self.forget = lambda pid: None             # the socket side's per-process state (shim.py)
+        self.say = LogBudget(SHIM_CAPS.log_lines, log)  # asks are a container's to repeat: lines per minute
 
     def _box(self, pid: int):
         enf = self.enf
@@ -74,8 +77,8 @@ class ShimBroker:
         need = enf._demand(box, dev) + size
         if need > box.limit:
             box.over_limits += 1
-            log.warning("deny %s pid %d on GPU%d: %s would bring it to %s, above its limit %s", box.name,
-                        pid, dev, format_size(size), format_size(need), format_size(box.limit))
+            self.say(box.name, logging.WARNING, "deny %s pid %d on GPU%d: %s would bring it to %s, above its "
+                     "limit %s", box.name, pid, dev, format_size(size), format_size(need), format_size(box.limit))
             return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(box.limit)}"}
         if need <= box.assigned[dev]:
             self._hold(box, pid, dev, size)
@@ -83,7 +86,7 @@ class ShimBroker:
             return {"grant": True}
         w = enf._waiter(box, dev, pid, size)
         w.wakes.append((pid, size, wake))
-        log.info("stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
+        self.say(box.name, logging.INFO, "stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
                  "(assigned %s)", box.name, pid, dev, format_size(size), format_size(need),
                  format_size(box.assigned[dev]))
         enf.schedule()
@@ -168,6 +171,7 @@ class ShimBroker:
         return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)
 
     def shim_gone(self, pid: int):
+        self.forget(pid)
         page = self.pages.pop(pid, None)
         if page is not None:
             page.close()
