@@ -67,15 +67,18 @@ def exited(pidfd: int) -> bool:
 
 
 def identify(conn: socket.socket) -> Identity | None:
-    """The peer's process as the kernel knows it; None if it has already exited."""
+    """The peer's process as the kernel knows it; None if it has already exited. OSError:
+    no fd for its pidfd (NO_ROOM)."""
     pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                         struct.calcsize("3i")))
     try:
         pidfd = struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
-    except OSError:
+    except OSError as e:
+        if e.errno in NO_ROOM:
+            raise
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError:
+        except ProcessLookupError:
             return None
     if exited(pidfd):
         os.close(pidfd)

@@ -173,9 +173,7 @@ class Server:
                 return
             except OSError as e:
                 if e.errno in NO_ROOM:   # out of fds or memory: shed the connection, stay up
-                    self.refused += 1
-                    self.say("accept", logging.WARNING, "cannot accept on %s (%s): a connection closed unserved",
-                             self.path, os.strerror(e.errno))
+                    self._unserved(e)
                     if not self.reserve.shed(self.sock):
                         self._unlisten()
                         self._paused_until = time.monotonic() + PAUSE_ACCEPT
@@ -187,13 +185,19 @@ class Server:
                 return
             self._admit(conn)
 
+    def _unserved(self, e: OSError):
+        self.refused += 1
+        self.say("accept", logging.WARNING, "cannot serve a connection on %s (%s): closed unserved",
+                 self.path, os.strerror(e.errno))
+
     def _admit(self, conn: socket.socket):
         conn.setblocking(False)
         try:
             ident = identify(conn)
-        except OSError:
+        except OSError as e:   # no fd left for its pidfd
+            self._unserved(e)
             ident = None
-        if ident is None:    # gone before we got to it: nobody to serve
+        if ident is None:      # (or gone before we got to it: nobody to serve)
             conn.close()
             return
         group, why = f"pid {ident.pid}", None
