@@ -33,6 +33,15 @@ def lines_of(enf, text: str) -> list[str]:
     return [x for x in enf.log if text in x]
 
 
+def flag_line(enf, cg) -> str:
+    """Makes the enforcer log a line after everything before it (a hello from a fresh process
+    in cgroup cg) and returns its text: what the log held before it has all been read then."""
+    p = popen_in(cg, PY, "-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+                 "s.sendall(b'{\"op\":\"hello\"}\\n'); s.recv(4096)", shim_sock(enf))
+    p.wait(timeout=30)
+    return f"pid {p.pid} of "
+
+
 def say(p, line: str = ""):
     p.stdin.write(line + "\n")
     p.stdin.flush()
