@@ -20,7 +20,7 @@ import threading
 import time
 
 from . import ctxest, policies
-from .serving import server
+from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
 from .actions import VIEW_GRACE, Actions
@@ -141,6 +141,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.tracer.recheck = True
         if self.tracer.kernel:
             prev = self._load_over_pins()
+            shimprobes.attach(self.tracer.b)   # only calls from inside the shim wait in it
         else:
             self.tracer.start()
             prev = []

@@ -32,6 +32,8 @@ class Events:
                 self._reap(fd)
                 dirty = True
         for e in events:
+            if e.pid in self.shimmed and e.op in ("unknown", "stall", "over_limit"):
+                self.broker.caught(e.pid)   # BPF stopped it: it is resumed as anyone from now on
             if e.op == "unknown":
                 if e.restall:
                     self._restalled(e)

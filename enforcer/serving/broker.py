@@ -3,7 +3,8 @@ each allocation and waits in the calling thread, or gets a real out-of-memory er
 being stopped. enforcer/serving/shim.py speaks the socket protocol and calls these methods.
 
 With probes active there is one accounting: BPF charges the shim process's bytes as for any
-other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
+other process (its `members` entry carries SHIM_MEMBER, so BPF does not stop the calls it makes
+from inside a shim wrapper, serving/shimprobes.py, below its limit), and a grant is
 held here as *pending* until the shim reports the allocation (then BPF has charged it).
 Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
 ledger (probes/ledger.py), which keeps the same tables BPF would.
@@ -169,6 +170,18 @@ class ShimBroker:
         if dev not in enf.devices:
             return ctxest.ceiling([], ctxest.Device(dev), est, DEV_PAGE)
         return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)
+
+    def caught(self, pid: int):
+        """BPF stopped pid, a shim user, at a call it made outside the shim's wrappers (or above
+        its limit): from now on it is stopped and resumed like any process (resumes skip shim
+        users, which wait in their threads), until it says hello again."""
+        box = self.enf.pid_box.get(pid)
+        self.say(box.name if box else str(pid), logging.WARNING, "pid %d%s called the driver outside the "
+                 "shim (or above its limit): BPF stopped it; it is stopped and resumed like any process",
+                 pid, f" of {box.name}" if box else "")
+        self.shim_gone(pid)
+        if box is not None:
+            self.enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
 
     def shim_gone(self, pid: int):
         self.forget(pid)
