@@ -36,7 +36,7 @@ NO_READ = textwrap.dedent(r'''
 
 
 def test_row6_requests_never_read(cgroups, build):
-    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB")
+    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB", no_bpf=True)
     p = None
     try:
         before = rss(enf.p.pid)
@@ -70,7 +70,7 @@ OBJECTS = textwrap.dedent(r'''
 
 def test_row6_objects_per_process_are_capped(cgroups, build):
     from convgpu.enforcer.serving.shim import MAX_OBJECTS
-    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB")
+    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB", no_bpf=True)
     p = None
     try:
         p = as_nobody(cgroups("objs"), OBJECTS, shim_sock(enf), MAX_OBJECTS + 20000)
@@ -100,7 +100,7 @@ BAD = textwrap.dedent(r'''
 
 
 def test_row6_log_lines_are_budgeted_per_container(cgroups, build):
-    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB")
+    enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB", no_bpf=True)
     p = None
     try:
         p = as_nobody(cgroups("noisy"), BAD, shim_sock(enf))
