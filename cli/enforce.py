@@ -4,6 +4,7 @@ Every option can also be set in the config file's [enforce] table (same name, un
 an option given on the command line wins. Built-in defaults are in DEFAULTS."""
 import logging
 import os
+import ssl
 from enum import Enum
 
 import typer
@@ -14,7 +15,7 @@ from ..enforcer.tenants import config as cfg
 from ..enforcer.daemon import Enforcer
 from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
-from ..enforcer.metrics import MetricsServer
+from ..enforcer.metrics import MetricsServer, Tls
 from ..enforcer.failsafe.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
 from ..probes.ledger import Ledger
@@ -28,8 +29,18 @@ DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
             "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
+            "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
             "probes": True, "unprobed": "stall"}
+
+
+def metrics_tls_of(value: str | None) -> Tls | None:
+    if not value:
+        return None
+    parts = value.split(",")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"invalid --metrics-tls {value!r}", "give CERT,KEY or CERT,KEY,CLIENT_CA (PEM files)")
+    return Tls(*parts)
 
 
 class Policy(str, Enum):
@@ -107,6 +118,7 @@ def enforce(
     duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until Ctrl-C or SIGTERM)."),
     metrics_port: int = typer.Option(None, "--metrics-port", min=0, max=65535, help="Serve Prometheus metrics on this port (default 0: off)."),
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
+    metrics_tls: str = typer.Option(None, "--metrics-tls", help="CERT,KEY[,CLIENT_CA]: serve metrics over HTTPS; with CLIENT_CA only clients with a certificate it signed (mutual TLS; docs/SECURITY.md row 11)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
     state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
@@ -124,7 +136,7 @@ def enforce(
            "stall": stall.value if stall else None, "over_limit": over_limit.value if over_limit else None,
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
-           "metrics_address": metrics_address, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
+           "metrics_address": metrics_address, "metrics_tls": metrics_tls, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
     s = settings_from(conf, cli)
     if s["gpu_memory"] == 0:
@@ -154,10 +166,12 @@ def enforce(
     try:
         if s["metrics_port"]:
             try:
-                enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml)
-            except OSError as e:
-                raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: {e.strerror}",
-                                  "choose a free --metrics-port") from None
+                enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml,
+                                            tls=metrics_tls_of(s["metrics_tls"]))
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: "
+                                  f"{e.strerror or e}", "choose a free --metrics-port, and readable "
+                                  "PEM files for --metrics-tls") from None
         phases.mark("setup")
         try:
             enf.start()

@@ -29,9 +29,15 @@ def kube(
     sync: float = typer.Option(2.0, "--sync", min=0.1, help="Seconds between pod-resources listings."),
     duration: float = typer.Option(0.0, "--duration", min=0.0, help="Stop after this many seconds (0: until SIGTERM)."),
     run_dir: str = typer.Option("/run/convgpu", "--run-dir", help="The enforcer's run dir (control.sock)."),
+    host_run_dir: str = typer.Option(None, "--host-run-dir", help="The run dir's path on the host, when this container mounts it elsewhere (Allocate mounts the shim from there)."),
+    shim: bool = typer.Option(True, "--shim/--no-shim", help="Allocate mounts the preload shim (read-only) and sets LD_PRELOAD: the pod's cudaMemGetInfo reports its limit (docs/SHIM.md)."),
+    cdi: str = typer.Option("nvidia.com/gpu", "--cdi", help="CDI kind of the GPUs' devices returned by Allocate (empty: none)."),
+    recover_after: float = typer.Option(60.0, "--recover-after", min=0.0, help="Seconds after a GPU's last critical XID before its units are healthy again (if NVML answers for it)."),
+    inventory_every: float = typer.Option(5.0, "--inventory-every", min=0.1, help="Seconds between reads of the GPUs (inventory and health)."),
 ):
     """Kubernetes node agent: the convgpu.io/gpu-memory device plugin and limits from pods."""
-    from ..kube.agent import Agent, inventory
+    from ..kube.agent import Agent, offer_shim
+    from ..kube.health import NodeGpus
     from ..kube.plugin import DevicePlugin
     from ..kube.pods import ApiServerPods, KubeletLogPods, PodSync
     from ..probes.nvml import Nvml
@@ -42,11 +48,14 @@ def kube(
     gm = parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
     res_b = parse_size(reserve, "--reserve")
     nvml = Nvml()
-    gpus = inventory(nvml, gm, res_b)
+    node = NodeGpus(nvml, gm, res_b, recover_after)
+    gpus = node.read()
     if not gpus:
         raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'})",
                           "run on a GPU node, or give --gpu-memory for one GPU")
-    plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource)
+    plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer_shim(run_dir, host_run_dir) if shim else None,
+                          cdi_kind=cdi)
+    plugin.set_health(node.bad())
     sources = []
     if api not in ("auto", "on", "off"):
         raise ConfigError(f"invalid --api {api!r}", "give auto, on or off")
@@ -63,7 +72,7 @@ def kube(
     sources.append(KubeletLogPods(log_root))
     syncer = PodSync(os.path.join(run_dir, "control.sock"), sources, unit_b, pod_resources, resource) if limits else None
     common.stop_on_signals()
-    agent = Agent(plugin, syncer, lambda: inventory(nvml, gm, res_b) or gpus, sync)
+    agent = Agent(plugin, syncer, node.read, sync, inventory_every, bad=node.bad, watch=node.watch)
     log.info("serving %s: %d units of %s on %d GPU(s); plugin socket %s", resource, len(plugin.ids),
                 unit, len(gpus), plugin.socket)
     try:

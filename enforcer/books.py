@@ -47,6 +47,20 @@ class Box:
 class Books:
     """Part of Enforcer (enforcer/daemon.py): what the books say, per container and device."""
 
+    def _limit(self, box: Box, dev: int) -> int:
+        """L_c on one GPU: the container's limit, or where its pod's grant spans GPUs, the
+        pod's share on this one (the Kubernetes agent's split, docs/KUBERNETES.md)."""
+        return self.rules.share(box.container, self._gpu_key(dev), box.limit, box.source)
+
+    def _gpu_key(self, dev: int) -> str:
+        """The GPU's key as the Kubernetes agent names it: NVML's uuid, else gpu<index>."""
+        keys = getattr(self, "_gpu_keys", None)
+        if keys is None:
+            nvml = getattr(self, "nvml", None)
+            keys = self._gpu_keys = {g.index: g.uuid for g in nvml.gpus() if g.uuid} \
+                if nvml is not None and nvml.ok else {}
+        return keys.get(dev) or f"gpu{dev}"
+
     def _usage(self, box: Box, dev: int) -> tuple[int, int, int]:
         """(live bytes, contexts, reserved) of a container on a device: BPF's counters plus
         what was adopted at placement (BPF's `used` may have wrapped below zero: see charged()
@@ -100,9 +114,9 @@ class Books:
                 continue
             held = self._held(b, dev)
             w = b.waiting.get(dev)
-            out.append(policies.Claim(b.container.id, b.limit,
+            out.append(policies.Claim(b.container.id, self._limit(b, dev),
                                       max(held, b.assigned[dev]) if w is None else held,
-                                      stuck=w is not None and (w.over_limit or self._demand(b, dev) > b.limit)))
+                                      stuck=w is not None and (w.over_limit or self._demand(b, dev) > self._limit(b, dev))))
         return out
 
     def find(self, container: str) -> Box:

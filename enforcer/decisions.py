@@ -26,9 +26,9 @@ class Decisions:
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
                 demand = self._demand(box, dev)
-                if demand <= box.assigned[dev] and demand <= box.limit:
+                if demand <= box.assigned[dev] and demand <= self._limit(box, dev):
                     # running, it may use all of its assignment: only as much as is safe
-                    me = policies.Claim(box.container.id, box.limit, self._held(box, dev))
+                    me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
                     top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
                                                    demand, box.assigned[dev])
                     if top is not None:
@@ -47,12 +47,12 @@ class Decisions:
             if dev not in box.waiting:
                 continue
             demand = self._demand(box, dev)
-            if demand > box.limit:
+            if demand > self._limit(box, dev):
                 self._over_limit(box, dev, demand)
                 continue
             w = box.waiting[dev]
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
-                                         suspended_at=w.since, limit=box.limit,
+                                         suspended_at=w.since, limit=self._limit(box, dev),
                                          assigned=box.assigned[dev], used=demand, request=0,
                                          held=self._held(box, dev)))
         free = self._free(dev)
@@ -106,11 +106,11 @@ class Decisions:
             w.over_limit = True
             box.over_limits += 1
             log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
-                        format_size(demand), format_size(box.limit),
+                        format_size(demand), format_size(self._limit(box, dev)),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
         if w.wakes:   # the shim can fail the call: a real out-of-memory error
             self.broker.granted(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
-                                                            f"above its limit {format_size(box.limit)}"})
+                                                            f"above its limit {format_size(self._limit(box, dev))}"})
             for pid, size, _ in w.wakes:
                 w.unreserved -= size
                 w.pids.discard(pid)

@@ -126,13 +126,13 @@ class Events:
         on top of what it already holds) is not (policies.assign_new)."""
         free = self._free(dev)
         held = self._held(box, dev)
-        box.assigned[dev] = policies.assign_new(box.limit, free, self._claims(dev, but=box),
+        box.assigned[dev] = policies.assign_new(self._limit(box, dev), free, self._claims(dev, but=box),
                                                 self.capacity.get(dev, 0), held, held + request,
                                                 box.container.id)
         self._ensure_state(box, dev)
         self._write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
-                 format_size(box.assigned[dev]), format_size(box.limit))
+                 format_size(box.assigned[dev]), format_size(self._limit(box, dev)))
 
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True):
         self.broker.revoke(box, dev)   # credit of the container's shim processes: for the waiter

@@ -12,9 +12,14 @@ excess); the HTTP threads only read the last one, so a scrape never touches BPF 
 enforcer's books while the loop changes them. NVML's per-GPU used/total is read at scrape time,
 as dcgm-exporter does: NVML is thread-safe and holds nothing of ours."""
 import logging
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import start_http_server
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import generate_latest, make_wsgi_app
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -152,15 +157,75 @@ def render(status: dict, usage=(), excess=None, gpus=()) -> str:
     return generate_latest(reg).decode()
 
 
-class MetricsServer:
-    """prometheus_client's own HTTP server (a thread per scrape, daemon threads: it never keeps
-    the process alive) on the configured address; any path serves the metrics."""
+@dataclass(frozen=True)
+class Tls:
+    """HTTPS for the scrape, and with `client_ca` mutual TLS: only a client whose certificate
+    that CA signed (the cluster's Prometheus) reads the metrics (docs/SECURITY.md row 11)."""
+    cert: str
+    key: str
+    client_ca: str | None = None
 
-    def __init__(self, port: int, address: str = "127.0.0.1", nvml=None):
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.client_ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.verify_mode = ssl.CERT_REQUIRED if self.client_ca else ssl.CERT_NONE
+        return ctx
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args):   # one line per scrape on stderr is noise
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """prometheus_client's WSGI app behind a server that a scraper cannot exhaust: at most
+    `slots` connections at once (more are closed at accept), each with a socket timeout, and
+    the TLS handshake in the connection's thread under that timeout. prometheus_client's own
+    start_http_server starts a thread per connection with no timeout and, with TLS, makes the
+    handshake inside accept(): one client that connects and sends nothing stops every scrape."""
+    daemon_threads = True
+    block_on_close = False
+    slots: threading.BoundedSemaphore
+    io_timeout = 10.0
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self):
+        conn, addr = self.socket.accept()
+        conn.settimeout(self.io_timeout)
+        return conn, addr
+
+    def verify_request(self, request, client_address) -> bool:
+        return self.slots.acquire(blocking=False)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            if self.tls is not None:
+                request = self.tls.wrap_socket(request, server_side=True)
+            self.finish_request(request, client_address)
+        except (OSError, ssl.SSLError) as e:   # a client gone, slow, or without a certificate
+            log.debug("metrics: %s: %s", client_address, e)
+        finally:
+            self.shutdown_request(request)
+            self.slots.release()
+
+
+class MetricsServer:
+    """The metrics over HTTP(S) on the configured address (a thread of its own, daemon: it never
+    keeps the process alive); any path serves the metrics."""
+
+    def __init__(self, port: int, address: str = "127.0.0.1", nvml=None, tls: Tls | None = None,
+                 max_connections: int = 8, timeout: float = 10.0):
         self.collector = StatusCollector(nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
-        self.httpd, self.thread = start_http_server(port, addr=address, registry=self.registry)
+        server = type("MetricsHTTPServer", (_BoundedServer,), {
+            "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET,
+            "slots": threading.BoundedSemaphore(max_connections), "io_timeout": timeout,
+            "tls": tls.context() if tls else None})
+        self.httpd = make_server(address, port, make_wsgi_app(self.registry), server, handler_class=_Quiet)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+        self.thread.start()
         self.port = self.httpd.server_address[1]
 
     def publish(self, status: dict, usage=(), excess=None) -> None:

@@ -29,7 +29,7 @@ class Reporting:
                 used, contexts, reserved = self._usage(box, dev)
                 w = box.waiting.get(dev)
                 per[str(dev)] = {
-                    "assigned": box.assigned[dev], "used": used,
+                    "limit": self._limit(box, dev), "assigned": box.assigned[dev], "used": used,
                     "context_overhead": self._ctx_held(box, dev, 0, contexts),
                     "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,

@@ -26,7 +26,7 @@ class RuntimeChanges:
         box.limit, box.source = limit, source
         for dev in box.assigned:
             self.broker.revoke(box, dev)
-            box.assigned[dev] = min(box.assigned[dev], max(limit, self._demand(box, dev)))
+            box.assigned[dev] = min(box.assigned[dev], max(self._limit(box, dev), self._demand(box, dev)))
             self._write_assign(box, dev)
             if dev in box.waiting:
                 box.waiting[dev].over_limit = False

@@ -1,57 +1,88 @@
-"""The node agent's loop (`convgpu kube`): the device plugin in its own thread, the GPU inventory
-re-read every `inventory_every` seconds (a change reaches the kubelet through ListAndWatch), and
-the pods' limits sent to the enforcer every `sync_every` seconds."""
+"""The node agent's loop (`convgpu kube`): the device plugin in its own thread, the GPUs re-read
+every `inventory_every` seconds (a change of inventory or of health reaches the kubelet through
+ListAndWatch; kube/health.py), and the pods' limits sent to the enforcer every `sync_every`
+seconds. Neither a failing read nor a failing sync ends the loop: the kubelet would otherwise
+see the plugin's stream close and take every unit down."""
 import logging
 import threading
 import time
 
-from . import devices as dv
 from .plugin import DevicePlugin
 
 log = logging.getLogger(__name__)
 
 
-def inventory(nvml, gpu_memory: int | None, reserve: int) -> list[dv.Gpu]:
-    """The GPUs NVML lists, each sharing --gpu-memory or its total less --reserve (what
-    `convgpu enforce` shares with the same options). Without NVML, one GPU of --gpu-memory."""
-    if not nvml.ok:
-        return [dv.Gpu(0, gpu_memory)] if gpu_memory else []
-    out = []
-    for g in nvml.gpus():
-        try:
-            minor = nvml._n.nvmlDeviceGetMinorNumber(nvml._n.nvmlDeviceGetHandleByIndex(g.index))
-        except Exception:
-            minor = None
-        cap = gpu_memory if gpu_memory else max(0, g.total - reserve)
-        out.append(dv.Gpu(g.index, cap, g.uuid, minor))
-    return out
-
-
 class Agent:
     def __init__(self, plugin: DevicePlugin, sync, read_gpus, sync_every: float = 2.0,
-                 inventory_every: float = 30.0):
+                 inventory_every: float = 5.0, bad=None, watch=None):
+        """read_gpus() -> [Gpu]; bad() -> keys of unhealthy GPUs (after a read); watch(stop,
+        changed): a blocking event watcher (XIDs) run in a thread of its own."""
         self.plugin, self.sync, self.read_gpus = plugin, sync, read_gpus
+        self.bad, self.watch = bad, watch
         self.sync_every, self.inventory_every = sync_every, inventory_every
         self.stop = threading.Event()
+        self._wake = threading.Event()
+
+    def _read(self):
+        try:
+            gpus = self.read_gpus()
+            if gpus:
+                self.plugin.set_gpus(gpus)
+            if self.bad is not None:
+                self.plugin.set_health(self.bad())
+        except Exception as e:    # NVML or the driver: the last inventory stays
+            log.warning("GPU inventory not read: %s", e)
 
     def run(self, duration: float = 0.0, on_step=None):
-        t = threading.Thread(target=self.plugin.run, args=(self.stop,), name="device-plugin", daemon=True)
-        t.start()
+        threads = [threading.Thread(target=self.plugin.run, args=(self.stop,), name="device-plugin", daemon=True)]
+        if self.watch is not None:
+            threads.append(threading.Thread(target=self.watch, args=(self.stop, self._changed),
+                                            name="gpu-events", daemon=True))
+        for t in threads:
+            t.start()
         end = time.monotonic() + duration if duration else None
         next_inv = time.monotonic() + self.inventory_every
+        next_sync = 0.0
         try:
             while not self.stop.is_set() and (end is None or time.monotonic() < end):
-                if time.monotonic() >= next_inv:
-                    self.plugin.set_gpus(self.read_gpus())
-                    next_inv = time.monotonic() + self.inventory_every
-                if self.sync is not None:
+                now = time.monotonic()
+                if now >= next_inv or self._wake.is_set():
+                    self._wake.clear()
+                    self._read()
+                    next_inv = now + self.inventory_every
+                if self.sync is not None and now >= next_sync:
                     try:
                         self.sync.round()
                     except Exception as e:   # kubelet or enforcer restarting: next round
                         log.warning("pod limits not synced: %s", e)
+                    next_sync = now + self.sync_every
                 if on_step:
                     on_step()
-                self.stop.wait(self.sync_every)
+                self._wake.wait(min(self.sync_every, self.inventory_every, 0.5))
         finally:
             self.stop.set()
-            t.join(timeout=10)
+            for t in threads:
+                t.join(timeout=10)
+
+    def _changed(self):
+        self._wake.set()
+
+
+def offer_shim(run_dir: str, host_run_dir: str | None = None):
+    """Put the package's libconvgpu.so where Allocate can mount it from (the host's run dir:
+    root's, outside any container) and say what to mount: that copy and the enforcer's shim
+    dir, both read-only (kube/devices.py). The copy replaces the old one by rename, so a pod
+    starting meanwhile mounts one whole library, old or new."""
+    import os
+    import shutil
+
+    from ..cli.shim import library
+    from . import devices as dv
+    lib_dir = os.path.join(run_dir, "lib")
+    os.makedirs(lib_dir, mode=0o755, exist_ok=True)
+    tmp = os.path.join(lib_dir, f".libconvgpu.so.{os.getpid()}")
+    shutil.copyfile(library(), tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, os.path.join(lib_dir, "libconvgpu.so"))
+    host = host_run_dir or run_dir
+    return dv.ShimOffer(os.path.join(host, "lib", "libconvgpu.so"), os.path.join(host, "shim"))

@@ -7,6 +7,8 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 
+from .api import HEALTHY, UNHEALTHY
+
 log = logging.getLogger(__name__)
 SEP = "::"     # device id = <gpu key>::<unit number>, the separator NVIDIA's time-slicing uses
 UNIT = 256 << 20
@@ -17,6 +19,27 @@ CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "
 # NVIDIA_VISIBLE_DEVICES from unprivileged pods (accept-nvidia-visible-devices-envvar-when-
 # unprivileged = false, as the GPU operator may set it): /dev/null mounted at this dir/<GPU>.
 DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
+# CDI names of the GPUs (nvidia-ctk cdi generate: nvidia.com/gpu=<index|uuid|all>), for runtimes
+# that inject GPUs by CDI and ignore NVIDIA_VISIBLE_DEVICES (no `nvidia` runtime class).
+CDI_KIND = "nvidia.com/gpu"
+# Where a pod finds the preload shim (docs/SHIM.md's paths): the library, read-only, and the
+# shim's socket dir, read-only (row 12 of docs/SECURITY.md: a writable mount lets a root tenant
+# put its own socket in a neighbour's path).
+SHIM_LIB = "/opt/convgpu/libconvgpu.so"
+SHIM_DIR = "/run/convgpu/shim"
+
+
+@dataclass(frozen=True)
+class ShimOffer:
+    """The host's copies that Allocate mounts into every container with units."""
+    lib: str           # the host path of libconvgpu.so (root-owned, outside any container)
+    sock_dir: str      # the host path of the enforcer's shim dir (shim.sock)
+
+    def envs(self) -> dict[str, str]:
+        return {"LD_PRELOAD": SHIM_LIB, "CONVGPU_SHIM_SOCKET": f"{SHIM_DIR}/shim.sock"}
+
+    def mounts(self) -> list[tuple[str, str]]:
+        return [(SHIM_LIB, self.lib), (SHIM_DIR, self.sock_dir)]
 
 
 @dataclass(frozen=True)
@@ -38,6 +61,12 @@ class Gpu:
 
 def units_of(gpu: Gpu, unit: int) -> int:
     return gpu.capacity // unit
+
+
+def health(ids: list[str], bad: set[str]) -> list[tuple[str, str]]:
+    """[(id, Healthy|Unhealthy)]: the units of a GPU in `bad` (by key) are unhealthy, the rest
+    healthy, so one GPU's XID takes only its own units out of the kubelet's count."""
+    return [(d, UNHEALTHY if gpu_key(d) in bad else HEALTHY) for d in ids]
 
 
 def device_ids(gpus: list[Gpu], unit: int) -> list[str]:
@@ -93,9 +122,19 @@ class Grant:
     envs: dict[str, str]
     devices: list[tuple[str, str, str]]    # (container path, host path, permissions)
     mounts: list[tuple[str, str]]           # (container path, host path), read-only
+    shares: dict[str, int]                  # gpu key -> bytes of the grant on that GPU
+    cdi: list[str]                          # CDI device names of its GPUs
 
 
-def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev") -> Grant:
+def shares(ids, unit: int) -> dict[str, int]:
+    """{gpu key: bytes}: a grant's units counted per GPU. The enforcer limits a container on
+    each GPU to that GPU's share, so a grant spread 316 + 84 over two GPUs allows 100 GiB in
+    all, as the scheduler counted, not 100 GiB on each (docs/KUBERNETES.md)."""
+    return {k: len(v) * unit for k, v in sorted(_by_gpu(ids).items())}
+
+
+def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev",
+             shim: ShimOffer | None = None, cdi_kind: str = CDI_KIND) -> Grant:
     """The container's GPUs made visible (NVIDIA_VISIBLE_DEVICES, read by the NVIDIA container
     toolkit's runtime hook, and the same list as mounts under DEVICE_LIST_DIR) and their device
     nodes (for runtimes without the hook). The limit
@@ -107,10 +146,14 @@ def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev")
         if d not in known:
             raise KeyError(d)
     used = [by_key[k] for k in sorted(_by_gpu(ids), key=lambda k: by_key[k].index)]
+    split = shares(ids, unit)
     if len(used) > 1:
-        log.warning("units %s span %d GPUs; each is visible, each limited to the total", ids, len(used))
+        log.info("%d units span %d GPUs: limited on each to its share (%s)", len(ids), len(used),
+                 ", ".join(f"{k} {v >> 20} MiB" for k, v in split.items()))
     envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(g.visible for g in used),
             "CONVGPU_GPU_MEMORY_LIMIT": str(len(ids) * unit)}
+    if shim is not None:
+        envs.update(shim.envs())
     nodes = [f"/dev/nvidia{g.index if g.minor is None else g.minor}" for g in used] + list(CONTROL_NODES)
     devices = []
     for node in nodes:
@@ -118,4 +161,7 @@ def allocate(ids: list[str], gpus: list[Gpu], unit: int, dev_root: str = "/dev")
         if os.path.exists(host):   # a node the host lacks (no modeset module) is not asked for
             devices.append((node, host, "rw"))
     mounts = [(f"{DEVICE_LIST_DIR}/{g.visible}", "/dev/null") for g in used]
-    return Grant(used, len(ids), envs, devices, mounts)
+    if shim is not None:
+        mounts += shim.mounts()
+    return Grant(used, len(ids), envs, devices, mounts, split,
+                 [f"{cdi_kind}={g.visible}" for g in used] if cdi_kind else [])

@@ -1,6 +1,9 @@
 """`convgpu doctor`'s Kubernetes section: the kubelet's sockets, our resource registered (our
-socket answering, and the kubelet's checkpoint listing the resource's devices), pods seen
-through the pod-resources API. Every check is advisory: tracing works without Kubernetes."""
+socket answering with its units and how many are unhealthy, and the kubelet's checkpoint listing
+the resource's devices), pods seen through the pod-resources API, the enforcer's loop answering.
+Every check is advisory: tracing works without Kubernetes. The DaemonSet mounts the kubelet's
+two socket dirs read-only into the enforcer's container too, so that one `kubectl exec ... -c
+enforce -- convgpu doctor` checks BPF, the kubelet, the plugin and the enforcer together."""
 import json
 import os
 
@@ -13,7 +16,7 @@ CHECKPOINT = "kubelet_internal_checkpoint"   # the device manager's record of re
 
 
 def checks(plugin_dir: str = PLUGIN_DIR, pod_resources: str = POD_RESOURCES,
-           resource: str = dv.RESOURCE) -> list[tuple[str, bool, str, str]]:
+           resource: str = dv.RESOURCE, run_dir: str = "/run/convgpu") -> list[tuple[str, bool, str, str]]:
     """[(name, ok, detail, fix)]; one line only when this host runs no kubelet."""
     kubelet = os.path.join(plugin_dir, api.KUBELET_SOCKET)
     if not os.path.exists(kubelet) and not os.path.exists(pod_resources):
@@ -32,9 +35,11 @@ def checks(plugin_dir: str = PLUGIN_DIR, pod_resources: str = POD_RESOURCES,
     try:
         with grpc.insecure_channel(api.unix(ours)) as ch:
             stream = s.DevicePluginStub(ch).ListAndWatch(m.Empty(), timeout=3)
-            units = len(next(iter(stream)).devices)
+            devices = next(iter(stream)).devices
             stream.cancel()
-        out.append((f"{resource} plugin", True, f"{ours}: {units} units", ""))
+        bad = sum(d.health != api.HEALTHY for d in devices)
+        out.append((f"{resource} plugin", bad == 0, f"{ours}: {len(devices)} units" + (f", {bad} unhealthy" if bad else ""),
+                    "" if bad == 0 else "a GPU's XID or NVML error: see `convgpu kube`'s log and nvidia-smi -q"))
     except Exception as e:
         out.append((f"{resource} plugin", False, f"{ours}: {_why(e)}", "run `convgpu kube` (the DaemonSet's kube container)"))
     try:
@@ -54,6 +59,11 @@ def checks(plugin_dir: str = PLUGIN_DIR, pod_resources: str = POD_RESOURCES,
                     f"({sum(len(a.devices) for a in with_units)} units)", ""))
     except Exception as e:
         out.append(("pods seen", False, f"{pod_resources}: {_why(e)}", "the kubelet's pod-resources API (on by default since 1.15)"))
+    try:
+        from .probe import enforcer
+        out.append(("enforcer", True, enforcer(run_dir), ""))
+    except (OSError, ValueError, RuntimeError) as e:
+        out.append(("enforcer", False, f"{run_dir}/control.sock: {e}", "the DaemonSet's enforce container: see its log"))
     return out
 
 

@@ -37,9 +37,11 @@ class _Servicer:
                 if self.p.version == seen:
                     self.p.changed.wait(timeout=0.5)
                     continue
-                seen, ids = self.p.version, list(self.p.ids)
-            log.info("ListAndWatch: %d devices of %s", len(ids), self.p.resource)
-            yield m.ListAndWatchResponse(devices=[m.Device(ID=i, health=api.HEALTHY) for i in ids])
+                seen, ids, bad = self.p.version, list(self.p.ids), set(self.p.bad)
+            rows = dv.health(ids, bad)
+            log.info("ListAndWatch: %d devices of %s, %d unhealthy", len(rows), self.p.resource,
+                     sum(h == api.UNHEALTHY for _, h in rows))
+            yield m.ListAndWatchResponse(devices=[m.Device(ID=i, health=h) for i, h in rows])
 
     def GetPreferredAllocation(self, request, context):
         m, _ = api.deviceplugin()
@@ -55,7 +57,8 @@ class _Servicer:
         out = []
         for r in request.container_requests:
             try:
-                g = dv.allocate(list(r.devices_ids), self.p.gpus, self.p.unit, self.p.dev_root)
+                g = dv.allocate(list(r.devices_ids), self.p.gpus, self.p.unit, self.p.dev_root,
+                                self.p.shim, self.p.cdi_kind)
             except KeyError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {e.args[0]!r} for {self.p.resource}")
             log.info("Allocate: %d units (%d MiB) on GPU %s", g.units, g.units * self.p.unit >> 20,
@@ -64,7 +67,8 @@ class _Servicer:
             out.append(m.ContainerAllocateResponse(
                 envs=g.envs, devices=[m.DeviceSpec(container_path=c, host_path=h, permissions=p)
                                       for c, h, p in g.devices],
-                mounts=[m.Mount(container_path=c, host_path=h, read_only=True) for c, h in g.mounts]))
+                mounts=[m.Mount(container_path=c, host_path=h, read_only=True) for c, h in g.mounts],
+                cdi_devices=[m.CDIDevice(name=n) for n in g.cdi]))
         return m.AllocateResponse(container_responses=out)
 
     def PreStartContainer(self, request, context):
@@ -74,8 +78,11 @@ class _Servicer:
 
 class DevicePlugin:
     def __init__(self, plugin_dir: str, gpus: list[dv.Gpu], unit: int = dv.UNIT,
-                 resource: str = dv.RESOURCE, endpoint: str = ENDPOINT, dev_root: str = "/dev"):
+                 resource: str = dv.RESOURCE, endpoint: str = ENDPOINT, dev_root: str = "/dev",
+                 shim: dv.ShimOffer | None = None, cdi_kind: str = dv.CDI_KIND):
         self.dir, self.unit, self.resource, self.endpoint, self.dev_root = plugin_dir, unit, resource, endpoint, dev_root
+        self.shim, self.cdi_kind = shim, cdi_kind
+        self.bad: set[str] = set()   # keys of the GPUs whose units are unhealthy
         self.gpus: list[dv.Gpu] = []
         self.ids: list[str] = []
         self.version = 0
@@ -107,6 +114,17 @@ class DevicePlugin:
             self.version += 1
             self.changed.notify_all()
         log.info("%s: %d units of %d MiB on %d GPU(s)", self.resource, len(ids), self.unit >> 20, len(gpus))
+        return True
+
+    def set_health(self, bad: set[str]) -> bool:
+        """The GPUs (by key) now unhealthy: ListAndWatch sends the list again when it changed."""
+        with self.changed:
+            if set(bad) == self.bad:
+                return False
+            self.bad = set(bad)
+            self.version += 1
+            self.changed.notify_all()
+        log.warning("%s: unhealthy GPU(s): %s", self.resource, ", ".join(sorted(bad)) or "none")
         return True
 
     # --- serving and registering ---

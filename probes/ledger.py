@@ -4,7 +4,9 @@ enforcer's code is the same in both modes, but its tables are Python dicts, fed 
 preload shims report (enforcer/serving/broker.py): their allocations, frees and contexts. Only processes
 under the shim are seen, and nothing is ever stopped: a shim waits in the calling thread or
 gets an out-of-memory error. Exits come from pidfds, so a process that dies without a word
-leaves its container at once, as the kernel's exit probe does in BPF mode."""
+leaves its container at once, as the kernel's exit probe does in BPF mode; execs from the
+kernel's process connector (probes/procevents.py), so a new image starts empty, as BPF's exec
+tracepoint makes it, and is placed again at its own hello."""
 import contextlib
 import os
 import select
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .events import Event
+from .procevents import ProcEvents, image_of
 from .tracer import ProcUsage
 
+IMAGE_CHECK_S = 1.0     # without the connector (or after it lost events): images compared this often
 DEV_PAGE = 2 << 20      # as bpf/convgpu.bpf.c: device page of linear allocations
 SUBALLOC_MAX = 1 << 20  # at most this is sub-allocated inside shared pages
 SHIM_MEMBER = 1 << 63   # bpf/convgpu.h: the membership flag of processes under the shim
@@ -77,7 +81,10 @@ class Ledger:
         self.primary: set[tuple[int, int]] = set()   # (pid, device): primary context counted
         self.comm: dict[int, str] = {}
         self._fds: dict[int, int] = {}               # pidfd -> pid
+        self._images: dict[int, tuple | None] = {}   # pid -> image_of(pid) when last seen
         self._ep = None
+        self._pe: ProcEvents | None = None
+        self._checked = 0.0                          # last comparison of every image
         self._events: list[Event] = []
 
     # --- the tracer's face ---
@@ -89,24 +96,54 @@ class Ledger:
                   b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls")),
                   b"members": Table((), ())}
         self._ep = select.epoll()
+        self._pe = ProcEvents().open()
+        if self._pe is not None:
+            self._ep.register(self._pe.fileno(), select.EPOLLIN)
         return self
 
     def close(self, background: bool = False) -> None:   # nothing to detach (probes/tracer.py's)
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+        if self._pe is not None:
+            self._pe.close()
         if self._ep is not None:
             self._ep.close()
         self.b = None
 
     def fileno(self) -> int:
-        return self._ep.fileno()   # readable when a watched process exits
+        return self._ep.fileno()   # readable when a watched process exits or anything execs
 
     def poll(self) -> list[Event]:
+        lost = self._pe is None
         for fd, _ in self._ep.poll(0):
-            self._exit(self._fds[fd], fd)
+            if self._pe is not None and fd == self._pe.fileno():
+                execs, lost = self._pe.read()
+                for pid in execs:
+                    self.exec_seen(pid)
+            elif fd in self._fds:
+                self._exit(self._fds[fd], fd)
+        now = time.monotonic()
+        if lost and now - self._checked >= IMAGE_CHECK_S:   # an exec we were not told of
+            self._checked = now
+            for pid in list(self._images):
+                self.exec_seen(pid)
         out, self._events = self._events, []
         return out
+
+    def exec_seen(self, pid: int) -> Event | None:
+        """If pid runs another image than when last seen (it exec'd): the old image's rows are
+        released now and the exec event is returned (and queued for poll()). The broker asks this
+        before each shim message, so a new image's hello, which may come before the connector's
+        event is read, never lands in the old image's books."""
+        image = image_of(pid)
+        if pid not in self._images or image in (self._images[pid], None):
+            return None
+        self._images[pid] = image
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/comm") as f:
+                self.comm[pid] = f.read().strip()
+        return self._release(pid, "exec")
 
     def usage(self) -> list[ProcUsage]:
         return [ProcUsage(pid=pid, dev=dev, gen=0, cgroup_id=0, comm=self.comm.get(pid, ""), live=r.live,
@@ -131,6 +168,7 @@ class Ledger:
             return
         self._fds[fd] = pid
         self._ep.register(fd, select.EPOLLIN)
+        self._images[pid] = image_of(pid)
         try:
             with open(f"/proc/{pid}/comm") as f:
                 self.comm[pid] = f.read().strip()
@@ -187,6 +225,13 @@ class Ledger:
         self._ep.unregister(fd)
         os.close(fd)
         del self._fds[fd]
+        self._images.pop(pid, None)
+        self._release(pid, "exit")
+        self.comm.pop(pid, None)
+
+    def _release(self, pid: int, op: str) -> Event:
+        """Everything pid held leaves its container, and an event says so, as BPF's exit and exec
+        tracepoints do (process_gone in bpf/convgpu.bpf.c)."""
         left = contexts = 0
         for dev, r in self.rows.pop(pid, {}).items():
             self._charge(pid, dev, -r.live, -r.contexts)
@@ -194,9 +239,9 @@ class Ledger:
             contexts += max(r.contexts, 0)
         self.primary = {p for p in self.primary if p[0] != pid}
         self.b[b"members"].pop(pid, None)
-        self._event(pid, "exit", -1, left, contexts)   # as BPF's exit event
-        self.comm.pop(pid, None)
+        return self._event(pid, op, -1, left, contexts)
 
-    def _event(self, pid: int, op: str, dev: int, size: int, live: int) -> None:
-        self._events.append(Event(time.monotonic_ns(), pid, pid, self.comm.get(pid, ""), 0, op, "shim", None,
-                                  dev, 0, size, live, 0, 0))
+    def _event(self, pid: int, op: str, dev: int, size: int, live: int) -> Event:
+        e = Event(time.monotonic_ns(), pid, pid, self.comm.get(pid, ""), 0, op, "shim", None, dev, 0, size, live, 0, 0)
+        self._events.append(e)
+        return e

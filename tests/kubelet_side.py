@@ -91,3 +91,37 @@ class Kubelet:
         fresh = Kubelet(self.dir, self.pod_resources)
         fresh.pods = self.pods
         return fresh.start()
+
+
+class Node:
+    """A GPU node for `convgpu kube` in a subprocess: the stand-in NVML (build/standin-nvml) with
+    `gpus` GPUs of `capacity` bytes, and its faults file (tests/standin/libnvidia-ml.c): an XID
+    event, a GPU lost to NVML, MIG mode on a GPU."""
+
+    def __init__(self, build, tmp, gpus: int = 2, capacity: int = 4 << 30):
+        self.faults = os.path.join(str(tmp), "nvml-faults")
+        open(self.faults, "w").close()
+        self.env = {"LD_LIBRARY_PATH": os.path.join(str(build), "standin-nvml"), "CONVGPU_STANDIN_GPUS": str(gpus),
+                    "CONVGPU_STANDIN_CAPACITY": str(capacity), "CONVGPU_STANDIN_NVML_FAULTS": self.faults}
+        self.uuids = [f"GPU-5374616e-64696e-00000000000{i:x}" for i in range(gpus)]
+
+    def _add(self, line: str):
+        with open(self.faults, "a") as f:
+            f.write(line + "\n")
+
+    def xid(self, gpu: int, code: int):
+        self._add(f"xid {gpu} {code}")
+
+    def lose(self, gpu: int):
+        self._add(f"lost {gpu}")
+
+    def mig(self, gpu: int):
+        self._add(f"mig {gpu}")
+
+    def heal(self):
+        """Every lost GPU answers again, MIG off; XIDs already delivered stay delivered."""
+        with open(self.faults) as f:
+            keep = [line for line in f if line.startswith("xid ")]
+        with open(self.faults + ".new", "w") as f:
+            f.writelines(keep)
+        os.replace(self.faults + ".new", self.faults)

@@ -15,6 +15,7 @@ too (pending = credit unspent + taken but not yet reported), and every unspent b
 container comes back (`revoke`) before any other request of it is decided."""
 import ctypes as ct
 import logging
+import time
 from collections import defaultdict
 
 from ...probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
@@ -39,6 +40,10 @@ class ShimBroker:
 
     def _box(self, pid: int):
         enf = self.enf
+        if self.ledger is not None:   # an exec not yet read from the connector: the old image leaves first
+            e = self.ledger.exec_seen(pid)
+            if e is not None:
+                enf._take([e], time.monotonic())
         box = enf.pid_box.get(pid)
         if box is None:
             box = enf._box_for(pid)
@@ -62,7 +67,7 @@ class ShimBroker:
         if page is None:
             page = self.pages[pid] = CreditPage(DEV_PAGE, SUBALLOC_MAX)
         return ({"limit": box.limit, "credit": page.id,
-                 "devices": {str(d): min(box.limit, cap) for d, cap in sorted(self.enf.capacity.items())}},
+                 "devices": {str(d): min(self.enf._limit(box, d), cap) for d, cap in sorted(self.enf.capacity.items())}},
                 page.fd)
 
     def shim_ask(self, pid: int, dev: int, size: int, wake):
@@ -76,11 +81,12 @@ class ShimBroker:
         self.revoke(box, dev)
         size = footprint(size)   # what it will be charged: whole device pages above 1 MiB
         need = enf._demand(box, dev) + size
-        if need > box.limit:
+        if need > enf._limit(box, dev):
             box.over_limits += 1
             self.say(box.name, logging.WARNING, "deny %s pid %d on GPU%d: %s would bring it to %s, above its "
-                     "limit %s", box.name, pid, dev, format_size(size), format_size(need), format_size(box.limit))
-            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(box.limit)}"}
+                     "limit %s", box.name, pid, dev, format_size(size), format_size(need),
+                     format_size(enf._limit(box, dev)))
+            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(enf._limit(box, dev))}"}
         if need <= box.assigned[dev]:
             self._hold(box, pid, dev, size)
             self._credit(box, pid, dev)
@@ -161,7 +167,7 @@ class ShimBroker:
         else:                    # a walk of BPF's usage map: only where there are others to tell apart
             contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
         procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), enf.excess.get((q, dev))) for q in box.pids}
-        return memview.view(min(box.limit, enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
+        return memview.view(min(enf._limit(box, dev), enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
 
     def ceiling(self, dev: int) -> ctxest.Estimate:
         """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""

@@ -1,23 +1,37 @@
 """The `pod-limits` control command: the Kubernetes agent's whole set of limits (kube/pods.py),
-keyed by container id or pod uid. It replaces the previous set, and every running container's
+keyed by container id or pod uid, each [bytes, source] or [bytes, source, {"lower_only": bool,
+"gpus": {host GPU key: bytes}}] (enforcer/tenants/limits.py PodLimit). It replaces the previous set, and every running container's
 limit is worked out again, as a reload does: a pod's new or removed grant takes effect at once
 (a waiter that now fits resumes), while `convgpu limit set` and --limit still win."""
 import logging
 
 from ...errors import ConvgpuError
+from ..tenants.limits import PodLimit
 
 log = logging.getLogger(__name__)
 
 
-def parse(raw) -> dict[str, tuple[int, str]]:
+FIX = 'send {key: [bytes, source]} or [bytes, source, {"lower_only": bool, "gpus": {gpu: bytes}}]'
+
+
+def _size(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def parse(raw) -> dict[str, PodLimit]:
     if not isinstance(raw, dict):
-        raise ConvgpuError(f"invalid pod limits {raw!r}", "send {key: [bytes, source]}")
+        raise ConvgpuError(f"invalid pod limits {str(raw)[:200]!r}", FIX)
     out = {}
     for key, v in raw.items():
-        if not (isinstance(key, str) and key and isinstance(v, (list, tuple)) and len(v) == 2
-                and isinstance(v[0], int) and not isinstance(v[0], bool) and v[0] > 0 and isinstance(v[1], str)):
-            raise ConvgpuError(f"invalid pod limit {key!r}: {v!r}", "send {key: [bytes, source]}")
-        out[key] = (v[0], v[1])
+        opts = v[2] if isinstance(v, (list, tuple)) and len(v) == 3 else {}
+        gpus = opts.get("gpus", {}) if isinstance(opts, dict) else None
+        lower = opts.get("lower_only", False) if isinstance(opts, dict) else None
+        if not (isinstance(key, str) and key and isinstance(v, (list, tuple)) and len(v) in (2, 3)
+                and _size(v[0]) and isinstance(v[1], str) and isinstance(lower, bool)
+                and (v[0] > 0 or lower) and isinstance(gpus, dict)
+                and all(isinstance(k, str) and k and _size(b) for k, b in gpus.items())):
+            raise ConvgpuError(f"invalid pod limit {str(key)[:100]!r}: {str(v)[:200]!r}", FIX)
+        out[key] = PodLimit(v[0], v[1], lower, tuple(sorted(gpus.items())))
     return out
 
 

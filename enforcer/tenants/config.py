@@ -32,6 +32,7 @@ SETTINGS = {
     "seed": ("int", None),
     "metrics_port": ("port", None),
     "metrics_address": ("str", None),
+    "metrics_tls": ("str", None),
     "run_dir": ("str", None),
     "state_dir": ("str", None),
     "libs": ("strs", None),
@@ -40,7 +41,7 @@ SETTINGS = {
     "unprobed": ("choice", ("stall", "kill", "allow")),
 }
 # changing these needs a restart: a reload only warns
-RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "gpu_memory", "reserve",
+RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
                 "libs", "discover", "probes", "unprobed")
 MATCHES = ("name", "id", "cgroup", "label")
 

@@ -1,11 +1,14 @@
 """Which limit a container gets, first that applies: `convgpu limit set` at run time, --limit
-NAME_OR_ID=SIZE, the pod's own units or annotation (Kubernetes agent, kube/pods.py), the first
-matching [[rule]] of the config file, the label
-com.nvidia.memory.limit (as in the ConVGPU paper), --default-limit. An operator's rule beats a
-label because whoever starts a container chooses its labels. A bad label never stops the
+NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py), the first matching
+[[rule]] of the config file, the label com.nvidia.memory.limit (as in the ConVGPU paper),
+--default-limit. An operator's rule beats a label because whoever starts a container chooses
+its labels. The pod's annotation convgpu.io/gpu-memory-limit comes last and only lowers: the
+container gets the smaller of it and what the steps above give (its units, else the rules),
+because the pod's author writes it (docs/SECURITY.md, row 10). A bad label never stops the
 daemon: the container gets the default and a warning."""
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ...errors import SizeError
 from ...units import format_size, parse_size
@@ -15,6 +18,19 @@ from .containers import Container
 log = logging.getLogger(__name__)
 LABEL = "com.nvidia.memory.limit"
 DEFAULT_LIMIT = 1 << 30   # the paper's default
+
+
+class PodLimit(NamedTuple):
+    """What the Kubernetes agent says of a container (by id) or a pod (by uid)."""
+    bytes: int
+    source: str
+    # the pod's annotation (or nothing, bytes 0): bounds what the operator's steps give, never
+    # raises it; False: the pod's units, which the scheduler counted (they beat rules)
+    lower_only: bool = False
+    gpus: tuple = ()      # ((host GPU uuid or "gpu<index>", bytes), ...): the grant on each GPU
+
+    def wire(self) -> list:
+        return [self.bytes, self.source, {"lower_only": self.lower_only, "gpus": dict(self.gpus)}]
 
 
 def parse_limit_args(items: list[str]) -> dict[str, int]:
@@ -34,11 +50,40 @@ class LimitRules:
     default: int = DEFAULT_LIMIT
     rules: list[Rule] = field(default_factory=list)
     runtime: dict[str, int] = field(default_factory=dict)   # container id -> `limit set`
-    # container id or pod uid -> (bytes, source), from the Kubernetes agent (`pod-limits`)
-    pods: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # container id or pod uid -> PodLimit, from the Kubernetes agent (`pod-limits`)
+    pods: dict[str, PodLimit] = field(default_factory=dict)
+
+    def pod_limit(self, c: Container) -> PodLimit | None:
+        for key in (c.id, c.pod):   # the container's own entry, else its pod's (id not known yet)
+            if key and key in self.pods:
+                p = self.pods[key]
+                return p if isinstance(p, PodLimit) else PodLimit(*p)   # (bytes, source) as before
+        return None
+
+    def shares_for(self, c: Container) -> dict[str, int]:
+        """{host GPU key: bytes}: where the pod's grant lies, each GPU's share of it (a grant
+        that spans GPUs is limited on each to its share, not to the total on every one)."""
+        p = self.pod_limit(c)
+        return dict(p.gpus) if p is not None and not p.lower_only else {}
+
+    def share(self, c: Container, gpu: str, limit: int, source: str) -> int:
+        """The container's limit on one GPU (gpu: its uuid, else "gpu<index>"): its pod's share
+        there while the limit is the pod's grant (`source` is its source); else `limit`. A GPU
+        the grant does not name (an ordinal not mapped to a host GPU yet) keeps `limit`."""
+        p = self.pod_limit(c)
+        if p is None or p.lower_only or p.source != source:
+            return limit
+        return min(limit, dict(p.gpus).get(gpu, limit))
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
+        pod = self.pod_limit(c)
+        limit, source = self._operator(c, name, labels, pod)
+        if pod is not None and pod.lower_only and 0 < pod.bytes < limit:
+            return pod.bytes, f"{pod.source} (under {format_size(limit)}: {source})"
+        return limit, source
+
+    def _operator(self, c: Container, name, labels, pod: PodLimit | None) -> tuple[int, str]:
         if c.id in self.runtime:
             return self.runtime[c.id], "convgpu limit set"
         for key in (name, c.id, c.short, c.cgroup):
@@ -47,9 +92,8 @@ class LimitRules:
         for key, size in self.explicit.items():
             if len(key) >= 6 and c.id.startswith(key):
                 return size, f"--limit {key}"
-        for key in (c.id, c.pod):   # the pod's own resources (kube/pods.py): beat rules and labels
-            if key and key in self.pods:
-                return self.pods[key]
+        if pod is not None and not pod.lower_only:   # the pod's units: beat rules and labels
+            return pod.bytes, pod.source
         for rule in self.rules:
             if rule.matches(c, name, labels):
                 return rule.limit, rule.source

@@ -3,9 +3,19 @@
  * index), with the NVML ABI (nvml.h: handles are opaque pointers, nvmlReturn_t is an int).
  * Total = $CONVGPU_STANDIN_CAPACITY (default as the stand-in driver), all of it free.
  * Built into build/standin-nvml/, apart from the stand-in driver: the enforcer and the CLI
- * must not find it and take this host for a GPU host. */
+ * must not find it and take this host for a GPU host.
+ *
+ * For the Kubernetes agent's tests (tests/system/test_kube_health.py) it also plays a node of
+ * $CONVGPU_STANDIN_GPUS GPUs (default 1) with UUIDs GPU-5374616e-64696e-0000000000<i>, names,
+ * minors, MIG mode off, and faults read from the file $CONVGPU_STANDIN_NVML_FAULTS, one a line:
+ *   lost I     GPU I answers NVML_ERROR_GPU_IS_LOST while the line is there
+ *   mig I      GPU I has MIG mode on
+ *   xid I C    an XID C event on GPU I, delivered once by nvmlEventSetWait */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 #include "standin_shm.h"
 
@@ -17,7 +27,67 @@
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 
-static int devices[1];   /* one GPU: its handle is &devices[0] */
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_GPU_IS_LOST 15
+#define MAX_GPUS 16
+
+static int devices[MAX_GPUS];   /* GPU i's handle is &devices[i] */
+
+static unsigned int ngpus(void)
+{
+    const char *s = getenv("CONVGPU_STANDIN_GPUS");
+    unsigned long n = s && *s ? strtoul(s, NULL, 0) : 1;
+    return n < 1 ? 1 : n > MAX_GPUS ? MAX_GPUS : (unsigned int)n;
+}
+
+static int gpu_of(void *device)
+{
+    long i = (int *)device - devices;
+    return device && i >= 0 && i < (long)ngpus() ? (int)i : -1;
+}
+
+/* Is the line "<what> <i>" (or, for xid, "<what> <i> <code>") in the faults file? For xid, the
+ * n-th xid line (0-based) with its GPU and code. */
+static int fault(const char *what, int gpu, int nth, int *xgpu, unsigned long long *code)
+{
+    const char *path = getenv("CONVGPU_STANDIN_NVML_FAULTS");
+    char line[128], word[16];
+    int found = 0, seen = 0;
+    FILE *f = path && *path ? fopen(path, "r") : NULL;
+    if (!f)
+        return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        int i;
+        unsigned long long c = 0;
+        if (sscanf(line, "%15s %d %llu", word, &i, &c) < 2 || strcmp(word, what))
+            continue;
+        if (nth < 0)
+            found = i == gpu;
+        else if (seen++ == nth) {
+            *xgpu = i;
+            *code = c;
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+static int check(void *device)
+{
+    int i = gpu_of(device);
+    if (i < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return fault("lost", i, -1, NULL, NULL) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+static int put(char *buf, unsigned int len, const char *s)
+{
+    if (!buf || strlen(s) + 1 > len)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memcpy(buf, s, strlen(s) + 1);
+    return NVML_SUCCESS;
+}
 
 static unsigned long long capacity(void)
 {
@@ -34,7 +104,7 @@ API int nvmlDeviceGetCount_v2(unsigned int *count)
 {
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *count = 1;
+    *count = ngpus();
     return NVML_SUCCESS;
 }
 
@@ -42,24 +112,26 @@ API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device)
 {
     if (!device)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (index != 0)
+    if (index >= ngpus())
         return NVML_ERROR_NOT_FOUND;
-    *device = &devices[0];
+    *device = &devices[index];
     return NVML_SUCCESS;
 }
 
 API int nvmlDeviceGetIndex(void *device, unsigned int *index)
 {
-    if (device != &devices[0] || !index)
+    if (gpu_of(device) < 0 || !index)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *index = 0;
+    *index = gpu_of(device);
     return NVML_SUCCESS;
 }
 
 API int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m)
 {
-    if (device != &devices[0] || !m)
+    if (gpu_of(device) < 0 || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (check(device))
+        return check(device);
     m->total = m->free = capacity();
     m->used = 0;
     return NVML_SUCCESS;
@@ -67,9 +139,105 @@ API int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m)
 
 API int nvmlDeviceGetMemoryInfo_v2(void *device, nvmlMemory_v2_t *m)
 {
-    if (device != &devices[0] || !m)
+    if (gpu_of(device) < 0 || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (check(device))
+        return check(device);
     m->total = m->free = capacity();
     m->reserved = m->used = 0;
     return NVML_SUCCESS;
+}
+
+/* --- a node of several GPUs, its faults and XID events (the Kubernetes agent's tests) --- */
+API int nvmlSystemGetDriverVersion(char *buf, unsigned int len) { return put(buf, len, "580.0-standin"); }
+
+API int nvmlDeviceGetUUID(void *device, char *buf, unsigned int len)
+{
+    char uuid[64];
+    if (check(device))
+        return check(device);
+    snprintf(uuid, sizeof uuid, "GPU-5374616e-64696e-00000000000%x", gpu_of(device));
+    return put(buf, len, uuid);
+}
+
+API int nvmlDeviceGetName(void *device, char *buf, unsigned int len)
+{
+    return check(device) ? check(device) : put(buf, len, "Stand-in GPU");
+}
+
+API int nvmlDeviceGetMinorNumber(void *device, unsigned int *minor)
+{
+    if (check(device) || !minor)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *minor = gpu_of(device);
+    return NVML_SUCCESS;
+}
+
+API int nvmlDeviceGetMigMode(void *device, unsigned int *current, unsigned int *pending)
+{
+    if (check(device) || !current || !pending)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = fault("mig", gpu_of(device), -1, NULL, NULL);
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    void *device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+static int event_set;    /* the one event set's handle is &event_set */
+static int xids_given;   /* xid lines of the faults file delivered so far */
+
+API int nvmlEventSetCreate(void **set)
+{
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *set = &event_set;
+    return NVML_SUCCESS;
+}
+
+API int nvmlEventSetFree(void *set) { (void)set; return NVML_SUCCESS; }
+
+API int nvmlDeviceGetSupportedEventTypes(void *device, unsigned long long *types)
+{
+    if (check(device) || !types)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *types = 0x8 | 0x4;   /* XidCriticalError, DoubleBitEccError */
+    return NVML_SUCCESS;
+}
+
+API int nvmlDeviceRegisterEvents(void *device, unsigned long long types, void *set)
+{
+    (void)types;
+    return set != &event_set ? NVML_ERROR_INVALID_ARGUMENT : check(device);
+}
+
+API int nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    struct timespec tick = {0, 10 * 1000 * 1000};
+    if (set != &event_set || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int waited = 0;; waited += 10) {
+        int gpu;
+        unsigned long long code;
+        if (fault("xid", 0, xids_given, &gpu, &code) && gpu >= 0 && gpu < (int)ngpus()) {
+            xids_given++;
+            memset(data, 0, sizeof *data);
+            data->device = &devices[gpu];
+            data->eventType = 0x8;
+            data->eventData = code;
+            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFF;
+            return NVML_SUCCESS;
+        }
+        if (waited >= timeout_ms)
+            return NVML_ERROR_TIMEOUT;
+        nanosleep(&tick, NULL);
+    }
+}
+
+API int nvmlEventSetWait(void *set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    return nvmlEventSetWait_v2(set, data, timeout_ms);
 }

@@ -51,7 +51,7 @@ def test_a_pod_over_its_units_stalls_one_within_them_runs(root, build, cgroups, 
         with serving(enf):
             sync = PodSync(enf.control_path, [KubeletLogPods(str(logs))], UNIT, str(tmp_path / "pod-resources.sock"))
             sent = sync.round()
-            assert sent == {
+            assert {k: v[:2] for k, v in sent.items()} == {
                 CID_A: (512 * MiB, "pod ml/trainer train: 2 x 256 MiB convgpu.io/gpu-memory"),
                 UID_A: (512 * MiB, "pod ml/trainer train: 2 x 256 MiB convgpu.io/gpu-memory"),
                 UID_B: (2 * GiB, "pod ml/server infer: 8 x 256 MiB convgpu.io/gpu-memory")}

@@ -33,11 +33,35 @@ def objects():
 def test_the_base_renders_these_objects_in_the_convgpu_namespace(objects):
     assert sorted(objects) == [("ClusterRole", "convgpu-pod-reader"), ("ClusterRoleBinding", "convgpu-pod-reader"),
                                ("ConfigMap", "convgpu-options"), ("DaemonSet", "convgpu"), ("Namespace", "convgpu"),
-                               ("Service", "convgpu-metrics"), ("ServiceAccount", "convgpu")]
+                               ("ServiceAccount", "convgpu")]
     for (kind, _), d in objects.items():
         if kind not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
             assert d["metadata"]["namespace"] == "convgpu", kind
     assert objects[("Namespace", "convgpu")]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def schema_check(docs):
+    """Each object read into the Kubernetes client's models (generated from the API's OpenAPI
+    schema) and written back must come out the same: a misspelt or misplaced field is dropped
+    on the way and shows as a difference. Custom resources (ServiceMonitor) are left out."""
+    import json
+    from kubernetes.client import ApiClient
+    api = ApiClient()
+    for d in docs:
+        if "." in d["apiVersion"].split("/")[0] and not d["apiVersion"].startswith(("rbac.", "networking.")):
+            continue
+        back = api.sanitize_for_serialization(api.deserialize(json.dumps(d), "V1" + d["kind"], "application/json"))
+        assert back == d, (d["kind"], d["metadata"]["name"])
+
+
+def test_every_rendering_passes_the_schema_check_and_a_typo_would_not(tmp_path):
+    for path in (DEPLOY / "base", DEPLOY / "monitoring"):
+        schema_check(render(path))
+    docs = render(DEPLOY / "base")
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    ds["spec"]["template"]["spec"]["containers"][1]["readinesProbe"] = {"exec": {"command": ["true"]}}
+    with pytest.raises(AssertionError):
+        schema_check([ds])
 
 
 def test_rbac_reads_pods_only(objects):
@@ -48,35 +72,83 @@ def test_rbac_reads_pods_only(objects):
     assert b["roleRef"]["name"] == "convgpu-pod-reader"
 
 
-def test_daemonset_is_privileged_on_gpu_nodes_with_the_host_paths(objects):
+def _spec(objs):
+    return objs[("DaemonSet", "convgpu")]["spec"]["template"]["spec"]
+
+
+def test_daemonset_only_the_enforcer_privileged_only_the_host_paths_it_needs(objects):
     ds = objects[("DaemonSet", "convgpu")]
-    spec = ds["spec"]["template"]["spec"]
+    spec = _spec(objects)
     assert spec["hostPID"] is True and spec["serviceAccountName"] == "convgpu"
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert ds["spec"]["selector"]["matchLabels"] == ds["spec"]["template"]["metadata"]["labels"]
-    hosts = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    hosts = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert hosts == {"bpffs": "/sys/fs/bpf", "tracefs": "/sys/kernel/tracing", "debugfs": "/sys/kernel/debug",
                      "cgroup": "/sys/fs/cgroup", "modules": "/lib/modules", "headers": "/usr/src",
-                     "run": "/run/convgpu", "device-plugins": "/var/lib/kubelet/device-plugins",
-                     "pod-resources": "/var/lib/kubelet/pod-resources", "logs": "/var/log"}
+                     "run": "/run/convgpu", "bpf-cache": "/var/cache/convgpu",
+                     "device-plugins": "/var/lib/kubelet/device-plugins",
+                     "pod-resources": "/var/lib/kubelet/pod-resources",
+                     "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}   # not all of /var/log
     c = {x["name"]: x for x in spec["containers"]}
     assert sorted(c) == ["enforce", "kube"]
     mounts = {n: {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in x["volumeMounts"]} for n, x in c.items()}
     assert mounts["enforce"] == {"bpffs": ("/sys/fs/bpf", False), "tracefs": ("/sys/kernel/tracing", False),
                                  "debugfs": ("/sys/kernel/debug", False), "cgroup": ("/sys/fs/cgroup", False),
                                  "modules": ("/lib/modules", True), "headers": ("/usr/src", True),
-                                 "run": ("/run/convgpu", False)}
+                                 "run": ("/run/convgpu", False), "bpf-cache": ("/var/cache/convgpu", False),
+                                 "device-plugins": ("/var/lib/kubelet/device-plugins", True),
+                                 "pod-resources": ("/var/lib/kubelet/pod-resources", True)}
     assert mounts["kube"] == {"device-plugins": ("/var/lib/kubelet/device-plugins", False),
                               "pod-resources": ("/var/lib/kubelet/pod-resources", False),
-                              "logs": ("/var/log", True), "run": ("/run/convgpu", False)}
+                              "pod-logs": ("/var/log/pods", True), "container-logs": ("/var/log/containers", True),
+                              "run": ("/run/convgpu", False), "tmp": ("/tmp", False)}
+    assert c["enforce"]["securityContext"] == {"privileged": True}
+    assert c["kube"]["securityContext"] == {"runAsUser": 0, "allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     for x in c.values():
-        assert x["securityContext"] == {"privileged": True}
         assert x["image"] == "convgpu:0.1.0"
         assert x["envFrom"] == [{"configMapRef": {"name": "convgpu-options"}}]
-    nvml = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"}]
-    assert c["enforce"]["env"] == nvml
-    assert c["kube"]["env"] == nvml + [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+        assert set(x["resources"]["requests"]) == {"cpu", "memory"} and set(x["resources"]["limits"]) == {"memory"}
+    env = {n: {e["name"]: e.get("value") for e in x["env"]} for n, x in c.items()}
+    assert env["enforce"]["CONVGPU_BPF_CACHE"] == "/var/cache/convgpu/bpf"     # on the host: a restart replays
+    assert env["kube"]["NODE_NAME"] is None and env["kube"]["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert c["enforce"]["ports"] == [{"name": "metrics", "containerPort": 9400}]
+
+
+def test_probes_run_the_probe_module_and_doctor_sees_the_kubelet_from_the_enforcer(objects):
+    from convgpu.kube import doctor, pods
+    c = {x["name"]: x for x in _spec(objects)["containers"]}
+    probe = ["python3", "-m", "convgpu.kube.probe"]
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c["enforce"][kind]["exec"]["command"] == probe + ["enforcer"]
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert c["kube"][kind]["exec"]["command"] == probe + ["plugin"]
+    seen = {m["mountPath"] for m in c["enforce"]["volumeMounts"]}
+    assert doctor.PLUGIN_DIR in seen and os.path.dirname(pods.POD_RESOURCES) in seen
+
+
+def test_nodes_by_any_gpu_label_and_every_noschedule_taint(objects):
+    spec = _spec(objects)
+    assert "nodeSelector" not in spec
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][0]["key"] for t in terms] == [
+        "nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present", "convgpu.io/gpu"]
+    assert {"operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+@pytest.mark.parametrize("name,root", [("microk8s", "/var/snap/microk8s/common/var/lib/kubelet"),
+                                       ("k0s", "/var/lib/k0s/kubelet")])
+def test_a_component_moves_the_kubelet_root(tmp_path, name, root):
+    (tmp_path / "kustomization.yaml").write_text(f"""resources:
+- {os.path.relpath(DEPLOY / "base", tmp_path)}
+components:
+- {os.path.relpath(DEPLOY / "components" / f"kubelet-{name}", tmp_path)}
+""")
+    docs = render(tmp_path)
+    schema_check(docs)
+    spec = _spec({(d["kind"], d["metadata"]["name"]): d for d in docs})
+    hosts = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert (hosts["device-plugins"], hosts["pod-resources"]) == (f"{root}/device-plugins", f"{root}/pod-resources")
+    assert hosts["run"] == "/run/convgpu"
 
 
 def _options(command: str) -> set[str]:
@@ -87,7 +159,8 @@ def _options(command: str) -> set[str]:
 def test_commands_use_the_clis_options_and_every_value_is_used(objects):
     spec = objects[("DaemonSet", "convgpu")]["spec"]["template"]["spec"]
     values = set(objects[("ConfigMap", "convgpu-options")]["data"])
-    assert values == {"POLICY", "UNIT", "DEFAULT_LIMIT", "STALL", "OVER_LIMIT", "GPU_MEMORY", "RESERVE", "METRICS_PORT"}
+    assert values == {"POLICY", "UNIT", "DEFAULT_LIMIT", "STALL", "OVER_LIMIT", "GPU_MEMORY", "RESERVE", "METRICS_PORT",
+                      "METRICS_ADDRESS", "METRICS_TLS"}
     used = set()
     for c in spec["containers"]:
         assert c["command"] == ["/bin/sh", "-c"]
@@ -99,16 +172,28 @@ def test_commands_use_the_clis_options_and_every_value_is_used(objects):
     assert used == values
 
 
-def test_metrics_service_and_service_monitor():
+def test_metrics_on_loopback_in_the_base_mutual_tls_to_prometheus_alone_in_monitoring(objects):
+    """Row 11 of docs/SECURITY.md, as deployed."""
+    assert objects[("ConfigMap", "convgpu-options")]["data"]["METRICS_ADDRESS"] == "127.0.0.1"
+    assert objects[("ConfigMap", "convgpu-options")]["data"]["METRICS_TLS"] == ""
     objs = {(d["kind"], d["metadata"]["name"]): d for d in render(DEPLOY / "monitoring")}
+    data = objs[("ConfigMap", "convgpu-options")]["data"]
+    assert data["METRICS_ADDRESS"] == "0.0.0.0"
+    cert, key, ca = data["METRICS_TLS"].split(",")
+    enforce = next(c for c in _spec(objs)["containers"] if c["name"] == "enforce")
+    tls = next(m for m in enforce["volumeMounts"] if m["name"] == "metrics-tls")
+    assert tls["readOnly"] and {os.path.dirname(p) for p in (cert, key, ca)} == {tls["mountPath"]}
     svc = objs[("Service", "convgpu-metrics")]["spec"]
     assert svc["clusterIP"] == "None" and svc["selector"] == {"app.kubernetes.io/name": "convgpu"}
     assert svc["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics"}]
     sm = objs[("ServiceMonitor", "convgpu")]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["namespace"] == "convgpu"
-    assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "convgpu"}
-    assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
-    assert len(objs) == 8
+    ep = sm["spec"]["endpoints"][0]
+    assert ep["scheme"] == "https" and ep["tlsConfig"]["cert"]["secret"]["name"] == "convgpu-metrics-client"
+    np = objs[("NetworkPolicy", "convgpu-metrics")]["spec"]
+    assert np["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                              "ports": [{"protocol": "TCP", "port": 9400}]}]
+    assert len(objs) == 9
 
 
 def test_an_overlay_sets_the_enforcers_options_and_image(tmp_path):

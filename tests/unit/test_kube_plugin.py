@@ -156,6 +156,32 @@ def test_device_ids_without_uuid_and_spanning_allocation():
     assert grant.mounts == [("/var/run/nvidia-container-devices/0", "/dev/null"),
                             ("/var/run/nvidia-container-devices/1", "/dev/null")]
     assert dv.preferred(["gpu0::1", "gpu1::0", "gpu1::1"], [], 2) == ["gpu1::0", "gpu1::1"]
+    assert grant.shares == {"gpu0": UNIT, "gpu1": UNIT} and grant.cdi == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]
+
+
+def test_allocate_offers_the_shim_read_only_and_health_is_per_gpu():
+    shim = dv.ShimOffer("/run/convgpu/lib/libconvgpu.so", "/run/convgpu/shim")
+    grant = dv.allocate(ids(A, 3) + ids(B, 1), GPUS, UNIT, "/nonexistent", shim, cdi_kind="")
+    assert grant.shares == {A: 3 * UNIT, B: UNIT} and grant.cdi == []
+    assert grant.envs["LD_PRELOAD"] == dv.SHIM_LIB and grant.envs["CONVGPU_SHIM_SOCKET"] == f"{dv.SHIM_DIR}/shim.sock"
+    assert grant.mounts[-2:] == [(dv.SHIM_LIB, shim.lib), (dv.SHIM_DIR, shim.sock_dir)]
+    assert "LD_PRELOAD" not in dv.allocate(ids(A, 1), GPUS, UNIT, "/nonexistent").envs
+    assert dv.health(ids(A, 2) + ids(B, 2), {B}) == [(i, "Healthy") for i in ids(A, 2)] + \
+        [(i, "Unhealthy") for i in ids(B, 2)]
+
+
+def test_a_failing_gpu_read_does_not_end_the_agent(tmp_path):
+    from convgpu.kube.agent import Agent
+    reads = []
+
+    def read():
+        reads.append(1)
+        if len(reads) == 1:
+            raise OSError("NVML: GPU is lost")
+        return GPUS
+    plugin = DevicePlugin(str(tmp_path), GPUS[:1], UNIT)
+    Agent(plugin, None, read, inventory_every=0.05, bad=lambda: {B}).run(duration=0.5)
+    assert len(reads) >= 3 and plugin.gpus == GPUS and plugin.bad == {B}
 
 
 def test_convgpu_kube_command_registers_and_lists(tmp_path):
@@ -167,7 +193,7 @@ def test_convgpu_kube_command_registers_and_lists(tmp_path):
     d.mkdir()
     k = Kubelet(str(d)).start()
     p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "kube", "--gpu-memory", "1GiB", "--unit", "128MiB",
-                          "--plugin-dir", str(d), "--api", "off", "--no-limits"],
+                          "--plugin-dir", str(d), "--api", "off", "--no-limits", "--run-dir", str(tmp_path / "run")],
                          stderr=subprocess.PIPE, text=True)
     try:
         r = got(k.registrations, 60)
@@ -209,6 +235,10 @@ def test_doctor_kubernetes_section(tmp_path):
         got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs)}
         assert got_["convgpu.io/gpu-memory plugin"] == (True, f"{d}/convgpu.sock: 6 units", "")
         assert got_["convgpu.io/gpu-memory registered"] == (True, "the kubelet's checkpoint lists 6 devices", "")
+        plugin.set_health({GPUS[0].key})        # GPU 0's XID: its 4 units
+        got_ = {c[0]: c[1:] for c in doctor.checks(str(d), prs, run_dir=str(tmp_path))}
+        assert got_["convgpu.io/gpu-memory plugin"][:2] == (False, f"{d}/convgpu.sock: 6 units, 4 unhealthy")
+        assert got_["enforcer"][0] is False and got_["enforcer"][1].startswith(f"{tmp_path}/control.sock: ")
     finally:
         plugin.close()
         k.stop()

@@ -41,4 +41,5 @@ def test_bad_pod_limits_are_refused(bad):
 
 
 def test_pod_limits_parse():
-    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: (1 << 30, "pod ml/a"), UID: (2, "b")}
+    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: (1 << 30, "pod ml/a", False, ()),
+                                                                  UID: (2, "b", False, ())}
