@@ -128,7 +128,7 @@ def test_witness_setup(stand):
     assert _status(enf, os.path.basename(wcg))["gpus"]["0"]["used"] == 100 * MiB
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(p=plan)
