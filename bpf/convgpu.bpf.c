@@ -19,8 +19,13 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096          // 16 MiB: ~200 k events between two polls
 #endif
+// Map sizes: 16 containers at every quota at once (the enforcer's defaults: 16384 objects,
+// 4096 threads, 1024 processes each; cli/enforce.py) still leave the others room (cg_quota).
 #ifndef MAX_OBJS
 #define MAX_OBJS 262144
+#endif
+#ifndef MAX_THREADS
+#define MAX_THREADS 65536
 #endif
 #ifndef DEV_PAGE
 #define DEV_PAGE (2ULL << 20)       // device page size of linear allocations
@@ -46,6 +51,7 @@ struct cg_thread {                  // one entry per thread that ever called CUD
     u16 rt_api;                     // runtime call in progress (cudaMalloc...)
     u16 depth;                      // context stack (cuCtxPush/Pop)
     s32 stack[4];
+    u64 quota;                      // the cg_quota bucket it counts in (0: not counted yet)
     struct cg_call call;            // kept here, not in a map of its own: one hash lookup
                                     // at entry and one at return (probe cost, FACTS.md)
 };
@@ -59,8 +65,8 @@ struct cg_thread {                  // one entry per thread that ever called CUD
 #define STATE(type, k, v, name, n) BPF_TABLE(type, k, v, name, n)
 #endif
 
-STATE("hash", u64, struct cg_thread, threads, 16384);
-STATE("hash", u32, struct cg_proc, procs, 16384);
+STATE("hash", u64, struct cg_thread, threads, MAX_THREADS);
+STATE("hash", u32, struct cg_proc, procs, MAX_THREADS);
 STATE("hash", struct cg_usage_key, struct cg_usage, usage, 65536);
 STATE("hash", struct cg_obj_key, struct cg_obj, objs, MAX_OBJS);
 BPF_PERCPU_ARRAY(stats, u64, ST_MAX);
@@ -77,7 +83,7 @@ BPF_ARRAY(config, struct cg_config, 1);
 // write into its state file is resumed too (seen on the H100: kill -9 within a millisecond
 // of a stall left the process stopped for good).
 #define HELD_OPEN (1ULL << 32)
-BPF_HASH(held, u64, u64, 16384);
+BPF_HASH(held, u64, u64, MAX_THREADS);
 BPF_ARRAY(layout_event, struct cg_event, 1);  // never written: its type lets tests compare
                                               // probes/events.py's ctypes mirror with the C one
 
@@ -119,18 +125,122 @@ static __always_inline s32 clamp_dev(s64 dev)
     return (dev >= 0 && dev < CG_MAX_DEV) ? (s32)dev : 0;
 }
 
+// ---- quotas: what one container may hold in the shared maps (convgpu.h, cg_quota) ----
+// Issue 24 row 4: one container filled `objs` with 1-byte allocations, and every other
+// process's objects went unrecorded. Each entry of objs, threads and procs now counts in its
+// container's bucket (its key: the enforcer writes members and makes the bucket with the
+// container); at the quota (cg_control.max_*) the container's own call is stopped or killed
+// before it runs (quota_ok), and a put past it (racing threads) is refused (q_take).
+STATE("hash", u32, u64, members, MAX_THREADS);
+STATE("array", int, struct cg_control, control, 1);
+STATE("hash", u64, struct cg_quota, quotas, 4096);
+STATE("hash", u64, u64, swept, 4096);   // objects of exited processes the tracer deleted
+#define Q_DENIED ((u64)-1)
+enum { Q_OBJS, Q_THREADS, Q_PROCS };
+
+static __always_inline struct cg_control *enforcing(void)
+{
+    u32 k = 0;
+    struct cg_control *c = control.lookup(&k);
+    return c && c->enforcing && c->owner == owner() ? c : 0;
+}
+
+static __always_inline u64 member_key(u32 tgid)
+{
+    u64 *m = members.lookup(&tgid);
+    return m ? *m & ~SHIM_MEMBER : 0;
+}
+
+// Room left in bucket s (its key) for `what`; 1 << 40 without a quota
+static __always_inline s64 q_left(struct cg_quota *s, u64 key, int what, struct cg_control *ctl)
+{
+    u64 max = what == Q_OBJS ? ctl->max_objs : what == Q_THREADS ? ctl->max_threads : ctl->max_procs;
+    if (!max)
+        return 1LL << 40;
+    s64 left = (s64)max - (s64)(what == Q_OBJS ? s->objs : what == Q_THREADS ? s->threads : s->procs);
+    if (left > 0 || what != Q_OBJS)     // swept only gives room back: read it only when short
+        return left;
+    u64 *gone = swept.lookup(&key);
+    return gone ? left + (s64)*gone : left;
+}
+
+// One entry more in the bucket `key`: returns what the entry records as its bucket (0: none,
+// counted nowhere), or Q_DENIED where an enforcer runs and the container is at its quota.
+static __always_inline u64 q_take(u64 key, int what)
+{
+    struct cg_quota *s = key ? quotas.lookup(&key) : 0;
+    if (!s)
+        return 0;
+    u64 *f = what == Q_OBJS ? &s->objs : what == Q_THREADS ? &s->threads : &s->procs;
+    __sync_fetch_and_add(f, 1);
+    struct cg_control *ctl = enforcing();
+    if (ctl && q_left(s, key, what, ctl) < 0) {
+        __sync_fetch_and_add(f, -1);
+        __sync_fetch_and_add(&s->denied, 1);
+        stat_inc(ST_OVER_QUOTA);
+        return Q_DENIED;
+    }
+    return key;
+}
+
+static __always_inline void q_give(u64 key, int what)
+{
+    struct cg_quota *s = key ? quotas.lookup(&key) : 0;
+    if (s)
+        __sync_fetch_and_add(what == Q_OBJS ? &s->objs : what == Q_THREADS ? &s->threads : &s->procs, -1);
+}
+
 static __always_inline struct cg_proc *find_proc(u32 tgid, int create)
 {
     struct cg_proc *p = procs.lookup(&tgid);
     if (p || !create)
         return p;
     struct cg_proc z = {};
+    z.quota = q_take(member_key(tgid), Q_PROCS);
+    if (z.quota == Q_DENIED)
+        return 0;
     z.gen = bpf_ktime_get_ns();
     z.cgroup_id = bpf_get_current_cgroup_id();
     z.last_dev = -1;
     bpf_get_current_comm(&z.comm, sizeof(z.comm));
-    procs.insert(&tgid, &z);
+    if (procs.insert(&tgid, &z) != 0) {     // a racing thread made it, or the map is full
+        q_give(z.quota, Q_PROCS);
+        stat_inc(ST_UNRECORDED);
+    }
     return procs.lookup(&tgid);
+}
+
+// objs entries count in the bucket of the process that made them: put and del keep it exact.
+// 0: recorded (*was: the entry it replaced, if any); -1: its container is at its quota; -2: the
+// map is full.
+static __always_inline int obj_put(struct cg_obj_key *k, struct cg_obj *o, struct cg_proc *p,
+                                   struct cg_obj *was)
+{
+    u64 q = q_take(p->quota, Q_OBJS);   // 0: its process is counted nowhere (yet): quota_ok()
+    if (q == Q_DENIED)
+        return -1;
+    o->quota = q;
+    if (objs.insert(k, o) == 0)
+        return 0;
+    struct cg_obj *old = objs.lookup(k);    // the key is taken: replaced, and its place goes
+    if (old) {
+        *was = *old;
+        if (objs.update(k, o) == 0) {
+            q_give(was->quota, Q_OBJS);
+            return 0;
+        }
+    }
+    q_give(q, Q_OBJS);
+    stat_inc(ST_UNRECORDED);
+    return -2;
+}
+
+static __always_inline int obj_del(struct cg_obj_key *k, u64 quota)
+{
+    if (objs.delete(k) != 0)
+        return -1;
+    q_give(quota, Q_OBJS);
+    return 0;
 }
 
 static __always_inline struct cg_usage *find_usage(u32 tgid, s32 dev, u64 gen)
@@ -195,19 +305,34 @@ static __always_inline void emit(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 
     emit_flags(id, api, op, flags, dev, addr, size, live, result, BPF_RB_NO_WAKEUP);
 }
 
-static __always_inline struct cg_thread *get_thread(u64 id)
+// A new entry counts in its container's bucket (a process not placed yet: at its first
+// admitted call, quota_ok()). unplaced: whether a process the enforcer has not placed may
+// make one: only at a call's entry, where admission then stops it until it is placed.
+// *denied: its container is at its thread quota (else NULL is a full map: nobody's fault).
+static __always_inline struct cg_thread *get_thread(u64 id, int unplaced, int *denied)
 {
     struct cg_thread *t = threads.lookup(&id);
     if (t)
         return t;
+    u64 key = member_key(id >> 32);
+    if (!key && !unplaced && enforcing())
+        return 0;
     struct cg_thread z = {.dev = -1};
-    threads.update(&id, &z);
+    z.quota = q_take(key, Q_THREADS);
+    *denied = z.quota == Q_DENIED;
+    if (*denied)
+        return 0;
+    if (threads.update(&id, &z) != 0) {
+        q_give(z.quota, Q_THREADS);
+        stat_inc(ST_UNRECORDED);
+    }
     return threads.lookup(&id);
 }
 
 static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 {
-    struct cg_thread *t = get_thread(id);
+    int denied = 0;
+    struct cg_thread *t = get_thread(id, 0, &denied);
     if (!t)
         return;
     if (push) {
@@ -244,17 +369,8 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
 #define SIGKILL 9
 #define SIGSTOP 19
 
-STATE("hash", u32, u64, members, 16384);
 STATE("hash", struct cg_limit_key, struct cg_assign, assign, 4096);
 STATE("hash", struct cg_limit_key, struct cg_cgstate, cgstate, 4096);
-STATE("array", int, struct cg_control, control, 1);
-
-static __always_inline struct cg_control *enforcing(void)
-{
-    u32 k = 0;
-    struct cg_control *c = control.lookup(&k);
-    return c && c->enforcing && c->owner == owner() ? c : 0;
-}
 
 // A successor owns admission (control.owner is another enforcer's): this program belongs to a
 // crashed enforcer whose watchdog still holds its probes, and they detach one by one (~100 ms
@@ -367,7 +483,7 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     // before that group stop reached it. Taken here, it stops the whole process all the same.
     u64 why = 0;
     held.update(&id, &why);         // listed before it stops: the watchdog always finds it
-    bpf_send_signal_thread(op == OP_OVER_LIMIT && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
+    bpf_send_signal_thread((op == OP_OVER_LIMIT || op == OP_QUOTA) && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
     emit_flags(id, api, op, flags, dev, key, size, total, 0, BPF_RB_FORCE_WAKEUP);
 }
 
@@ -390,6 +506,45 @@ int shim_exit(struct pt_regs *ctx)
     u64 id = bpf_get_current_pid_tgid();
     shim_calls.delete(&id);
     return 0;
+}
+
+// Room in its container's quotas (cg_quota) for a call of a placed process: its thread
+// (counted here if it was made before the process was placed), its process (made at the
+// call's return) and one object. Checked before the call runs, so a container at its quota
+// is stopped (or killed, --over-limit kill) and never refused an entry after its call ran.
+static __always_inline int quota_ok(u32 tgid, struct cg_thread *t, u64 key, struct cg_control *ctl)
+{
+    struct cg_quota *s = quotas.lookup(&key);
+    if (!s)
+        return 1;
+    if (!t->quota) {
+        struct cg_proc *p = procs.lookup(&tgid);
+        if (!p && q_left(s, key, Q_PROCS, ctl) <= 0)
+            return 0;
+        if (p && !p->quota) {       // made before it was placed (or any enforcer ran): from now on
+            u64 pq = q_take(key, Q_PROCS);
+            if (pq == Q_DENIED)
+                return 0;
+            if (__sync_val_compare_and_swap(&p->quota, 0, pq) != 0)
+                q_give(pq, Q_PROCS);    // a sibling thread counted it first
+        }
+        u64 q = q_take(key, Q_THREADS);
+        if (q == Q_DENIED)
+            return 0;
+        t->quota = q;
+    }
+    return q_left(s, key, Q_OBJS, ctl) > 0;
+}
+
+static __always_inline void quota_stop(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 key,
+                                       struct cg_control *ctl)
+{
+    if (t) {
+        t->call.stalled = 1;        // recheck() lets it go once the container has room
+        t->call.want = 0;
+        t->call.wdev = dev;
+    }
+    stop_then_tell(id, api, OP_QUOTA, 0, dev, key, 0, 0, ctl);
 }
 
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
@@ -420,6 +575,11 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (!a) {                       // not placed yet: wait for the enforcer to place it
         t->call.stalled = 1;
         stop_then_tell(id, api, OP_UNKNOWN, 0, dev, key, size, 0, ctl);
+        return;
+    }
+    if (!quota_ok(tgid, t, key, ctl)) {
+        quota_stop(id, t, api, dev, key, ctl);
+        t->call.want = size;
         return;
     }
     u64 r = __sync_fetch_and_add(&s->reserved, size) + size;
@@ -460,7 +620,9 @@ int recheck(struct pt_regs *ctx)
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
     u8 op = OP_UNKNOWN;
     u64 total = 0;
-    if (a) {
+    if (a && !quota_ok(tgid, t, key, ctl)) {
+        op = OP_QUOTA;
+    } else if (a) {
         if (!t->call.reserved) {    // stopped before it was placed: reserve like admit()
             __sync_fetch_and_add(&s->reserved, t->call.want);
             t->call.reserved = t->call.want;
@@ -490,15 +652,22 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     if (!u)
         return;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = addr};
-    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api};
-    if (objs.insert(&k, &o) != 0) {     // the address is taken: freed by a path we do not see
-        struct cg_obj *old = objs.lookup(&k);
-        if (old && old->gen == p->gen && old->dev == dev) {
-            __sync_fetch_and_sub(&u->live, old->size);
-            cg_charge(tgid, dev, -(s64)old->size, 0);
-        }
-        objs.update(&k, &o);
+    struct cg_obj o = {.size = size, .gen = p->gen, .dev = dev, .api = api}, old = {};
+    // Not recorded, its free goes unseen. Past its own container's quota (threads racing past
+    // quota_ok): charged to the process until it exits. The map full (more containers at their
+    // quotas than the maps are sized for): charged nowhere, since the bytes of an innocent
+    // process would stay charged for good (issue 24 row 4: a victim stalled holding nothing).
+    int put = obj_put(&k, &o, p, &old);
+    if (put == 0 && old.size && old.gen == p->gen && old.dev == dev) {   // freed unseen
+        __sync_fetch_and_sub(&u->live, old.size);
+        cg_charge(tgid, dev, -(s64)old.size, 0);
     }
+    if (put == -2) {
+        emit(id, api, OP_ALLOC, flags | EF_UNRECORDED, dev, addr, size, u->live, 0);
+        return;
+    }
+    if (put)
+        flags |= EF_UNRECORDED;
     cg_charge(tgid, dev, size, 0);
     u64 live = __sync_fetch_and_add(&u->live, size) + size;
     u64 peak = u->peak;
@@ -539,7 +708,7 @@ static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns,
         return;
     }
     struct cg_obj o = *found;
-    if (objs.delete(&k) == 0)
+    if (obj_del(&k, o.quota) == 0)
         bytes_gone(id, p, api, &o, addr);
 }
 
@@ -571,10 +740,11 @@ static __always_inline void ctx_made(u64 id, struct cg_proc *p, u16 api, u64 ctx
             __sync_fetch_and_add(&pr->maps, 1);
             return;
         }
-        struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1};
-        objs.update(&pk, &n);
+        struct cg_obj n = {.gen = p->gen, .ref = ctx, .dev = dev, .api = api, .maps = 1}, was;
+        obj_put(&pk, &n, p, &was);
     }
-    objs.update(&ck, &c);
+    struct cg_obj was;
+    obj_put(&ck, &c, p, &was);      // unrecorded: its context stays counted until exit
     ctx_count(id, p, dev, 1, api, ctx);
 }
 
@@ -585,15 +755,17 @@ static __always_inline void ctx_gone(u64 id, struct cg_proc *p, u16 api, u32 ns,
     if (!c || c->gen != p->gen)
         return;
     s32 dev = c->dev;
-    u64 ctx = key;
+    u64 ctx = key, quota = c->quota;
     if (ns == NS_PRIMARY) {
         if (__sync_fetch_and_add(&c->maps, -1) != 1)
             return;                 // still retained elsewhere
         ctx = c->ref;
         struct cg_obj_key ck = {.tgid = id >> 32, .ns = NS_CTX, .addr = ctx};
-        objs.delete(&ck);
+        struct cg_obj *cc = objs.lookup(&ck);
+        if (cc)
+            obj_del(&ck, cc->quota);
     }
-    if (objs.delete(&k) == 0)
+    if (obj_del(&k, quota) == 0)
         ctx_count(id, p, dev, -1, api, ctx);
 }
 
@@ -680,9 +852,14 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
         *h += 1;
     if ((id >> 32) == self_tgid() || retired())
         return 0;
-    struct cg_thread *t = get_thread(id);
-    if (!t)
+    int denied = 0;
+    struct cg_thread *t = get_thread(id, 1, &denied);
+    struct cg_control *ctl = enforcing();
+    if (!t) {                       // its container is at its thread quota: no call runs untracked
+        if (ctl && denied)
+            quota_stop(id, 0, api, 0, member_key(id >> 32), ctl);
         return 0;
+    }
     if (t->call.stalled)            // its last call was stopped and is long over (no recheck probe)
         held.delete(&id);
     t->call.a0 = PT_REGS_PARM1(ctx);
@@ -693,8 +870,12 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     t->call.api = api;
     t->call.reserved = 0;
     t->call.stalled = 0;
-    struct cg_control *ctl = enforcing();
-    if (ctl)
+    if (!ctl)
+        return 0;
+    u64 key = t->quota ? 0 : member_key(id >> 32);  // a thread made before its process was placed
+    if (key && !quota_ok(id >> 32, t, key, ctl))
+        quota_stop(id, t, api, dev_of(t, 0), key, ctl);
+    else
         admit_call(ctx, id, t, api, ctl);
     return 0;
 }
@@ -913,12 +1094,12 @@ int exit_vmm_map(struct pt_regs *ctx)
     SETTLE();
     struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = c.a3};
     struct cg_obj *o = objs.lookup(&k);
-    if (o)
-        __sync_fetch_and_add(&o->maps, 1);
     struct cg_obj_key mk = {.tgid = tgid, .ns = NS_MAPPING, .addr = c.a0};
     struct cg_obj m = {.size = c.a1, .gen = p->gen, .ref = c.a3, .dev = o ? o->dev : dev,
                        .api = c.api};
-    objs.update(&mk, &m);
+    struct cg_obj was;
+    if (obj_put(&mk, &m, p, &was) == 0 && o)  // unrecorded: the handle stays held until exit
+        __sync_fetch_and_add(&o->maps, 1);
     emit(id, c.api, OP_MAP, 0, m.dev, c.a0, c.a1, 0, 0);
     release(&c);
     return 0;
@@ -935,7 +1116,7 @@ int exit_vmm_unmap(struct pt_regs *ctx)
         if (!m)
             break;
         u64 handle = m->ref, msize = m->size;
-        objs.delete(&mk);
+        obj_del(&mk, m->quota);
         emit(id, c.api, OP_UNMAP, 0, dev, at, msize, 0, 0);
         struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = handle};
         struct cg_obj *o = objs.lookup(&k);
@@ -1048,9 +1229,12 @@ int exit_meminfo(struct pt_regs *ctx)
 
 static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 {
+    if (op == OP_EXIT)              // also a process placed before its procs entry was made
+        members.delete(&tgid);
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p)
         return;
+    q_give(p->quota, Q_PROCS);
     u64 freed = 0, contexts = 0;
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
@@ -1076,8 +1260,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
-    if (t)
+    if (t) {
         release(&t->call);          // killed while stalled: its reservation goes too
+        q_give(t->quota, Q_THREADS);
+    }
     threads.delete(&id);
     held.delete(&id);
     shim_calls.delete(&id);
@@ -1107,6 +1293,13 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 
 #define O_ACCMODE 3
 #define NAME_MAX_BPF 256
+// Nobody is stopped at an open while the tracer's loop has not run for this long: a hung loop
+// (issue 24 row 3: bcc blocked on a container's FIFO) must not hold every new CUDA process.
+// Beaten by every loop pass and between two attaches (probes/discovery.py); a pass of the
+// enforcer takes milliseconds, attaching one driver copy well under a second.
+#ifndef DISCOVERY_STALE_NS
+#define DISCOVERY_STALE_NS 3000000000ULL
+#endif
 
 BPF_ARRAY(discovery, struct cg_discovery, 1);
 BPF_TABLE("lru_hash", u64, u8, opening, 16384);   // threads inside an openat of a driver-named file (LRU: a thread killed inside the call never fills it)
@@ -1117,7 +1310,9 @@ static __always_inline struct cg_discovery *discovering(u32 tgid)
 {
     u32 k = 0;
     struct cg_discovery *d = discovery.lookup(&k);
-    return d && d->on && tgid != d->exempt && tgid != self_tgid() ? d : 0;
+    if (!d || !d->on || tgid == d->exempt || tgid == self_tgid())
+        return 0;
+    return (s64)(bpf_ktime_get_ns() - d->beat_ns) <= (s64)DISCOVERY_STALE_NS ? d : 0;
 }
 
 // The last path component is "libcuda.so" with or without a version (".1", ".580.159.04").

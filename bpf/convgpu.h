@@ -74,6 +74,7 @@ enum cg_op {
     OP_OVER_LIMIT = 15, /* enforce: over its limit: stopped (or killed) before the call ran */
     OP_UNKNOWN = 16,    /* enforce: a process (or device) the enforcer has not placed yet */
     OP_LIB_OPEN = 17,   /* a process opened a file named like the driver: stopped until it is probed */
+    OP_QUOTA = 18,      /* enforce: its container is at a map quota (cg_quota): stopped or killed */
 };
 
 /* Event flags. */
@@ -81,6 +82,7 @@ enum cg_op {
 #define EF_UNKNOWN 0x2    /* free of an address convgpu never saw allocated */
 #define EF_DEFERRED 0x4   /* VMM release of a still-mapped handle: bytes go at last unmap */
 #define EF_RESTALL 0x8    /* enforce: resumed without a grant (e.g. a sibling's SIGCONT): stopped again */
+#define EF_UNRECORDED 0x10 /* the object found no room in the map: see obj_add() */
 
 /* Ring-buffer record, 80 bytes. */
 struct cg_event {
@@ -126,6 +128,7 @@ struct cg_proc {
     __s32 last_dev;    /* device of the last context made: default for threads with none */
     __u32 pad;
     char comm[CG_COMM_LEN];
+    __u64 quota;       /* the cg_quota bucket its entry counts in (0: none) */
 };
 
 /* Live objects, keyed by process and namespace so handles never collide with pointers. */
@@ -147,6 +150,21 @@ struct cg_obj {
     __u32 pad2;
     __u64 maps;        /* NS_VMM: live mappings of the handle; NS_PRIMARY: retain count
                         * (64-bit: LLVM 14 has no 32-bit atomic fetch-sub for BPF) */
+    __u64 quota;       /* the cg_quota bucket it counts in (0: none) */
+};
+
+/* Per-container quotas on the shared maps (issue 24 row 4: one container filled `objs` with
+ * 1-byte allocations, and every other process's objects went unrecorded). While an enforcer
+ * runs, each entry of objs, threads and procs counts in one bucket: its container's key once
+ * the process is placed (members), else QUOTA_CGROUP | the task's cgroup id. BPF alone writes
+ * cg_quota (atomics); the tracer's sweep deletes the objects of exited processes and counts
+ * them in `swept` (user space alone writes it), so objs - swept is what the bucket holds. */
+#define QUOTA_CGROUP (1ULL << 62)
+struct cg_quota {
+    __u64 objs;        /* objects put in objs (less those BPF deleted) */
+    __u64 threads;
+    __u64 procs;
+    __u64 denied;      /* entries refused at the quota */
 };
 
 /* Enforcement. The enforcer places each process in a container (members: tgid -> key) and
@@ -188,6 +206,10 @@ struct cg_control {
                             * frees while someone waits (its numbers are in maps) */
     __u32 exempt;          /* a process admission skips: the self-test child that calls every
                             * symbol of a newly attached library (everyone else stays checked) */
+    __u32 max_objs;        /* per container (cg_quota); 0: no quota */
+    __u32 max_threads;
+    __u32 max_procs;
+    __u32 pad;
 };
 
 /* Per start, one per loaded program (never pinned): written by the tracer before any probe is
@@ -204,9 +226,11 @@ struct cg_config {
 struct cg_discovery {
     __u32 on;              /* stop a process that opens a driver-named file until it is probed */
     __u32 exempt;          /* the self-test child, which opens a library being attached */
+    __u64 beat_ns;         /* the tracer's loop last ran (bpf_ktime_get_ns clock): stale, no stops */
 };
 
 /* Global counters (per-CPU array slots). */
-enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_UNCHECKED = 2, ST_MAX = 3 };
+enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_UNCHECKED = 2, ST_UNRECORDED = 3,
+               ST_OVER_QUOTA = 4, ST_MAX = 5 };
 
 #endif

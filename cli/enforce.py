@@ -16,6 +16,7 @@ from ..enforcer.daemon import Enforcer
 from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
 from ..enforcer.metrics import MetricsServer, Tls
+from ..enforcer.quotas import MapQuota
 from ..enforcer.failsafe.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
 from ..probes.ledger import Ledger
@@ -31,7 +32,11 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
             "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
-            "probes": True, "unprobed": "stall"}
+            "probes": True, "unprobed": "stall", "max_objects": MapQuota.objects,
+            "max_threads": MapQuota.threads, "max_processes": MapQuota.processes}
+# what the BPF maps hold (bpf/convgpu.bpf.c MAX_OBJS, MAX_THREADS): quotas above these let
+# fewer containers than 16 sit at them at once before a neighbour's entries find no room
+MAP_SIZES = MapQuota(262144 // 16, 65536 // 16, 65536 // 64)
 
 
 def metrics_tls_of(value: str | None) -> Tls | None:
@@ -94,6 +99,19 @@ def settings_from(config: cfg.Config | None, cli: dict) -> dict:
     return out
 
 
+def map_quota(s: dict) -> MapQuota:
+    """The per-container quotas on the BPF maps; above MAP_SIZES' share it warns."""
+    q = MapQuota(s["max_objects"], s["max_threads"], s["max_processes"])
+    for name, value, share in zip(("max_objects", "max_threads", "max_processes"), vars(q).values(),
+                                  vars(MAP_SIZES).values()):
+        if value < 1:
+            raise ConfigError(f"{name} {value} leaves a container nothing", f"give {name} of 1 or more")
+        if value > share:
+            log.warning("%s %d: fewer containers than the maps are sized for can sit at it at once (%d "
+                        "each) before a neighbour's entries find no room", name, value, share)
+    return q
+
+
 def rules_from(config: cfg.Config | None, limits: dict[str, int], default_limit: int) -> LimitRules:
     return LimitRules(dict(limits), default_limit, list(config.rules) if config else [])
 
@@ -121,6 +139,9 @@ def enforce(
     metrics_tls: str = typer.Option(None, "--metrics-tls", help="CERT,KEY[,CLIENT_CA]: serve metrics over HTTPS; with CLIENT_CA only clients with a certificate it signed (mutual TLS; docs/SECURITY.md row 11)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
     state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
+    max_objects: int = typer.Option(None, "--max-objects", min=1, help=f"Device objects (allocations, VMM handles and mappings, arrays, contexts) one container may hold in the BPF maps; at it, its next call is stalled or killed as --over-limit says (default {MapQuota.objects})."),
+    max_threads: int = typer.Option(None, "--max-threads", min=1, help=f"Threads calling CUDA one container may have tracked at once (default {MapQuota.threads})."),
+    max_processes: int = typer.Option(None, "--max-processes", min=1, help=f"Processes using CUDA one container may have tracked at once (default {MapQuota.processes})."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
@@ -137,8 +158,10 @@ def enforce(
            "ctx_overhead": parse_size(ctx_overhead, "--ctx-overhead") if ctx_overhead is not None else None,
            "max_wait": max_wait, "seed": seed, "metrics_port": metrics_port,
            "metrics_address": metrics_address, "metrics_tls": metrics_tls, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
-           "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None}
+           "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None,
+           "max_objects": max_objects, "max_threads": max_threads, "max_processes": max_processes}
     s = settings_from(conf, cli)
+    quota = map_quota(s)
     if s["gpu_memory"] == 0:
         raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
 
@@ -161,7 +184,7 @@ def enforce(
                    over_limit=s["over_limit"], ctx_overhead=s["ctx_overhead"], max_wait=s["max_wait"],
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
-                   unprobed=s["unprobed"], state_dir=s["state_dir"])
+                   unprobed=s["unprobed"], state_dir=s["state_dir"], quota=quota)
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

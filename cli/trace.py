@@ -65,7 +65,7 @@ def trace(
     demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver and no --pid, --lib or --container is given."),
     ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
-    selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe fires (calls each driver symbol once, before cuInit)."),
+    selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe of the host's own driver fires (a child calls each symbol once, before cuInit); a container's copy is only read, never loaded."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
     run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
 ):

@@ -28,7 +28,7 @@ class Actions:
         self._leaf = dict(ctx_overhead=max((e.bytes for e in self.est.values()), default=self.ctx_overhead),
                           enforcing=int(enforcing), exempt=self._exempt,
                           over_limit_kill=int(self.over_limit == "kill"), waiters=self._told,
-                          owner=self.owner, quiet=int(enforcing and self._quiet()))
+                          owner=self.owner, quiet=int(enforcing and self._quiet()), **self.quota.leaf())
         self._write_control()
         return told
 

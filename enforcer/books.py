@@ -38,6 +38,7 @@ class Box:
     grants: int = 0
     over_limits: int = 0
     restalls: int = 0
+    quota_hits: int = 0      # calls stopped (or killed) at a quota in the BPF maps (enforcer/quotas.py)
     extra: dict[int, int] = field(default_factory=dict)      # device -> measured overhead beyond the charge
     labels: dict | None = None
     adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)

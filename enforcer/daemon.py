@@ -34,6 +34,7 @@ from .events import Events
 from .failsafe.heartbeat import Heartbeat
 from .tenants.limits import LimitRules
 from .overhead import ContextOverhead
+from .quotas import MapQuota, Quotas
 from .reporting import Reporting
 from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
@@ -47,7 +48,7 @@ MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured contex
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
-class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChanges, Reporting, Adopt):
+class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
     """One enforcer: its state is set here, its methods come from the parts named above (each
     reads and writes this one object: the books and the BPF maps are shared by all of them)."""
 
@@ -56,7 +57,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
-                 state_dir: str | None = None):
+                 state_dir: str | None = None, quota: MapQuota | None = None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
@@ -65,6 +66,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.stopper = stopper or SignalStopper()
         self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
+        self.quota = quota or MapQuota()   # entries per container in the BPF maps (enforcer/quotas.py)
+        self.quota_held: dict[int, int] = {}   # pid -> container key: stopped at a quota
         self.rng = random.Random(seed)
         self.engines = engines
         self.nvml = nvml
@@ -163,6 +166,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                                                        held, self.fds.theirs, self.pin_dir)
         self.fds.theirs.close()
         self.fds.send(takeover.probe_fds(self.tracer.b))
+        self.tracer.on_release = self.fds.drop
         self._save_held()
         self._control(True)
         self.tracer.discovery.on_unprobed = self._unprobed
@@ -227,6 +231,8 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         events = self.tracer.poll()
         self.acct.feed(events)
         dirty = self._take(events, now)
+        if self.quota_held:
+            self._quota_resume()
         if dirty:   # a resume first: the periodic work below can wait for it
             self._changed()
         if now - self._measured >= MEASURE_EVERY:

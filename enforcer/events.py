@@ -32,7 +32,7 @@ class Events:
                 self._reap(fd)
                 dirty = True
         for e in events:
-            if e.pid in self.shimmed and e.op in ("unknown", "stall", "over_limit"):
+            if e.pid in self.shimmed and e.op in ("unknown", "stall", "over_limit", "quota"):
                 self.broker.caught(e.pid)   # BPF stopped it: it is resumed as anyone from now on
             if e.op == "unknown":
                 if e.restall:
@@ -50,6 +50,8 @@ class Events:
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0)   # schedule() tells over-limit
                 dirty = True
+            elif e.op == "quota":
+                self._quota_hit(e)
             elif e.op == "exec":
                 self._gone(e.pid)
                 dirty = True
@@ -91,6 +93,8 @@ class Events:
         if box is None:     # gone before we could place it: nothing to hold
             os.kill(pid, signal.SIGCONT) if alive(pid) else None
             return
+        if self._process_quota_full(box, pid):   # `members` is bounded too (enforcer/quotas.py)
+            return
         self._join(box, pid, dev, request)
         self._waiter(box, dev, pid, request, count=False)
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
@@ -107,6 +111,7 @@ class Events:
         charged = set(box.assigned) if self.pid_box.get(pid) is box else set()
         held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
                 if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}
+        self._ensure_quota(box)
         self._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
         box.pids.add(pid)
         self.pid_box[pid] = box
@@ -185,6 +190,7 @@ class Events:
                         del t[t.Key(container=box.key, dev=dev)]
                     except KeyError:
                         pass
+            self._drop_quota(box)
             del self.boxes[box.container.id]
             del self.by_key[box.key]
             log.info("container %s exited: %s back to the pool", box.name,
@@ -232,9 +238,6 @@ class Events:
 
     def _unprobed(self, pid: int, lib, reason: str) -> str:
         """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls
-        would go unchecked, so by default it stays stopped (fail closed; `status` says why)."""
-        what = {"stall": "kept stopped until it is killed or the enforcer stops",
-                "kill": "killed", "allow": "let run UNCHECKED"}[self.unprobed]
-        log.error("pid %d opened %s, which cannot be probed (%s): %s (--unprobed %s)", pid, lib, reason,
-                  what, self.unprobed)
+        would go unchecked, so by default it stays stopped (fail closed; `status` says why).
+        Discovery logs it, once per container and reason (a container can open a bad copy in a loop)."""
         return self.unprobed

@@ -42,8 +42,11 @@ class Reporting:
                          "cgroup": box.container.cgroup, "limit": box.limit, "source": box.source,
                          "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
                          "stalls": box.stalls, "grants": box.grants,
-                         "over_limit_events": box.over_limits, "restalls": box.restalls})
+                         "over_limit_events": box.over_limits, "restalls": box.restalls,
+                         "map_quota": self._quota_status(box)})
         return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
+                "map_quota": {"objects": self.quota.objects, "threads": self.quota.threads,
+                              "processes": self.quota.processes},
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
                 "started": self.started, "shim_asks": self.broker.asks,

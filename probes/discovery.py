@@ -5,9 +5,17 @@ A uprobe belongs to an inode, and a container may bring its own driver copy (CUD
 compatibility, an image that bundles the driver, a file on an overlay): found by polling /proc,
 such a copy was probed a second or more after the process began calling into it, and what it
 allocated meanwhile was never seen. Now the open of the file is the checkpoint: its inode is
-read through /proc/PID/fd/FD; a known one resumes the process at once, a new one is attached
-and self-tested first. A file that cannot be probed is a loud warning, and the caller's
-`on_unprobed` decides (trace: let it run; enforce: --unprobed stall|kill|allow).
+opened through /proc/PID/fd/FD (probes/untrusted.py: non-blocking, a regular file or nothing);
+a known one resumes the process at once, a new one is queued, read and attached by the loop, a
+few per pass (ATTACH_PER_PASS, PASS_BUDGET_S: hundreds of copies opened at once cost bounded
+work per pass, issue 24 row 7). A file that cannot be probed is a loud warning, said once per
+container and reason (LOG_EVERY_S), and the caller's `on_unprobed` decides (trace: let it run;
+enforce: --unprobed stall|kill|allow). A file that is not a regular file (a FIFO) cannot be
+mapped, so it cannot hold code: its opener is let go at once.
+
+Discovery follows the loop: each pass stamps `beat_ns` in the discovery map, and BPF stops
+nobody once it is DISCOVERY_STALE_NS old; a thread resumes those already held if the loop has
+not run for STALE_S (a hung loop must not hold every new CUDA process: row 3).
 
 Nothing stays stopped for good: BPF lists every thread it stops in `held` before the stop,
 and the watchdog (enforcer/failsafe/watchdog.py) that runs beside every tracer with discovery on
@@ -18,13 +26,24 @@ import ctypes as ct
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
-from .libs import Library, resolve_in_root
+from . import untrusted
+from .libs import Library
 from .table import CUDA
 
 HELD_OPEN = 1 << 32   # bpf/convgpu.bpf.c: a `held` value for a stop at a driver's open (else a stall)
+ATTACH_PER_PASS = 4   # new driver copies attached in one loop pass (one: ~30 links, milliseconds)
+PASS_BUDGET_S = 0.5   # and no more attaching once a pass has spent this on it
+STALE_S = 3.0         # bpf/convgpu.bpf.c DISCOVERY_STALE_NS: BPF stops nobody after this
+BEAT_EVERY_S = 0.5
+COPIES_PER_CONTAINER = 32   # driver copies probed at once for one container: each costs ~60 links
+                            # (descriptors, kernel uprobes); a real one brings one or two
+LOG_EVERY_S = 600.0   # one line per (container, reason) in this long; the rest are counted
+WHAT = {"stall": "kept stopped until it is killed or the enforcer stops", "kill": "killed",
+        "allow": "let run UNCHECKED"}
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +58,46 @@ class Unprobed:
 
 
 def allow(pid: int, lib: Library, reason: str) -> str:
-    """`convgpu trace`'s choice: a view never holds a process; it says so, loudly."""
-    log.warning("pid %d opened %s, which cannot be probed (%s): its calls are NOT seen", pid, lib, reason)
+    """`convgpu trace`'s choice: a view never holds a process (Discovery says so, loudly)."""
     return "allow"
+
+
+class Said:
+    """Log lines a container can cause, at most one per (container, reason) every LOG_EVERY_S
+    seconds (the next one says how many were left out); at most `keys` remembered."""
+
+    def __init__(self, every: float = LOG_EVERY_S, keys: int = 4096):
+        self.every, self.keys = every, keys
+        self.last: collections.OrderedDict = collections.OrderedDict()   # key -> (when, left out)
+
+    def __call__(self, level: int, key, msg: str, *args) -> bool:
+        now = time.monotonic()
+        when, skipped = self.last.pop(key, (None, 0))
+        if when is not None and now - when < self.every:
+            self.last[key] = (when, skipped + 1)
+            return False
+        self.last[key] = (now, 0)
+        while len(self.last) > self.keys:
+            self.last.popitem(last=False)
+        log.log(level, msg + (f" ({skipped} more like it left out)" if skipped else ""), *args)
+        return True
+
+
+def container_of(pid: int) -> str:
+    """A key for the rate limit: the process's cgroup, as the kernel names it."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            return f.read(4096).strip().split(b"\n")[-1].decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+@dataclass
+class Pending:
+    """A new driver copy some process opened: read and attached by a later loop pass, while
+    its openers wait (held)."""
+    lib: Library
+    keys: list          # pid_tgid of each thread stopped at its open
 
 
 class Discovery:
@@ -54,13 +110,45 @@ class Discovery:
         self.recent = collections.deque(maxlen=1024)   # their pids, latest last
         self.watchdog = None
         self._lifeline = None
+        self.pending: dict[tuple, Pending] = {}             # inode -> Pending, in arrival order
+        self.openers: dict[tuple, set[int]] = {}            # inode -> pids that opened it
+        self.owner: dict[tuple, str] = {}                   # inode -> the container whose open found it
+        self.beaten = time.monotonic()
+        self._sentinel = None
+        self._stop = threading.Event()
+        self._exempt = 0
 
     def _map(self, name: str):
         return self.tracer.b[name.encode()]
 
     def _write(self, on: bool, exempt: int = 0):
         t = self._map("discovery")
-        t[ct.c_int(0)] = t.Leaf(on=int(on), exempt=exempt)
+        t[ct.c_int(0)] = t.Leaf(on=int(on), exempt=exempt, beat_ns=time.monotonic_ns())
+        self._exempt = exempt
+
+    def beat(self, force: bool = False):
+        """The loop ran: BPF may go on stopping processes at their opens (bpf DISCOVERY_STALE_NS)."""
+        now = time.monotonic()
+        if self.enabled and (force or now - self.beaten >= BEAT_EVERY_S):
+            self.beaten = now
+            self._write(True, self._exempt)
+
+    def _watch(self):
+        """A thread: if the loop has not run for STALE_S, BPF already stops nobody new; this
+        lets go of those it holds (fail open, as admission does when the heartbeat lapses)."""
+        said = False
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self.beaten < STALE_S:
+                said = False
+                continue
+            held = self._held()
+            if held and not said:
+                log.error("the loop has not run for %.0f s: %d process(es) held at a driver's open "
+                          "are let go unprobed, and discovery stops nobody until it runs again",
+                          time.monotonic() - self.beaten, len({k >> 32 for k in held}))
+                said = True
+            for key in held:
+                self._resume(key)
 
     def fail_safe_fds(self) -> tuple[list[int], int]:
         """(maps the watchdog zeroes, the `held` map it empties) if we die."""
@@ -78,8 +166,12 @@ class Discovery:
             from ..enforcer.failsafe import watchdog
             zero, held = self.fail_safe_fds()
             self.watchdog, self._lifeline = watchdog.spawn(os.getpid(), "-", zero, held)
-        self._write(True)
         self.enabled = True
+        self.beaten = time.monotonic()
+        self._write(True)
+        self._stop.clear()
+        self._sentinel = threading.Thread(target=self._watch, name="discovery-sentinel", daemon=True)
+        self._sentinel.start()
 
     def disable(self):
         """Nobody stays stopped: discovery off, then every held process resumed."""
@@ -87,10 +179,17 @@ class Discovery:
             return
         self._write(False)
         self.enabled = False
+        self._stop.set()
+        if self._sentinel is not None:
+            self._sentinel.join(timeout=5)
+            self._sentinel = None
         time.sleep(0.02)   # a program past its check when `on` went to 0 may still stop one
         for key in self._held():
             self._resume(key)
         self.unprobed.clear()
+        for p in self.pending.values():
+            self.tracer.let_go(p.lib)
+        self.pending.clear()
         if self.watchdog is not None:
             self.watchdog.kill()
             self.watchdog.wait()
@@ -125,50 +224,118 @@ class Discovery:
             pass
 
     def opened(self, pid: int, tid: int, fd: int):
-        """BPF stopped thread tid of pid right after it opened a driver-named file as fd."""
+        """BPF stopped thread tid of pid right after it opened a driver-named file as fd. Only
+        our own non-blocking descriptor of that file is looked at (probes/untrusted.py)."""
         key = pid << 32 | tid
         self.stops += 1
         self.recent.append(pid)
-        link = f"/proc/{pid}/fd/{fd}"
         try:
-            st = os.stat(link)
-            seen_as = os.readlink(link)
+            mine = untrusted.open_process_fd(pid, fd)
         except OSError:       # gone already, or closed and reused: nothing to probe
             self._resume(key)
             return
-        inode = (st.st_dev, st.st_ino)
-        lib = self.tracer.finder.known.get(inode)
-        if lib is None:
-            lib = self._library(pid, link, seen_as, inode)
-            self.tracer.finder.known[inode] = lib
-            self.tracer.attach(lib)
-        failed = next((err for f, err in self.tracer.failed if f.inode == inode), None)
-        if failed is None:
+        try:
+            st = untrusted.check(mine)
+        except (untrusted.Refused, OSError) as e:   # a FIFO, a socket...: no code can be mapped from it
+            untrusted.close(mine)
+            self.tracer.say(logging.WARNING, (container_of(pid), str(e)), "pid %d opened %s: %s; not a driver, "
+                     "let go", pid, _seen_as(pid, fd), e)
             self._resume(key)
             return
-        action = self.on_unprobed(pid, lib, failed)
-        self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
-        if action == "kill":
-            os.kill(pid, signal.SIGKILL)
-            self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
-        elif action == "allow":
-            self._resume(key)
-        # stall: it stays in `held` (the watchdog resumes it if we die), stopped
+        inode = (st.st_dev, st.st_ino)
+        self.openers.setdefault(inode, set()).add(pid)
+        if inode in self.pending:
+            untrusted.close(mine)
+            self.pending[inode].keys.append(key)
+            return
+        if inode in self.tracer.finder.known:
+            untrusted.close(mine)
+            self._settle(inode, [key])
+            return
+        seen_as = _seen_as(pid, fd)
+        if st.st_nlink == 0:
+            log.info("pid %d opened %s, deleted since: probed through its descriptor", pid, seen_as)
+        self.pending[inode] = Pending(Library(CUDA, _shown(pid, seen_as), inode, seen_as, mine), [key])
 
-    @staticmethod
-    def _library(pid: int, link: str, seen_as: str, key) -> Library:
-        """The path to attach: the file as the process sees it, through its root; else (a
-        deleted or replaced file) its open descriptor, valid while we attach."""
-        host = resolve_in_root(f"/proc/{pid}/root", seen_as)
-        try:
-            if host and (os.stat(host).st_dev, os.stat(host).st_ino) == key:
-                return Library(CUDA, host, key, seen_as)
-        except OSError:
-            pass
-        return Library(CUDA, link, key, seen_as)
+    def queue(self, lib: Library) -> None:
+        """A copy the periodic scan found (a process maps it): attached like an opened one."""
+        self.pending.setdefault(lib.inode, Pending(lib, []))
+
+    def work(self) -> int:
+        """From the loop, after the pass's events: attach queued copies, at most ATTACH_PER_PASS
+        and PASS_BUDGET_S worth; the rest wait for the next pass, their openers held. Returns
+        how many were taken."""
+        t0 = time.monotonic()
+        n = 0
+        for n in range(1, ATTACH_PER_PASS + 1):
+            if not self.pending or time.monotonic() - t0 > PASS_BUDGET_S:
+                return n - 1
+            inode = next(iter(self.pending))
+            p = self.pending.pop(inode)
+            self.tracer.finder.known[inode] = p.lib
+            container = container_of(p.keys[0] >> 32) if p.keys else None
+            if container is not None and sum(c == container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
+                why = f"its container has {COPIES_PER_CONTAINER} driver copies probed already, the most one may have"
+                self.tracer.failed.append((self.tracer.let_go(p.lib), why))
+            else:
+                if self.tracer.attach(p.lib, container) is not None and container is not None:
+                    self.owner[inode] = container
+                self.beat(force=True)    # progress: BPF keeps stopping at opens
+            self._settle(inode, p.keys)
+        return n
+
+    def _settle(self, inode, keys):
+        failed = self.tracer.failure(inode)
+        for key in keys:
+            if failed is None:
+                self._resume(key)
+                continue
+            pid = key >> 32
+            lib = self.tracer.finder.known[inode]
+            action = self.on_unprobed(pid, lib, failed)
+            self.tracer.say(logging.ERROR, (container_of(pid), failed.replace(str(lib), "*")),
+                            "pid %d opened %s, which cannot be probed (%s): %s", pid, lib, failed, WHAT[action])
+            self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
+            if action == "kill":
+                os.kill(pid, signal.SIGKILL)
+                self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
+            elif action == "allow":
+                self._resume(key)
+            # stall: it stays in `held` (the watchdog resumes it if we die), stopped
+
+    def forget(self, inode) -> None:
+        """A copy released (no process uses it): its container may have another."""
+        self.owner.pop(inode, None)
+        self.openers.pop(inode, None)
+
+    def in_use(self, inode) -> bool:
+        """A process that opened this copy is still alive (the scan of maps is the tracer's)."""
+        pids = self.openers.get(inode, set())
+        pids.intersection_update(p for p in list(pids) if os.path.exists(f"/proc/{p}"))
+        if not pids:
+            self.openers.pop(inode, None)
+        return bool(pids)
 
     def sweep(self):
         """Forget processes held for an unprobed file that have gone (BPF drops their threads)."""
         for pid in list(self.unprobed):
             if not os.path.exists(f"/proc/{pid}"):
                 del self.unprobed[pid]
+
+
+def _seen_as(pid: int, fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return f"/proc/{pid}/fd/{fd}"
+
+
+def _shown(pid: int, seen_as: str) -> str:
+    """How logs name a copy: its path, through the process's root unless that is ours."""
+    try:
+        a, b = os.stat(f"/proc/{pid}/root"), os.stat("/")
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return seen_as
+    except OSError:
+        pass
+    return f"/proc/{pid}/root{seen_as}"

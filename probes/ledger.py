@@ -94,7 +94,8 @@ class Ledger:
                   b"assign": Table(("container", "dev"), ("limit", "assigned", "extra_overhead", "adopted",
                                                           "adopted_contexts", "ctx_charge")),
                   b"cgstate": Table(("container", "dev"), ("used", "reserved", "contexts", "stalls")),
-                  b"members": Table((), ())}
+                  b"members": Table((), ()),
+                  b"quotas": Table((), ("objs", "threads", "procs", "denied")), b"swept": Table((), ())}
         self._ep = select.epoll()
         self._pe = ProcEvents().open()
         if self._pe is not None:
@@ -152,7 +153,7 @@ class Ledger:
                 for pid, devs in sorted(self.rows.items()) for dev, r in sorted(devs.items())]
 
     def stats(self) -> dict[str, int]:
-        return {"drops": 0, "unknown_free": 0, "unchecked": 0}
+        return {"drops": 0, "unknown_free": 0, "unchecked": 0, "unrecorded": 0, "over_quota": 0}
 
     def calls_in_flight(self) -> set[int]:
         return set()   # the shims report a call once it returned

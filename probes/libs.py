@@ -10,8 +10,9 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from . import untrusted
 from .table import CUDA, CUDART
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class Library:
     path: str        # a path this process can open (may go through /proc/<pid>/root)
     inode: tuple     # (st_dev, st_ino): what the probes are really attached to
     seen_as: str     # the path as the process that uses it sees it
+    # our descriptor of it, opened and checked by probes/untrusted.py: the probes go on this
+    # inode (/proc/self/fd/N), never on a path a container could swap meanwhile; -1: none
+    fd: int = field(default=-1, compare=False, repr=False)
+    trusted: bool = field(default=False, compare=False)   # the host's own: may be self-tested
 
     def __str__(self):
         return self.path if self.path == self.seen_as else f"{self.seen_as} (via {self.path})"
@@ -88,6 +93,27 @@ def _maps_paths(pid: str, proc: str) -> list[str]:
     return sorted(out)
 
 
+def mapped_inodes(proc: str = "/proc") -> set[int]:
+    """The inode number of every file any process maps (a copy renamed after it was mapped is
+    still counted); the device is left out, as overlayfs shows the layer's in maps."""
+    out: set[int] = set()
+    try:
+        pids = [d for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/maps", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        for line in data.split(b"\n"):
+            parts = line.split(None, 5)
+            if len(parts) > 4 and parts[4] != b"0":
+                out.add(int(parts[4]))
+    return out
+
+
 def system_drivers() -> list[str]:
     """libcuda files installed on the host itself (ldconfig, usual paths): is there a driver?"""
     found = []
@@ -116,22 +142,43 @@ class LibraryFinder:
         self._last_full = 0.0
         self._first_seen: dict[str, float] = {}
         self._roots_done: set[tuple] = set()
+        self._said: set[tuple] = set()
 
-    def _add(self, kind, path, seen_as, new):
+    def _add(self, kind, root, path, seen_as, new):
+        """path inside root (probes/untrusted.py: opened there, symlinks kept inside it, never
+        blocking), a new library unless its inode is known. A file that cannot be a driver
+        (a FIFO, a directory, too big) is skipped, said once per inode."""
         try:
-            st = os.stat(path)
+            fd = untrusted.open_in_root(root, path)
         except OSError:
             return
+        try:
+            st = untrusted.check(fd)
+        except untrusted.Refused as e:
+            untrusted.close(fd)
+            self._refused(root, path, str(e))
+            return
         key = (st.st_dev, st.st_ino)
-        if key not in self.known:
-            lib = Library(kind, path, key, seen_as)
-            self.known[key] = lib
-            new.append(lib)
+        if key in self.known:
+            untrusted.close(fd)
+            return
+        if root == "/":
+            shown = os.path.realpath(path)
+            lib = Library(kind, shown, key, seen_as, fd, untrusted.trusted(shown, st))
+        else:
+            lib = Library(kind, root + path, key, seen_as, fd)
+        self.known[key] = lib
+        new.append(lib)
+
+    def _refused(self, root, path, why):
+        if (root, path, why) not in self._said:
+            self._said.add((root, path, why))
+            log.warning("%s%s is not probed: %s", "" if root == "/" else root, path, why)
 
     def scan(self) -> list[Library]:
         new: list[Library] = []
         for p in self.extra:
-            self._add(kind_of(p) or CUDA, os.path.realpath(p), p, new)
+            self._add(kind_of(p) or CUDA, "/", os.path.realpath(p), p, new)
         if not self.discover:
             return new
         now = time.monotonic()
@@ -139,9 +186,7 @@ class LibraryFinder:
         if full:
             self._last_full = now
             for p in _ldconfig_paths() + list(KNOWN_PATHS):
-                r = resolve_in_root("/", p)
-                if r:
-                    self._add(kind_of(p), r, p, new)
+                self._add(kind_of(p), "/", p, p, new)
         try:
             pids = [d for d in os.listdir(self.proc) if d.isdigit()]
         except OSError:
@@ -153,9 +198,7 @@ class LibraryFinder:
                 continue
             root = f"{self.proc}/{pid}/root"
             for p in _maps_paths(pid, self.proc):
-                r = resolve_in_root(root, p)
-                if r:
-                    self._add(kind_of(p), r, p, new)
+                self._add(kind_of(p), root, p, p, new)
             if full:
                 self._scan_root(root, new)
         for pid in list(self._first_seen):
@@ -174,6 +217,4 @@ class LibraryFinder:
             return
         self._roots_done.add(key)
         for p in KNOWN_PATHS:
-            r = resolve_in_root(root, p)
-            if r:
-                self._add(CUDA, r, p, new)
+            self._add(CUDA, root, p, p, new)

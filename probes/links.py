@@ -25,7 +25,9 @@ BPF_PROG_LOAD, BPF_LINK_CREATE = 5, 28
 BPF_PROG_TYPE_KPROBE = 2
 BPF_TRACE_UPROBE_MULTI = 48           # enum bpf_attach_type
 BPF_F_UPROBE_MULTI_RETURN = 1
-SYS_BPF = 321                         # x86_64
+SYS_BPF, SYS_PERF_EVENT_OPEN = 321, 298    # x86_64
+PERF_FLAG_FD_CLOEXEC = 8
+PERF_EVENT_IOC_ENABLE, PERF_EVENT_IOC_SET_BPF = 0x2400, 0x40042408
 _libc = ct.CDLL(None, use_errno=True)
 _libc.syscall.restype = ct.c_long
 # errors that say "this kernel has no uprobe_multi links", not "this probe failed"
@@ -98,9 +100,12 @@ def kind(b) -> str:
 
 
 def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int = 0,
-           ret: bool = False) -> None:
-    """Run b's function fn_name at file offset `offset` of path (sym+sym_off there), on entry or
-    (ret) on return, in every process."""
+           ret: bool = False) -> int | None:
+    """Run b's function fn_name at file offset `offset` of path (sym+sym_off), on entry or
+    (ret) on return, in every process. The link's descriptor, or None for a perf event. path
+    is our own /proc/self/fd/N of a checked file (probes/untrusted.py), and nothing here looks
+    a symbol up by name in a file (bcc's lookup once opened a container's FIFO by path and
+    blocked: issue 24 row 3)."""
     if _state(b) is not False and wanted():
         import bcc
         try:
@@ -111,7 +116,7 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
                 if _state(b) is None:
                     b.convgpu_links = []
                 _perf_copy(b, fn_name, path, sym, sym_off, ret)
-                return
+                return None
             if _state(b) is not None or (isinstance(e, OSError) and e.errno not in _UNSUPPORTED):
                 raise
             log.info("uprobe links refused (%s): perf-event uprobes, slow to detach", e)
@@ -123,11 +128,39 @@ def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int
             if _state(b) is None:
                 b.convgpu_links = []
             b.convgpu_links.append(fd)
-            return
-    if ret:
-        b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
-    else:
-        b.attach_uprobe(name=path, sym=sym, sym_off=sym_off, fn_name=fn_name)
+            return fd
+    _perf(b, fn_name, path, offset, ret)
+    return None
+
+
+class _PerfAttr(ct.Structure):   # struct perf_event_attr, as far as a uprobe needs it
+    _fields_ = [("type", ct.c_uint32), ("size", ct.c_uint32), ("config", ct.c_uint64),
+                ("sample_period", ct.c_uint64), ("sample_type", ct.c_uint64), ("read_format", ct.c_uint64),
+                ("flags", ct.c_uint64), ("wakeup_events", ct.c_uint32), ("bp_type", ct.c_uint32),
+                ("config1", ct.c_uint64), ("config2", ct.c_uint64), ("rest", ct.c_ubyte * 56)]
+
+
+def _perf(b, fn_name: bytes, path: bytes, offset: int, ret: bool) -> None:
+    """A perf-event uprobe through the kernel's `uprobe` PMU, made here: bcc's attach_uprobe
+    falls back to a tracefs event named after the path (/proc/self/fd/N here) that its
+    background detach (probes/detach.py) leaves behind, armed. Kept in b.uprobe_fds, where
+    bcc's cleanup and the hand-off find it (bcc removes a tracefs event only if it exists)."""
+    import bcc
+    fn = b.load_func(fn_name, bcc.BPF.KPROBE)
+    with open("/sys/bus/event_source/devices/uprobe/type") as f:
+        pmu = int(f.read())
+    p = ct.create_string_buffer(path)
+    attr = _PerfAttr(type=pmu, size=ct.sizeof(_PerfAttr), config=1 if ret else 0,   # format/retprobe: config:0
+                     sample_period=1, wakeup_events=1, config1=ct.addressof(p), config2=offset)
+    fd = _libc.syscall(SYS_PERF_EVENT_OPEN, ct.byref(attr), -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        e = ct.get_errno()
+        raise OSError(e, f"perf_event_open uprobe: {os.strerror(e)}")
+    if _libc.ioctl(fd, PERF_EVENT_IOC_SET_BPF, fn.fd) < 0 or _libc.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0) < 0:
+        e = ct.get_errno()
+        os.close(fd)
+        raise OSError(e, f"perf event uprobe: {os.strerror(e)}")
+    b._add_uprobe_fd(b"%s_convgpu_%s_0x%x_%s" % (b"r" if ret else b"p", path, offset, fn_name), fd)
 
 
 def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bool) -> None:
@@ -140,7 +173,8 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
     log.warning("%s+%d in %s: a perf-event uprobe of another tool is there; this probe is a perf "
                 "event too (slow to detach)", sym.decode(), sym_off, path.decode())
     mine = b.funcs.pop(fn_name)
-    try:
+    try:   # through bcc, as the other tool did: its probe then has the same ref_ctr_offset; the
+           # lookup reads our own descriptor of a regular file (not a path anyone can swap)
         if ret:
             b.attach_uretprobe(name=path, sym=sym, fn_name=fn_name)
         else:
@@ -155,6 +189,16 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
 def fds(b) -> list[int]:
     """b's link descriptors (the enforcer's watchdog keeps duplicates: enforcer/failsafe/takeover.py)."""
     return list(_state(b)) if isinstance(_state(b), list) else []
+
+
+def release(b, mine: list[int]) -> None:
+    """Detach some of b's links at once (a library no process maps any more)."""
+    from ..enforcer.failsafe.watchdog import close_all
+    if not mine:
+        return
+    gone = set(mine)
+    b.convgpu_links[:] = [fd for fd in fds(b) if fd not in gone]
+    close_all(list(gone))
 
 
 def close(b) -> int:

@@ -1,10 +1,14 @@
 """Compile bpf/convgpu.bpf.c with bcc and attach the probe table to libraries.
 
-Two checks catch probes that attach "successfully" yet never fire (FACTS.md: a uprobe on a
-`lock`-prefixed first instruction is never installed): the first instruction of every symbol is
-read and classified, and a self-test child calls every driver symbol once, before cuInit, where
-the driver answers CUDA_ERROR_NOT_INITIALIZED without touching the GPU, and the per-API hit
-counters must move."""
+A library is verified by reading it, never by running it (probes/untrusted.py: a container's
+libcuda.so.1 is hostile, issue 24 row 1): its ELF symbol tables give each probed symbol's file
+offset, and the first instruction there is classified (FACTS.md: a uprobe on a `lock`-prefixed
+first instruction is never installed), all from our own descriptor of the file; the probes go
+on that very inode through /proc/self/fd/N. Only the host's own driver (root-owned, on a host
+path, writable by root alone: untrusted.trusted) is also self-tested: a child calls every driver
+symbol once, before cuInit, where the driver answers CUDA_ERROR_NOT_INITIALIZED without touching
+the GPU, and the per-API hit counters must move. That test can only veto a library the reading
+accepted; it never admits one alone."""
 import contextlib
 import logging
 import os
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
-from . import bpfcache, links, prologue
+from . import bpfcache, links, prologue, untrusted
 from .libs import Library
 from .table import ADMITTED, CUDA, PROBES, Probe
 
@@ -122,22 +126,6 @@ def configure(b, self_tgid: int, owner: int) -> None:
     t[t.Key(0)] = t.Leaf(self_tgid=self_tgid, owner=owner)
 
 
-def read_prologue(path: str, offset: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(prologue.PROLOGUE_BYTES)
-    except OSError:
-        return b""
-
-
-def first_instruction(path: str, offset: int) -> tuple[str, str]:
-    """Classify the instruction a uprobe at `offset` replaces: (class, hex bytes).
-    'emulated' (push %rbp: cheap), 'stepped' (single-stepped: ~10x slower), 'unprobeable'."""
-    b = read_prologue(path, offset)
-    return prologue.classify(b)[0], b.hex()
-
-
 @dataclass
 class Attached:
     probe: Probe
@@ -154,6 +142,7 @@ class Attached:
 class LibraryProbes:
     library: Library
     probes: list[Attached] = field(default_factory=list)
+    link_fds: list[int] = field(default_factory=list)   # its uprobe links: closed when it goes
 
     @property
     def missing_required(self) -> list[Attached]:
@@ -164,38 +153,46 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
     """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers).
     recheck: also probe admitted calls (enforce, table.ADMITTED) inside their prologue, on the
     first emulated instruction after the entry (probes/prologue.py), else the second one."""
-    bcc = import_bcc()
     out = LibraryProbes(lib)
+    if lib.fd < 0:
+        raise ProbeError(f"cannot attach probes in {lib}: it was not opened", "run `convgpu doctor`")
+    try:
+        syms = untrusted.read_symbols(lib.fd, [p.symbol for p in PROBES if p.library == lib.kind],
+                                      prologue.PROLOGUE_BYTES)
+    except (untrusted.Refused, OSError) as e:
+        raise ProbeError(f"not a driver file: {e}", "a driver file is a 64-bit ELF shared object") from e
+    path = f"/proc/self/fd/{lib.fd}".encode()   # the inode we read, whatever its name is now
     for probe in PROBES:
         if probe.library != lib.kind:
             continue
         a = Attached(probe, lib, ok=False)
-        try:
-            path, off = bcc.BPF._check_path_symbol(lib.path.encode(), probe.symbol.encode(), None, -1)
-            a.insn, hx = first_instruction(path.decode(), off)
-        except Exception:
+        s = syms.get(probe.symbol)
+        if s is None:
             a.reason = "symbol not exported by this library"
             out.probes.append(a)
             continue
+        a.insn = prologue.classify(s.prologue)[0]
         if a.insn == "unprobeable":
             a.reason = "first instruction cannot be probed (lock prefix)"
             out.probes.append(a)
             continue
         try:
             sym = probe.symbol.encode()
-            links.attach(b, probe.enter.encode(), path, off, sym)
+            out.link_fds.append(links.attach(b, probe.enter.encode(), path, s.offset, sym))
             if probe.exit:
-                links.attach(b, probe.exit.encode(), path, off, sym, ret=True)
+                out.link_fds.append(links.attach(b, probe.exit.encode(), path, s.offset, sym, ret=True))
             a.ok = True
             if recheck and probe.symbol in ADMITTED:
-                site = prologue.recheck_site(bytes.fromhex(hx))
+                site = prologue.recheck_site(s.prologue)
                 a.recheck = site is not None
                 if site is not None:
                     a.recheck_at = f"+{site[0]} {site[1]}"
-                    links.attach(b, b"recheck", path, off + site[0], sym, sym_off=site[0])
+                    out.link_fds.append(links.attach(b, b"recheck", path, s.offset + site[0], sym,
+                                                     sym_off=site[0]))
         except Exception as e:
             a.reason = f"attach failed: {e}"
         out.probes.append(a)
+    out.link_fds = [fd for fd in out.link_fds if fd is not None]
     stepped = [a.probe.symbol for a in out.probes if a.recheck_at.endswith("stepped")]
     if stepped:
         log.warning("%s: the recheck of %s is single-stepped (no push after the entry): several us "
@@ -209,15 +206,13 @@ def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
 
 def recheck_sites(path: str) -> dict[str, tuple[int, str] | None]:
     """For `convgpu doctor`: where the enforcer would put each admitted symbol's recheck."""
-    bcc = import_bcc()
-    out = {}
-    for sym in sorted(ADMITTED):
-        try:
-            real, off = bcc.BPF._check_path_symbol(path.encode(), sym.encode(), None, -1)
-        except Exception:
-            continue    # not exported by this driver (optional symbols)
-        out[sym] = prologue.recheck_site(read_prologue(real.decode(), off))
-    return out
+    fd = untrusted.open_in_root("/", path)
+    try:
+        untrusted.check(fd)
+        syms = untrusted.read_symbols(fd, sorted(ADMITTED), prologue.PROLOGUE_BYTES)
+    finally:
+        untrusted.close(fd)
+    return {sym: prologue.recheck_site(s.prologue) for sym, s in sorted(syms.items())}
 
 
 def read_hits(b) -> dict[int, int]:
@@ -249,7 +244,7 @@ def self_test(b, lp: LibraryProbes, exempt=lambda pid: contextlib.nullcontext(),
     exempt(pid): a context manager under which the child calls (the enforcer's: admission
     skips that pid, and only it). Returns the child's pid, whose (failed, unaccounted) calls
     the caller should not show."""
-    if lp.library.kind != CUDA:
+    if lp.library.kind != CUDA or not lp.library.trusted:
         return None
     todo = [a for a in lp.probes if a.ok]
     if not todo:

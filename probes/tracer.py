@@ -2,16 +2,17 @@
 per-(process, device) accounting read from maps, and events for the live view."""
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import select
 import time
 from dataclasses import dataclass
 
 from .. import phases
-from . import detach, links, loader
-from .discovery import Discovery
+from . import detach, links, loader, untrusted
+from .discovery import Discovery, Said
 from .events import FORMAT, Event, decode_many
-from .libs import Library, LibraryFinder
+from .libs import Library, LibraryFinder, mapped_inodes
 
 log = logging.getLogger(__name__)
 # How long after its bytes last changed a process may still have a free running in the driver:
@@ -66,6 +67,8 @@ class Tracer:
         self.started_ns = 0
         self._fd = None
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
+        self.on_release = lambda fds: None   # the enforcer's: its watchdog drops its duplicates of these links
+        self.say = Said()                  # log lines a container can cause: rate-limited
         self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
 
     # --- life cycle ---
@@ -98,6 +101,8 @@ class Tracer:
             self.b.cleanup()   # detaches the perf events left (handed off: at once)
             self._fd = None
             self.b = None
+        for lib in list(self.finder.known.values()):
+            self.let_go(lib)
         return child
 
     def __enter__(self):
@@ -124,20 +129,27 @@ class Tracer:
         self._last_scan = now
         added = []
         for lib in self.finder.scan():
+            if not force:   # found by a later scan: attached by the loop, a few a pass (row 7)
+                self.discovery.queue(lib)
+                continue
             lp = self.attach(lib)
             if lp is not None:
                 added.append(lp)
         return added
 
-    def attach(self, lib: Library) -> loader.LibraryProbes | None:
-        """Probes on lib, self-tested; a failure is recorded in `failed` (one bad library must
-        not stop tracing the others), as is a required probe that never fired."""
+    def attach(self, lib: Library, container: str | None = None) -> loader.LibraryProbes | None:
+        """Probes on lib, verified by reading it (and self-tested if it is the host's own: a
+        required probe that never fired is then a failure too); a failure is recorded in
+        `failed` (one bad library must not stop tracing the others). container: whose open
+        found it (discovery): its log lines are then one per container and kind, as a container
+        can bring copies by the hundred (issue 24 row 7)."""
         try:
             with phases.timed("attach"):
                 lp = loader.attach_library(self.b, lib, recheck=self.recheck)
         except Exception as e:
-            self.failed.append((lib, str(e)))
-            log.warning("%s", e)
+            self.failed.append((self.let_go(lib), str(e)))
+            if container is None:   # else discovery says it, with the opener and what it does to it
+                log.warning("%s: %s", lib, e)
             return None
         if self.selftest:
             with phases.timed("self-test"):
@@ -149,8 +161,52 @@ class Tracer:
                 self.failed.append((lib, f"required probes never fired in the self-test: {', '.join(silent)}"))
                 log.warning("%s: required probes never fired in the self-test: %s", lib, ", ".join(silent))
         self.attached.append(lp)
-        log.info("probes attached to %s (%d symbols)", lib, sum(a.ok for a in lp.probes))
+        self._say(logging.INFO, container, "attached", "probes attached to %s (%d symbols%s)", lib,
+                  sum(a.ok for a in lp.probes), "" if lib.trusted else ", verified by reading it")
         return lp
+
+    def _say(self, level, container, kind, msg, *args):
+        if container is None:
+            log.log(level, msg, *args)
+        else:
+            self.say(level, (container, kind), msg, *args)
+
+    def let_go(self, lib: Library) -> Library:
+        """Our descriptor of a library nothing is attached to is closed (its inode and why are
+        all we keep); the copy without it, also in finder.known."""
+        untrusted.close(lib.fd)
+        lib = dataclasses.replace(lib, fd=-1)
+        if lib.inode in self.finder.known:
+            self.finder.known[lib.inode] = lib
+        return lib
+
+    def failure(self, inode) -> str | None:
+        """Why the library of this inode could not be probed, or None (probed, or unknown)."""
+        return next((err for f, err in self.failed if f.inode == inode), None)
+
+    def _release_unused(self) -> None:
+        """Driver copies that discovery or a scan found and that no live process opened or maps
+        any more lose their probes, their descriptor and their entries (issue 24 row 7: many
+        copies must not pile up links and lists); a later open finds one again. The host's
+        own driver and the libraries given on the command line stay."""
+        idle = [lib for lib in self.finder.known.values()
+                if not lib.trusted and lib.seen_as not in self.finder.extra and not self.discovery.in_use(lib.inode)]
+        if not idle:
+            return
+        mapped = mapped_inodes(self.finder.proc)
+        gone = {lib.inode for lib in idle if lib.inode[1] not in mapped}
+        if not gone:
+            return
+        mine = [lp for lp in self.attached if lp.library.inode in gone]
+        fds = [fd for lp in mine for fd in lp.link_fds]
+        self.on_release(fds)
+        links.release(self.b, fds)
+        self.attached = [lp for lp in self.attached if lp.library.inode not in gone]
+        self.failed = [(lib, err) for lib, err in self.failed if lib.inode not in gone]
+        for inode in gone:
+            untrusted.close(self.finder.known.pop(inode).fd)
+            self.discovery.forget(inode)
+        log.info("%d driver copies no process uses any more: %d probes detached", len(gone), len(fds))
 
     @contextlib.contextmanager
     def _exempt(self, pid: int):
@@ -171,11 +227,19 @@ class Tracer:
         """Everything since the last poll; also attaches new libraries and cleans up. The
         housekeeping comes first, for what earlier polls found: an exit reaches the caller
         (the enforcer resumes a waiter on it) without waiting for its own sweep."""
+        self.discovery.beat()
         self.rescan()
         now = time.monotonic()
         if self._sweeps or now - self._last_sweep > self.sweep_every:
             self._sweep(full=now - self._last_sweep > self.sweep_every)
             self._last_sweep = now if now - self._last_sweep > self.sweep_every else self._last_sweep
+        self._consume()
+        if self.discovery.work():   # what the new probes (and a self-test) saw meanwhile, too
+            self._consume()
+        out, self._pending = self._pending, []
+        return out
+
+    def _consume(self) -> None:
         self.b.ring_buffer_consume()
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
@@ -186,8 +250,6 @@ class Tracer:
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
             if ev.pid not in self._ignore:
                 self._pending.append(ev)
-        out, self._pending = self._pending, []
-        return out
 
     def wait(self, timeout: float) -> None:
         """Sleep until an event that wakes (a stop at a driver's open, a stall) or timeout."""
@@ -202,14 +264,34 @@ class Tracer:
         dead = []
         for k, v in objs.items():
             if (k.tgid, v.gen) in self._sweeps or (full and live.get(k.tgid) != v.gen):
-                dead.append(k)
-        for k in dead:
+                dead.append((k, v.quota))
+        gone: dict[int, int] = {}
+        for k, quota in dead:
             try:
                 del objs[k]
             except KeyError:
-                pass
+                continue
+            if quota:
+                gone[quota] = gone.get(quota, 0) + 1
+        self._swept(gone)
         self._sweeps.clear()
         self.discovery.sweep()
+        if full:
+            self._release_unused()
+
+    def _swept(self, gone: dict[int, int]) -> None:
+        """The objects just deleted leave their containers' quotas (bpf/convgpu.bpf.c, q_left):
+        counted in `swept`, which only this writes, so BPF's own counters never race with it."""
+        quotas, swept = self.b[b"quotas"], self.b[b"swept"]
+        for key, n in gone.items():
+            k = ctypes.c_ulonglong(key)
+            if k not in quotas:     # the container is gone, and its bucket with it
+                continue
+            try:
+                old = swept[k].value
+            except KeyError:
+                old = 0
+            swept[k] = ctypes.c_ulonglong(old + n)
 
     # --- accounting ---
     def usage(self) -> list[ProcUsage]:
@@ -240,7 +322,7 @@ class Tracer:
         return running | {k.tgid for k, u in self.b[b"usage"].items() if u.last_ns > since}
 
     def stats(self) -> dict[str, int]:
-        names = ("drops", "unknown_free", "unchecked")   # enum cg_stat
+        names = ("drops", "unknown_free", "unchecked", "unrecorded", "over_quota")   # enum cg_stat
         return {n: sum(v) for n, (k, v) in zip(names, sorted(self.b[b"stats"].items(), key=lambda kv: kv[0].value))}
 
     def object_count(self) -> int:

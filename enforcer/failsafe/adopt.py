@@ -61,6 +61,10 @@ class Adopt:
             for k, a in list(t.items()):
                 if k.container not in pids:
                     del t[k]
+        for name in ("quotas", "swept"):   # map quota buckets of containers gone meanwhile (enforcer/quotas.py)
+            t = self._t(name)
+            for k in [k for k in t.keys() if k.value not in pids]:
+                del t[k]
         charge = {}   # (container, dev) -> the per-context charge the old enforcer wrote
         for k, a in self._t("assign").items():
             box = self.by_key.get(k.container)

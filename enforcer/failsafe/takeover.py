@@ -96,6 +96,15 @@ class FdSender:
             socket.send_fds(self.mine, [b"f"], new[i:i + 250])
         self.sent.update(new)
 
+    def drop(self, fds: list[int]) -> None:
+        """These links are about to be closed: the watchdog closes its duplicates too, and a
+        descriptor number used again later is sent again."""
+        from .watchdog import link_id
+        ids = [i for i in map(link_id, fds) if i is not None]
+        if ids:
+            self.mine.send(b"d" + " ".join(map(str, ids)).encode())
+        self.sent.difference_update(fds)
+
 
 def _is_watchdog(pid: int) -> bool:
     try:

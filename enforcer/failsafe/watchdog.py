@@ -132,15 +132,30 @@ def release(path: str) -> tuple[set[int], int]:
     return done, thawed
 
 
+def link_id(fd: int) -> int | None:
+    """The BPF link behind a descriptor (fdinfo's link_id), None for anything else."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            return next((int(x.split()[1]) for x in f if x.startswith("link_id:")), None)
+    except (OSError, ValueError):
+        return None
+
+
 def wait_for_death(pipe_fd: int, fd_sock: socket.socket | None, held: list[int]) -> None:
-    """Until the pipe's EOF; meanwhile keep every probe descriptor the enforcer sends."""
+    """Until the pipe's EOF; meanwhile keep every probe descriptor the enforcer sends, and close
+    ours of the links it released (a driver copy no process uses any more: b"d" + link ids)."""
     while True:
         ready, _, _ = select.select([pipe_fd] + ([fd_sock] if fd_sock else []), [], [])
         if fd_sock in ready:
             try:
-                _, fds, _, _ = socket.recv_fds(fd_sock, 16, 253)
+                msg, fds, _, _ = socket.recv_fds(fd_sock, 65536, 253)
             except OSError:
-                fds = []
+                msg, fds = b"", []
+            if msg.startswith(b"d"):
+                gone = {int(x) for x in msg[1:].split()}
+                drop = [fd for fd in held if link_id(fd) in gone]
+                held[:] = [fd for fd in held if fd not in drop]
+                close_all(drop)
             held.extend(fds)
         if pipe_fd in ready and not os.read(pipe_fd, 64):
             return

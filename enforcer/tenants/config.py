@@ -39,10 +39,13 @@ SETTINGS = {
     "discover": ("bool", None),
     "probes": ("bool", None),
     "unprobed": ("choice", ("stall", "kill", "allow")),
+    "max_objects": ("int", None),
+    "max_threads": ("int", None),
+    "max_processes": ("int", None),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
-                "libs", "discover", "probes", "unprobed")
+                "libs", "discover", "probes", "unprobed", "max_objects", "max_threads", "max_processes")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

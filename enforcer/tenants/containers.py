@@ -63,48 +63,103 @@ def _norm(path: str) -> str:
 
 
 def container_of_path(path: str) -> Container:
-    """Classify a cgroup path. Components are scanned innermost first, so sub-cgroups a
-    container makes inside itself (/container, init.scope, system.slice/x.service under a
-    systemd-in-container) resolve to the enclosing container; the innermost engine container
-    wins for nested engines (docker-in-docker, docker-in-pod)."""
+    """Classify a cgroup path by the runtime's own cgroup: the outermost component at a place
+    where only a runtime (root) makes cgroups (runtime_container), never a name further in. A
+    container given cgroup delegation can make sub-cgroups named like a neighbour
+    (docker-<victim id>.scope: issue 24 row 8); every sub-cgroup is its enclosing container,
+    and the Container's cgroup is that container's own, so a freezer stall freezes all of it
+    and nothing else. Not a container: the outermost systemd unit, else the path itself
+    (/convgpu.run/<name>: `convgpu run`'s cgroup, whatever its sub-cgroups)."""
     path = _norm(path)
     if path == "/":
         return Container("host", "host", "/")
     parts = path[1:].split("/")
-    pod = next((u for i in reversed(range(len(parts))) if (u := _pod_component(parts, i))), None)
-    unit = None
-    for i in range(len(parts) - 1, -1, -1):
-        comp = parts[i]
-        parent = parts[i - 1] if i > 0 else ""
-        parent_is_pod = _pod_component(parts, i - 1) is not None
-        if _CONMON.fullmatch(comp):
-            return Container("systemd", comp, path, pod)
-        m = _ENGINE_UNIT.fullmatch(comp)
-        if m:
-            kind = _ENGINE_PREFIX_KIND[m.group(1)]
-            # A runtime's container directly inside a pod is that pod's container; deeper
-            # (an engine run inside a pod's container) it is that engine's own container.
-            if parent_is_pod and kind != "podman":
-                kind = "kubernetes"
-            return Container(kind, m.group(2), path, pod)
-        if _HEX64.fullmatch(comp):
-            # cgroupfs drivers name the directory by the bare id; the parent says whose:
-            # /docker/<id>, /kubepods/.../pod<uid>/<id>, containerd's /<namespace>/<id>.
-            if parent_is_pod:
-                kind = "kubernetes"
-            elif parent == "docker":
-                kind = "docker"
-            else:
-                kind = "containerd"
-            return Container(kind, comp, path, pod)
-        uid = _pod_component(parts, i)
-        if uid is not None:  # the pod itself (sandbox level) or a non-container sub-cgroup
-            return Container("kubernetes", uid, path, uid)
-        if unit is None and _UNIT.fullmatch(comp):
-            unit = comp
-    if unit is not None:
-        return Container("systemd", unit, path, pod)
-    return Container("cgroup", path, path, pod)
+    found = runtime_container(parts)
+    if found is not None:
+        kind, cid, n, pod = found
+        return Container(kind, cid, "/" + "/".join(parts[:n]), pod)
+    for i, comp in enumerate(parts):
+        if _UNIT.fullmatch(comp):
+            return Container("systemd", comp, "/" + "/".join(parts[:i + 1]))
+    if parts[0] == "convgpu.run" and len(parts) > 2:
+        path = "/" + "/".join(parts[:2])
+    return Container("cgroup", path, path)
+
+
+# A kubernetes QoS level between the kubepods root and the pod (cgroupfs and systemd drivers)
+_QOS = re.compile(r"burstable|besteffort|guaranteed|(?:[\w.-]*-)?kubepods-(?:burstable|besteffort|guaranteed)\.slice")
+
+
+def runtime_container(parts: list[str]) -> tuple[str, str, int, str | None] | None:
+    """(kind, id, components of its cgroup, pod uid) where the path lies in a runtime's
+    container, matched only where the runtime makes it: /docker/<id>, /system.slice/<engine>-<id>
+    .scope, /machine.slice/libpod-<id>.scope (also in a podman pod's slice), /libpod_parent/
+    libpod-<id>, a containerd namespace /<ns>/<id>, rootless podman under user@<uid>.service,
+    and the container directly in a pod under the kubepods root (kind's node: kubelet.slice/
+    kubelet-kubepods.slice)."""
+    first = parts[0]
+    kube = _kubepods_root(parts)
+    if kube:
+        return _pod_container(parts, kube)
+    if len(parts) < 2:
+        return None
+    second = parts[1]
+    if first == "docker":
+        return ("docker", second, 2, None) if _HEX64.fullmatch(second) else None
+    if first in ("system.slice", "machine.slice", "libpod_parent"):
+        if first == "machine.slice" and second.startswith("machine-libpod_pod_") and len(parts) > 2:
+            m = _ENGINE_UNIT.fullmatch(parts[2])
+            return ("podman", m.group(2), 3, None) if m and m.group(1) == "libpod" else None
+        return _engine(second, 2, None, pod_level=False) if first != "libpod_parent" or \
+            second.startswith("libpod-") else None
+    if first == "user.slice":   # rootless podman: .../user@<uid>.service/[user.slice/]libpod-<id>.scope
+        if len(parts) > 3 and parts[2].startswith("user@"):
+            at = 4 if parts[3] == "user.slice" and len(parts) > 4 else 3
+            m = _ENGINE_UNIT.fullmatch(parts[at])
+            return ("podman", m.group(2), at + 1, None) if m and m.group(1) == "libpod" else None
+        return None
+    if _HEX64.fullmatch(second):   # a containerd namespace at the top: /default/<id>, /k8s.io/<id>
+        return ("containerd", second, 2, None)
+    return None
+
+
+def _kubepods_root(parts: list[str]) -> int:
+    """Where the pods start (after `kubepods`, `kubepods.slice`, kind's `kubelet.slice/
+    kubelet-kubepods.slice`): at the top, as the kubelet makes them, or below plain directories
+    only (a prefix no unit, slice or container lies in: a test's, a nested node's); 0: none."""
+    for i, comp in enumerate(parts):
+        if comp in ("kubepods", "kubepods.slice"):
+            return i + 1
+        if parts[i:i + 2] == ["kubelet.slice", "kubelet-kubepods.slice"]:
+            return i + 2
+        if comp.endswith(".slice") or _UNIT.fullmatch(comp) or _ENGINE_UNIT.fullmatch(comp) or _HEX64.fullmatch(comp):
+            return 0
+    return 0
+
+
+def _engine(comp: str, n: int, pod: str | None, pod_level: bool):
+    """An engine's container (or its monitor) named by the cgroup component at n - 1."""
+    if _CONMON.fullmatch(comp):   # the monitor next to a container: not the container
+        return ("systemd", comp, n, pod)
+    m = _ENGINE_UNIT.fullmatch(comp)
+    if m:
+        kind = _ENGINE_PREFIX_KIND[m.group(1)]
+        # a runtime's container directly inside a pod is that pod's container (podman's own pods aside)
+        return ("kubernetes" if pod_level and kind != "podman" else kind, m.group(2), n, pod)
+    if pod_level and _HEX64.fullmatch(comp):   # cgroupfs drivers name it by the bare id
+        return ("kubernetes", comp, n, pod)
+    return None
+
+
+def _pod_container(parts: list[str], i: int):
+    """Under the kubepods root at parts[i]: [QoS level /] pod / container."""
+    if i < len(parts) and _pod_component(parts, i) is None and _QOS.fullmatch(parts[i]):
+        i += 1
+    uid = _pod_component(parts, i) if i < len(parts) else None
+    if uid is None:
+        return None
+    inner = _engine(parts[i + 1], i + 2, uid, pod_level=True) if i + 1 < len(parts) else None
+    return inner or ("kubernetes", uid, i + 1, uid)   # the pod itself (sandbox level)
 
 
 def _pod_component(parts: list[str], i: int) -> str | None:

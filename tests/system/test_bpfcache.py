@@ -183,7 +183,7 @@ def test_replayed_program_has_the_compiled_maps_types_and_code(pair):
     bpfcache._bind(lib)
     names = [lib.bpf_table_name(compiled.module, i) for i in range(lib.bpf_num_tables(compiled.module))]
     assert [n.decode() for n in names] == list(replayed.spec["maps"])
-    assert len(names) == 19   # 18, and shim_calls (issue 24 row 2: threads inside a shim wrapper)
+    assert len(names) == 21   # main's 20, and shim_calls (issue 24 row 2: threads inside a shim wrapper)
     for n in names:
         a, b = compiled[n], replayed[n]
         ka, kb = map_info(a.map_fd), map_info(b.map_fd)
@@ -249,7 +249,7 @@ def pin_dir(root):
     shutil.rmtree(d, ignore_errors=True)
 
 
-STATE = {"threads", "procs", "usage", "objs", "members", "assign", "cgstate", "control"}
+STATE = {"threads", "procs", "usage", "objs", "members", "assign", "cgstate", "control", "quotas", "swept"}
 
 
 def test_replay_pins_the_state_maps_and_a_second_start_continues_on_them(pin_dir):

@@ -85,7 +85,8 @@ def test_driver_inside_a_container_root_is_found(root, private_copy):
             assert lib is not None, [str(x) for x in t.libraries]
             assert lib.seen_as == "/lib/libcuda.so.1" and "/proc/" in lib.path and lib.path.endswith("/root/lib/libcuda.so.1")
             lp = next(x for x in t.attached if x.library == lib)
-            assert all(a.ok and a.fired for a in lp.probes)
+            # verified by reading it; a container's copy is never loaded by a self-test (issue 24 row 1)
+            assert all(a.ok and a.fired is None for a in lp.probes) and not lib.trusted
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
 
@@ -239,7 +240,7 @@ def test_unprobed_driver_file_under_enforce(root, build, not_a_driver, policy):
         enf.wait_for(f"pid {p.pid} opened")
         st = enf.ctl(cmd="status")["status"]
         assert [(u["pid"], u["action"]) for u in st["unprobed"]] == [(p.pid, policy)]
-        assert "cannot attach required probes" in st["unprobed"][0]["reason"]
+        assert "not a 64-bit" in st["unprobed"][0]["reason"] or "past the end" in st["unprobed"][0]["reason"]
         if policy == "stall":
             wait_state(p.pid, "T")
             time.sleep(0.5)

@@ -10,7 +10,9 @@ import re
 import select
 import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,15 +100,14 @@ def test_a_hung_loop_lets_the_heartbeat_lapse(root, build, cgroups, caller_env, 
         _stop(p, q)
 
 
-def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgroups, caller_env, caplog,
-                                                               tmp_path):
+def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgroups, caller_env, caplog):
     """A second copy of the driver appears while a container waits over its limit. Its
     self-test child calls every symbol unstalled; the waiter, sent SIGCONT while the child
     runs, is stopped again before its allocation (admission was not turned off for it)."""
     caplog.set_level(logging.WARNING, logger="convgpu.enforcer.daemon")
     enf = _enforcer(build, "selftest")
     enf.start()
-    p = None
+    p, d = None, ""
     try:
         p = start_in(cgroups("waits"), build, caller_env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
         stepped_until(enf, lambda: _said(caplog, "needs 2.0 GiB, above its limit") and proc_state(p.pid) == "T",
@@ -123,7 +124,10 @@ def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgro
                 yield
 
         enf.tracer.selftest_exempt = contextlib.contextmanager(exempt)
-        copy = tmp_path / "libcuda.so.1"
+        # a host driver (root's, in directories only root can write: probes/untrusted.trusted),
+        # the only kind a self-test loads
+        d = tempfile.mkdtemp(prefix="selftest-", dir=build)
+        copy = Path(d) / "libcuda.so.1"
         shutil.copy(build / "standin" / "libcuda.so.1", copy)
         enf.tracer.finder.extra += (str(copy),)
         enf.tracer._last_scan = 0.0
@@ -139,3 +143,5 @@ def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgro
     finally:
         enf.close()
         _stop(p)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)

@@ -30,14 +30,15 @@ KIND_NODE = (f"/system.slice/docker-{H2}.scope/kubelet.slice/kubelet-kubepods.sl
              f"kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod{UID_}.slice/"
              f"cri-containerd-{H1}.scope")
 
-# path -> (kind, id, pod, short); the cgroup field is the path itself
+# path -> (kind, id, pod, short); the cgroup field is the container's own (CG: where that is
+# not the path itself: a sub-cgroup belongs to the container around it)
 PATHS = [
     # docker
     (f"/docker/{H1}", "docker", H1, None, H1[:12]),
     (f"/system.slice/docker-{H1}.scope", "docker", H1, None, H1[:12]),
-    (f"/docker/{H2}/docker/{H1}", "docker", H1, None, H1[:12]),  # docker-in-docker
-    # docker-in-docker inside a pod's container
-    (f"/kubepods/besteffort/pod{UID}/{H2}/docker/{H1}", "docker", H1, UID, H1[:12]),
+    (f"/docker/{H2}/docker/{H1}", "docker", H2, None, H2[:12]),  # docker-in-docker: the outer one
+    # docker-in-docker inside a pod's container: the pod's container
+    (f"/kubepods/besteffort/pod{UID}/{H2}/docker/{H1}", "kubernetes", H2, UID, H2[:12]),
     ("/system.slice/docker.service", "systemd", "docker.service", None, "docker"),
     # containerd (nerdctl / ctr)
     (f"/default/{H1}", "containerd", H1, None, H1[:12]),
@@ -58,7 +59,10 @@ PATHS = [
     (BURST, "kubernetes", UID, UID, "pod-0f2b5c8e"),  # the pod (sandbox) level
     (f"{BEST}/crio-conmon-{H1}.scope", "systemd", f"crio-conmon-{H1}.scope", UID,
      f"crio-conmon-{H1}"),
-    (KIND_NODE, "kubernetes", H1, UID, H1[:12]),  # kind: kubelet inside a docker container
+    # kind seen from the host: the node is one docker container (inside it, with its own cgroup
+    # namespace, the pods are at /kubelet.slice/kubelet-kubepods.slice: KIND_IN_NODE)
+    (KIND_NODE, "docker", H2, None, H2[:12]),
+    (KIND_NODE[KIND_NODE.index("/kubelet.slice"):], "kubernetes", H1, UID, H1[:12]),
     ("/kubepods.slice/kubepods-besteffort.slice", "cgroup",
      "/kubepods.slice/kubepods-besteffort.slice", None, "kubepods-besteffort.slice"),
     # cri-o outside kubernetes
@@ -84,18 +88,52 @@ PATHS = [
     ("/user.slice/user-0.slice/session-3.scope", "systemd", "session-3.scope", None, "session-3"),
     ("/system.slice/run-r1234.scope", "systemd", "run-r1234.scope", None, "run-r1234"),
     ("/user.slice/user-1000.slice/user@1000.service/app.slice/app-org.gnome.Terminal.slice/"
-     "vte-spawn-1.scope", "systemd", "vte-spawn-1.scope", None, "vte-spawn-1"),
+     "vte-spawn-1.scope", "systemd", "user@1000.service", None, "user@1000"),  # the outermost unit
+    ("/convgpu.run/job1/sub", "cgroup", "/convgpu.run/job1", None, "job1"),
     # plain cgroups and the root
     ("/process_api/adbab065d2549530a65208195c99c9e4", "cgroup",
      "/process_api/adbab065d2549530a65208195c99c9e4", None, "adbab065d2549530a65208195c99c9e4"),
     ("/", "host", "host", None, "host"),
+    # issue 24 row 8: names a container (with cgroup delegation) or a plain cgroup makes inside
+    # itself, named like a neighbour, never make it that neighbour
+    (f"/libpod_parent/libpod-{H1}/libpod-{H2}", "podman", H1, None, H1[:12]),
+    (f"/libpod_parent/libpod-{H1}/docker-{H2}.scope", "podman", H1, None, H1[:12]),
+    (f"/system.slice/docker-{H1}.scope/system.slice/docker-{H2}.scope", "docker", H1, None, H1[:12]),
+    (f"{BURST}/cri-containerd-{H1}.scope/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{H2}.scope",
+     "kubernetes", H1, UID, H1[:12]),
+    (f"/convgpu-test/a/libpod_parent/libpod-{H2}", "cgroup", f"/convgpu-test/a/libpod_parent/libpod-{H2}",
+     None, f"libpod-{H2}"),
+    (f"/system.slice/ssh.service/docker-{H2}.scope", "systemd", "ssh.service", None, "ssh"),
+    (f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}", "systemd", "ssh.service", None, "ssh"),
+    (f"/docker/{H1}/kubepods/pod{UID}/{H2}", "docker", H1, None, H1[:12]),
+    # a kubepods tree below plain directories (a test's prefix) is still the kubelet's
+    (f"/convgpu-test/kubepods/besteffort/pod{UID}/{H1}", "kubernetes", H1, UID, H1[:12]),
 ]
+CG = {f"/libpod_parent/libpod-{H1}/container": f"/libpod_parent/libpod-{H1}",
+      f"/docker/{H2}/docker/{H1}": f"/docker/{H2}",
+      f"/kubepods/besteffort/pod{UID}/{H2}/docker/{H1}": f"/kubepods/besteffort/pod{UID}/{H2}",
+      KIND_NODE: f"/system.slice/docker-{H2}.scope",
+      ROOTLESS: ROOTLESS[:-len("/container")],
+      "/user.slice/user-1000.slice/user@1000.service/app.slice/app-org.gnome.Terminal.slice/vte-spawn-1.scope":
+          "/user.slice/user-1000.slice/user@1000.service",
+      f"/libpod_parent/libpod-{H1}/libpod-{H2}": f"/libpod_parent/libpod-{H1}",
+      f"/libpod_parent/libpod-{H1}/docker-{H2}.scope": f"/libpod_parent/libpod-{H1}",
+      f"/system.slice/docker-{H1}.scope/system.slice/docker-{H2}.scope": f"/system.slice/docker-{H1}.scope",
+      f"{BURST}/cri-containerd-{H1}.scope/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{H2}.scope":
+          f"{BURST}/cri-containerd-{H1}.scope",
+      "/convgpu.run/job1/sub": "/convgpu.run/job1",
+      f"/system.slice/ssh.service/docker-{H2}.scope": "/system.slice/ssh.service",
+      f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}": "/system.slice/ssh.service",
+      f"/docker/{H1}/kubepods/pod{UID}/{H2}": f"/docker/{H1}"}
+CG.update({p: p.rsplit("/", 1)[0] for p in (f"/machine.slice/libpod-{H1}.scope/container",
+                                            f"/machine.slice/libpod-{H1}.scope/init.scope")})
+CG[f"/machine.slice/libpod-{H1}.scope/system.slice/nginx.service"] = f"/machine.slice/libpod-{H1}.scope"
 
 
 @pytest.mark.parametrize("path,kind,cid,pod,short", PATHS, ids=[p[0][-60:] for p in PATHS])
 def test_container_of_path(path, kind, cid, pod, short):
     c = container_of_path(path)
-    assert c == Container(kind, cid, path, pod)
+    assert c == Container(kind, cid, CG.get(path, path), pod)
     assert c.short == short
 
 
@@ -241,7 +279,7 @@ def test_container_of_pid_cache(tmp_path):
     proc = str(tmp_path)
     _fake_proc(tmp_path, 77, 5000, f"0::/machine.slice/libpod-{H1}.scope/container\n")
     first = container_of_pid(77, proc)
-    assert first == Container("podman", H1, f"/machine.slice/libpod-{H1}.scope/container")
+    assert first == Container("podman", H1, f"/machine.slice/libpod-{H1}.scope")
     (tmp_path / "77" / "cgroup").write_text("0::/\n")
     assert container_of_pid(77, proc) is first  # same pid and start time: cached
     _fake_proc(tmp_path, 77, 5001, "0::/system.slice/ssh.service\n")  # pid reused
