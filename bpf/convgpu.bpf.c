@@ -534,6 +534,27 @@ static __always_inline u8 stall_op(u32 tgid, s32 dev, u64 size, struct cg_assign
     return own + size > a->limit ? OP_OVER_LIMIT : OP_STALL;
 }
 
+// Threads inside a wrapper of the enforcer's own shim library (shim_enter .. shim_exit: a
+// uprobe and a uretprobe on each admitted wrapper, enforcer/serving/shimprobes.py). Saying
+// `hello` on the shim socket proves nothing (any process can); running the wrapper does: it
+// asks the enforcer before it calls the driver (issue 24, row 2).
+BPF_TABLE("lru_hash", u64, u8, shim_calls, 16384);   // LRU: a thread killed inside never fills it
+
+int shim_enter(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u8 one = 1;
+    shim_calls.update(&id, &one);
+    return 0;
+}
+
+int shim_exit(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    shim_calls.delete(&id);
+    return 0;
+}
+
 // Room in its container's quotas (cg_quota) for a call of a placed process: its thread
 // (counted here if it was made before the process was placed), its process (made at the
 // call's return) and one object. Checked before the call runs, so a container at its quota
@@ -580,17 +601,22 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (lapsed(ctl))
         return;
     u32 tgid = id >> 32;
-    // A process under the preload shim asks the enforcer before each allocation and waits in
-    // the shim (or gets an out-of-memory error): it is accounted here but never stopped.
-    u64 *m = members.lookup(&tgid);     // one lookup for that and for its container's state
-    if ((m && (*m & SHIM_MEMBER)) || tgid == ctl->exempt)
+    if (tgid == ctl->exempt)
         return;
+    // A process under the preload shim asks the enforcer before each allocation and waits in
+    // the shim (or gets an out-of-memory error): a call made from inside a shim wrapper is
+    // not stopped for its assignment, only above its limit (its credit page is its own to
+    // scribble on). Its other calls are admitted as anyone's.
+    u64 *m = members.lookup(&tgid);     // one lookup for that and for its container's state
+    int shim = m && (*m & SHIM_MEMBER) && shim_calls.lookup(&id);
     if (is_ctx)
         size = ctl->ctx_overhead;
     u64 key = 0;
     struct cg_cgstate *s = member_state(m, dev, &key);
     struct cg_limit_key lk = {.container = key, .dev = dev};
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+    if (shim && !a)                 // placed at its hello: a GPU the enforcer does not manage
+        return;
     t->call.want = size;
     t->call.wdev = dev;
     if (!a) {                       // not placed yet: wait for the enforcer to place it
@@ -609,7 +635,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     t->call.container = key;
     t->call.rdev = dev;
     u64 total = charged(s, a, ctl) + r;
-    if (total <= a->assigned)
+    if (total <= (shim ? a->limit : a->assigned))
         return;
     __sync_fetch_and_add(&s->stalls, 1);
     t->call.stalled = 1;
@@ -1335,6 +1361,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     }
     threads.delete(&id);
     held.delete(&id);
+    shim_calls.delete(&id);
 #ifdef HAVE_GROUP_DEAD
     if (args->group_dead)
 #else

@@ -1,5 +1,4 @@
 """`convgpu shim --print-env`: how to run a program under the preload shim."""
-import glob
 import os
 import shlex
 
@@ -7,16 +6,16 @@ import typer
 
 from .. import __file__ as _package
 from ..errors import PrerequisiteError
+from ..paths import shim_library
 from . import common
 
 
 def library() -> str:
-    pkg = os.path.dirname(os.path.abspath(_package))
-    found = sorted(glob.glob(os.path.join(pkg, "libconvgpu*.so")))
+    found = shim_library()
     if not found:
-        raise PrerequisiteError(f"the shim library is not built in {pkg}",
+        raise PrerequisiteError(f"the shim library is not built in {os.path.dirname(os.path.abspath(_package))}",
                                 "reinstall the package (scripts/setup.sh builds it)")
-    return found[0]
+    return found
 
 
 def shim_env(run_dir: str = common.RUN_DIR, fail_closed: bool = False) -> dict[str, str]:

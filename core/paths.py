@@ -12,3 +12,9 @@ def build_dir() -> Path:
 
 def standin_libcuda() -> Path:
     return build_dir() / "standin" / "libcuda.so.1"
+
+
+def shim_library() -> str | None:
+    """The preload shim built into the package (setup.py): convgpu/libconvgpu*.so."""
+    found = sorted(Path(__file__).resolve().parent.glob("libconvgpu*.so"))
+    return str(found[0]) if found else None

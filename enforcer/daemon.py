@@ -20,13 +20,14 @@ import threading
 import time
 
 from . import ctxest, policies
-from .serving import server
+from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
 from .actions import VIEW_GRACE, Actions, held_seq
 from .failsafe.adopt import Adopt
 from .books import Books, Box, Exit, Wait  # noqa: F401 (Box, Wait: re-exported)
 from .serving.broker import ShimBroker
+from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants.containers import container_of_pid
 from .decisions import Decisions
 from .events import Events
@@ -135,19 +136,22 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
             from ..errors import ConfigError
             raise ConfigError(f"an enforcer already runs on {self.control_path}",
                               "stop it first, or give this one another --run-dir")
+        raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
         self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
                                           root_only=True, sel=self.sel))
         try:
             from .serving.shim import ShimHandler
         except ImportError:
             ShimHandler = None
-        if ShimHandler is not None:   # any process may ask; SO_PEERCRED says who it is
+        if ShimHandler is not None:   # any process may ask; the kernel says who it is (peers.py)
             self.servers.append(server.Server(os.path.join(self.run_dir, "shim", "shim.sock"),
-                                              ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel))
+                                              ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel,
+                                              caps=SHIM_CAPS, group_of=self._peer_group))
         self.tracer.selftest_exempt = self._exempting
         self.tracer.recheck = True
         if self.tracer.kernel:
             prev = self._load_over_pins()
+            shimprobes.attach(self.tracer.b)   # only calls from inside the shim wait in it
         else:
             self.tracer.start()
             prev = []
@@ -286,7 +290,14 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
             events = self.step()
             if on_step:
                 on_step(events)
-            server.serve(self.sel, tick)
+            server.serve(self.sel, tick, self.servers)
+
+    def _peer_group(self, ident) -> str:
+        """A shim peer's container, for the caps per container (serving/peers.py)."""
+        c = self.container_of(ident.pid)
+        if ident.exited():   # what we read may be of a process that took its pid since
+            raise ProcessLookupError(ident.pid)
+        return f"{c.kind} {c.id}"
 
     def _on_hup(self, *_):
         self._reload_asked = True   # handled in the loop, never inside a signal handler

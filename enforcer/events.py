@@ -33,6 +33,8 @@ class Events:
                 self._reap(fd)
                 dirty = True
         for e in events:
+            if e.pid in self.shimmed and e.op in ("unknown", "stall", "over_limit", "quota"):
+                self.broker.caught(e.pid)   # BPF stopped it: it is resumed as anyone from now on
             if e.op == "unknown":
                 also = ()
                 if e.flags & EF_ORDINAL:    # its first placement: map its ordinals first

@@ -3,7 +3,8 @@
  *   FREE:  gives memory back: report after success;
  *   INFO:  cuMemGetInfo: report the container's limit instead of the GPU's memory;
  *   CTX:   a context is made: say hello first, so the enforcer knows this process waits in the
- *          shim (and BPF never stops it) before its first admitted call;
+ *          shim before its first admitted call (BPF spares only calls made inside these
+ *          wrappers, which it marks: enforcer/serving/shimprobes.py);
  *   RT:    runtime calls of the paper's Table II: named (they reach the driver calls above,
  *          directly or through cuGetProcAddress), never asked twice;
  *   NVML:  NVML's memory queries (nvidia-smi, pynvml): the container's limit, as INFO.

@@ -3,7 +3,8 @@ each allocation and waits in the calling thread, or gets a real out-of-memory er
 being stopped. enforcer/serving/shim.py speaks the socket protocol and calls these methods.
 
 With probes active there is one accounting: BPF charges the shim process's bytes as for any
-other process (its `members` entry carries SHIM_MEMBER, so BPF never stops it), and a grant is
+other process (its `members` entry carries SHIM_MEMBER, so BPF does not stop the calls it makes
+from inside a shim wrapper, serving/shimprobes.py, below its limit), and a grant is
 held here as *pending* until the shim reports the allocation (then BPF has charged it).
 Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
 ledger (probes/ledger.py), which keeps the same tables BPF would.
@@ -22,6 +23,7 @@ from ...units import format_size
 from .. import ctxest
 from . import memview
 from .credit import CreditPage
+from .peers import SHIM_CAPS, LogBudget
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ class ShimBroker:
         self.ledger = None if enf.tracer.kernel else enf.tracer   # no probes: we account
         self.pages: dict[int, CreditPage] = {}    # pid -> its credit page
         self.asks = 0                              # requests that had to be decided here
+        self.forget = lambda pid: None             # the socket side's per-process state (shim.py)
+        self.say = LogBudget(SHIM_CAPS.log_lines, log)  # asks are a container's to repeat: lines per minute
 
     def _box(self, pid: int):
         enf = self.enf
@@ -79,8 +83,9 @@ class ShimBroker:
         need = enf._demand(box, dev) + size
         if need > enf._limit(box, dev):
             box.over_limits += 1
-            log.warning("deny %s pid %d on GPU%d: %s would bring it to %s, above its limit %s", box.name,
-                        pid, dev, format_size(size), format_size(need), format_size(enf._limit(box, dev)))
+            self.say(box.name, logging.WARNING, "deny %s pid %d on GPU%d: %s would bring it to %s, above its "
+                     "limit %s", box.name, pid, dev, format_size(size), format_size(need),
+                     format_size(enf._limit(box, dev)))
             return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(enf._limit(box, dev))}"}
         if need <= box.assigned[dev]:
             self._hold(box, pid, dev, size)
@@ -88,7 +93,7 @@ class ShimBroker:
             return {"grant": True}
         w = enf._waiter(box, dev, pid, size)
         w.wakes.append((pid, size, wake))
-        log.info("stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
+        self.say(box.name, logging.INFO, "stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
                  "(assigned %s)", box.name, pid, dev, format_size(size), format_size(need),
                  format_size(box.assigned[dev]))
         enf.schedule()
@@ -172,7 +177,20 @@ class ShimBroker:
             return ctxest.ceiling([], ctxest.Device(dev), est, DEV_PAGE)
         return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)
 
+    def caught(self, pid: int):
+        """BPF stopped pid, a shim user, at a call it made outside the shim's wrappers (or above
+        its limit): from now on it is stopped and resumed like any process (resumes skip shim
+        users, which wait in their threads), until it says hello again."""
+        box = self.enf.pid_box.get(pid)
+        self.say(box.name if box else str(pid), logging.WARNING, "pid %d%s called the driver outside the "
+                 "shim (or above its limit): BPF stopped it; it is stopped and resumed like any process",
+                 pid, f" of {box.name}" if box else "")
+        self.shim_gone(pid)
+        if box is not None:
+            self.enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
+
     def shim_gone(self, pid: int):
+        self.forget(pid)
         page = self.pages.pop(pid, None)
         if page is not None:
             page.close()

@@ -2,7 +2,7 @@
 # root, with these git-ignored folders carried along:
 #   .bcc    = ../shared/gpu-bcc (bcc 0.26 + LLVM 14 + generic headers, FACTS.md)
 #   .wheels = pip download --python-version 3.12 --only-binary=:all: -d .wheels \
-#             typer rich nvidia-ml-py pyroute2 prometheus_client pytest setuptools
+#             typer rich nvidia-ml-py pyroute2 prometheus_client pytest hypothesis setuptools
 #   build   = `make` output (stand-in driver, cgcaller, alloc_bench; glibc 2.36 binaries run there)
 # The machine's python3 has PyTorch; the package and its deps go to a --target folder on
 # PYTHONPATH, so that python3 (and the PyTorch child processes) keep their own packages. No

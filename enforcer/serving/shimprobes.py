@@ -1,0 +1,41 @@
+"""BPF sees the shim's own entry points (issue 24, row 2): a uprobe and a uretprobe on each
+wrapper of the enforcer's own shim library that stands before an admitted driver call
+(probes/table.py ADMITTED: the allocating and context-making calls) mark the calling thread
+"inside the shim" (bpf/convgpu.bpf.c shim_enter / shim_exit). Only a call made from inside a
+wrapper, by a process that said `hello`, is spared a stop for its assignment; BPF still stops it
+above its limit. A process that said hello and then calls libcuda itself (or maps the shim and
+jumps past it) is admitted like anyone else.
+
+Why the wrappers and not "the shim's inode is mapped": a process can map the library and still
+call the driver directly, so mapping proves nothing about a call; running the wrapper's entry
+means the wrapper asked (or took credit) before it calls the driver. The probes are per inode:
+a container that mounts the host's library (docs/SHIM.md) is covered; one that brings its own
+copy of the shim gets no exemption (it is stopped and resumed like any process, never let
+through). Each wrapper starts with a push (`objdump -d`), which the kernel emulates: ~0.5 us a
+hit here, not a single step (FACTS.md)."""
+import logging
+
+from ...paths import shim_library
+from ...probes import links
+from ...probes.table import ADMITTED
+
+log = logging.getLogger(__name__)
+
+
+def attach(b, path: str | None = None) -> int:
+    """Marks on every admitted wrapper of the shim library at `path` (default: the package's);
+    returns how many wrappers. Without the library (not built) nothing is marked, and shim
+    processes are admitted like any other (safe, not graceful)."""
+    import bcc
+    path = path or shim_library()
+    if path is None:
+        log.warning("the shim library is not built: processes under a shim are stopped like any other")
+        return 0
+    n = 0
+    for sym in sorted(ADMITTED):
+        where, off = bcc.BPF._check_path_symbol(path.encode(), sym.encode(), None, -1)
+        links.attach(b, b"shim_enter", where, off, sym.encode())
+        links.attach(b, b"shim_exit", where, off, sym.encode(), ret=True)
+        n += 1
+    log.info("shim wrappers marked in %s (%d)", path, n)
+    return n
