@@ -1049,7 +1049,17 @@ static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struc
                                               s32 *dev)
 {
     struct cg_thread *t = threads.lookup(&id);
-    if (!t || !t->call.api)
+    if (!t)
+        return 0;
+    // Still stalled at its return: stopped again by its recheck, then let go. The recheck
+    // probe does not fire twice, so its stop ends here, not at the thread's next call: a
+    // `held` entry left until then made a sibling's seize take this thread for one stopped
+    // at a call (enforcer/failsafe/threadhold.py), and kept its room counted as going.
+    if (t->call.stalled) {
+        t->call.stalled = 0;
+        held.delete(&id);
+    }
+    if (!t->call.api)
         return 0;
     *c = t->call;
     t->call.api = 0;

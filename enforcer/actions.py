@@ -92,15 +92,24 @@ class Actions:
             return self._resume(box, dev, why)
         for a in asks:
             w.asks.pop(a.tid, None)
-            if self.holder is not None:   # its room is taken until BPF reserves it (books._taken)
-                box.going.setdefault(dev, {})[a.tid] = a
-            self._let_go(a.pid, a.tid, a.seq)
+            self._send_on(box, dev, a)
         w.pids = {a.pid for a in w.asks.values()} | {p for p, _, _ in w.wakes}
         self._stuck.discard(dev)
         now = time.monotonic()
         log.info("resume %s on GPU%d after %.3f s (%s): %s; %d still waiting", box.name, dev,
                  now - min(a.since for a in asks), why,
                  ", ".join(f"pid {a.pid} thread {a.tid}" for a in asks), len(w.asks))
+
+    def _send_on(self, box: Box, dev: int, a):
+        """Let a granted call run. Its room is taken until its recheck reserves it in BPF
+        (books._taken): a resumed thread may need milliseconds to get there on a loaded host,
+        and a grant decided meanwhile must not count on the same room. Before, a whole wait
+        resumed was not counted so: three contexts resumed together, a fourth placed a
+        millisecond later was granted beside them, and one of the four met its recheck over
+        the assignment (issue 23: a restall that then held a sibling thread for good)."""
+        if self.holder is not None:   # dropped once BPF's `held` forgets the stop (decisions._gone_through)
+            box.going.setdefault(dev, {})[a.tid] = a
+        self._let_go(a.pid, a.tid, a.seq)
 
     def _let_go(self, pid: int, tid: int, seq: int):
         if self.holder is not None:
@@ -117,7 +126,7 @@ class Actions:
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
             for a in w.asks.values():
-                self._let_go(a.pid, a.tid, a.seq)
+                self._send_on(box, dev, a)
             rest = w.pids - self.shimmed - {a.pid for a in w.asks.values()}
             if rest:
                 self.stopper.resume(Target(tuple(rest)))

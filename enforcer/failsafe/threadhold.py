@@ -120,6 +120,7 @@ class ThreadHolder:
         self.refused: dict[int, str] = {}       # pid -> why it is held whole (read by status)
         self.seized = 0                         # processes seized, over the run
         self.traced: set[int] = set()           # pids seized now (a copy for other threads)
+        self._sent: dict[int, dict[int, int]] = {}  # pid -> tid -> the stop let go by SIGCONT (not traced then)
         self._thread: threading.Thread | None = None
 
     # ---- the loop's side: posts, never a ptrace call ----
@@ -181,6 +182,7 @@ class ThreadHolder:
             p = self._procs.get(pid)
             if p is not None:
                 p.held.clear()
+            self._sent.pop(pid, None)
         elif what == "close":
             for pid, p in self._procs.items():
                 for t in list(p.held):
@@ -222,6 +224,7 @@ class ThreadHolder:
                 if why:
                     break
             if why is None:
+                p.released.update(self._sent.pop(pid, {}))
                 self._procs[pid] = p
                 self.traced.add(pid)
                 self.seized += 1
@@ -256,7 +259,14 @@ class ThreadHolder:
         log.debug("release pid %d thread %d stop %d", pid, tid, seq)
         p = self._procs.get(pid)
         if p is None or tid not in p.tids:   # held whole (refused, one thread, or detached
-            _kill(pid, signal.SIGCONT)        # already): the stop is a group stop
+            # already): the stop is a group stop. Remembered as let go all the same: BPF lists
+            # a stop ended after its recheck stopped it again (a restall) in `held` until the
+            # thread's call returns (the recheck probe does not fire twice), and a seize at a
+            # sibling's stop meanwhile must not take that stale entry for a stop to keep (it
+            # held the thread for good: nobody waits to release it; issue 23)
+            seq = seq or self.held_seq(pid, tid) or 0
+            (p.released if p is not None else self._sent.setdefault(pid, {}))[tid] = seq
+            _kill(pid, signal.SIGCONT)
             return
         if not seq:
             seq = p.held.get(tid) or self.held_seq(pid, tid) or 0

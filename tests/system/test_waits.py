@@ -8,6 +8,7 @@ is told the same (--ctx-overhead). Its shared segment is private to each test, s
 peak (standin-usage: the highest sum right after any charge) is the container's."""
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -108,6 +109,38 @@ def test_four_workers_at_once_each_waits_for_itself(cgroups, build, env):
         assert not any("above its limit" in line for line in enf.log), enf.log
         check_peak(env, sampler, 2 * GiB, enf)
         assert enf.stop() == 0
+    finally:
+        for p in procs:
+            p.kill()
+        enf.close()
+
+
+def test_a_call_stopped_again_at_its_recheck_never_holds_its_thread_later(cgroups, build, env):
+    """A process's context call waits (a sibling holds the room) and gets a SIGCONT that is
+    no grant: its recheck stops it again. Granted later, its call runs on from that stop (the
+    recheck probe does not fire twice), then two of its threads allocate and one is stopped:
+    the ptrace holder seizes the process. Before: BPF still listed the thread that made the
+    context in `held`, the holder took it for a thread stopped at a call, nobody released it,
+    and the process never finished (the four-worker test's hang, 1 run in 4)."""
+    limit = CTX + 256 * MiB + 128 * MiB   # one context and 256 MiB, not two; one 256 MiB at a time beside it
+    enf = enforcer(build, "--limit", f"rst={limit}")
+    cg, procs = cgroups("rst"), []
+    try:
+        first = turns(build, cg, env, "-t", 1, "-r", 1, "-s", "256M", "-h", 2500)
+        procs.append(first)
+        deadline = time.monotonic() + 20
+        while sum(p["used"][0] for p in usage(env)["procs"]) < CTX + 256 * MiB:
+            assert time.monotonic() < deadline and first.poll() is None, enf.log
+            time.sleep(0.02)
+        second = turns(build, cg, env, "-t", 2, "-r", 1, "-s", "256M", "-h", 300, "-w", 100)
+        procs.append(second)
+        enf.wait_for(f"stall rst pid {second.pid} on GPU0: placed with")
+        os.kill(second.pid, signal.SIGCONT)   # no grant: the recheck stops it again
+        enf.wait_for(f"pid {second.pid} of rst resumed without a grant")
+
+        assert finish(procs, 30, enf) == [f"done 1 {256 * MiB} pid={first.pid}", f"done 2 {512 * MiB} pid={second.pid}"]
+        assert enf.stop() == 0
+        assert not any("stopped before they were placed" in line for line in enf.log), enf.log
     finally:
         for p in procs:
             p.kill()
