@@ -83,8 +83,10 @@ def check(fd: int) -> os.stat_result:
 
 def trusted(path: str, st: os.stat_result) -> bool:
     """The host's own driver: a host path (not through /proc), the file and every directory
-    above it owned by root and writable by nobody else, and `path` still that inode. Only
-    such a file may be loaded by the self-test (nothing in a container can change it)."""
+    above it owned by root and writable by nobody else (a sticky directory such as /tmp
+    counts: others may add entries there but never rename or remove root's), and `path` still
+    that inode. Only such a file may be loaded by the self-test (nothing in a container can
+    change it)."""
     if not path.startswith("/") or path.startswith("/proc/") or os.path.realpath(path) != path:
         return False
     try:
@@ -96,7 +98,8 @@ def trusted(path: str, st: os.stat_result) -> bool:
     p = path
     while True:
         s = os.stat(p, follow_symlinks=False)
-        if s.st_uid != 0 or s.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        sticky_dir = p != path and s.st_mode & stat.S_ISVTX
+        if s.st_uid != 0 or (s.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir):
             return False
         if p == "/":
             return True

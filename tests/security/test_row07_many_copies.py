@@ -22,12 +22,13 @@ GOOD, BAD = 160, 40
 
 
 def _fds() -> int:
-    """Our descriptors but perf events: where another tool's perf-event uprobe sits on an entry
-    point, ours is one too (probes/links.py), and those stay until the tracer stops."""
+    """Our descriptors but perf events and programs: where another tool's perf-event uprobe
+    sits on an entry point, ours is one too, of a program copy of its own (probes/links.py),
+    and those stay until the tracer stops."""
     n = 0
     for x in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{x}") != "anon_inode:[perf_event]"
+            n += os.readlink(f"/proc/self/fd/{x}") not in ("anon_inode:[perf_event]", "anon_inode:bpf-prog")
         except OSError:
             pass
     return n

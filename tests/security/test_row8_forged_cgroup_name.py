@@ -64,7 +64,7 @@ def test_row8_a_subcgroup_named_like_a_neighbour_is_its_own_container(root, buil
             assert a["pids"] == [attacker.pid] and v["pids"] == [victim.pid], boxes
             assert a["cgroup"] == attacker.cgroup.rsplit("/", 1)[0]     # its own: the sub-cgroup's parent
             assert (v["gpus"]["0"]["used"], v["stalls"]) == (64 * MiB, 0)
-            assert a["gpus"]["0"]["over_limit"] and a["gpus"]["0"]["reserved"] == 512 * MiB
+            assert a["gpus"]["0"]["over_limit"] and a["gpus"]["0"]["reserved"] == 0   # a stopped call holds no reservation (issue 23)
             until(lambda: frozen(v2, a["cgroup"]), 10, "the attacker's own cgroup was not frozen")
             assert frozen(v2, str(sub.relative_to(v2)))                # and its sub-cgroup with it
             assert not frozen(v2, v["cgroup"])

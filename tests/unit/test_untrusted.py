@@ -127,11 +127,20 @@ def test_trusted_only_for_roots_own_host_files(tmp_path):
         pytest.skip("stand-in not built (make)")
     real = os.path.realpath(STANDIN)
     assert untrusted.trusted(real, os.stat(real)) == all(
-        os.stat(d).st_uid == 0 and not os.stat(d).st_mode & 0o022 for d in _parents(real))
-    mine = tmp_path / "libcuda.so.1"                  # /tmp is writable by anyone
-    mine.write_bytes(b"x")
-    assert not untrusted.trusted(str(mine), os.stat(mine))
+        os.stat(d).st_uid == 0 and (not os.stat(d).st_mode & 0o022 or (d != real and os.stat(d).st_mode & 0o1000))
+        for d in _parents(real))
     assert not untrusted.trusted(f"/proc/self/root{real}", os.stat(real))
+    if os.geteuid() != 0 or any(os.stat(d).st_uid != 0 for d in _parents(str(tmp_path))):
+        return   # the cases below need a tree of root's
+    for mode, ok in ((0o777, False), (0o1777, True), (0o755, True)):   # anyone may replace it; sticky; root's
+        d = tmp_path / f"d{mode:o}"
+        d.mkdir()
+        d.chmod(mode)
+        mine = d / "libcuda.so.1"
+        mine.write_bytes(b"x")
+        assert untrusted.trusted(str(mine), os.stat(mine)) is ok, oct(mode)
+        os.chown(mine, 65534, 65534)                   # nobody's own file: never
+        assert not untrusted.trusted(str(mine), os.stat(mine))
 
 
 def _parents(p):
