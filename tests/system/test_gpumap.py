@@ -134,8 +134,9 @@ def test_enforced_on_gpu_1_and_gpu_0_untouched(build, two, cgroups):
             assert enf.status()["gpus"]["1"]["uuid"] == UUID[1]
             p.stdin.write("\n")
             p.stdin.flush()     # 600 + 700 MiB > the 1 GiB limit: stopped, on GPU 1
-            wait_state(p.pid, "T")
-            assert box.waiting.keys() == {1} and box.waiting[1].over_limit
+            wait_state(p.pid, "T")   # stopped by BPF; the enforcer's loop records it just after
+            until(lambda: box.waiting.keys() == {1}, 5, "the stall recorded on GPU1")
+            assert box.waiting[1].over_limit
             assert enf._usage(box, 1)[:2] == (600 * MiB, 1) and 0 not in box.assigned
         finally:
             p.kill()
