@@ -24,6 +24,7 @@ class Ask:
     seq: int = 0              # BPF's stall number (held map): a release names the stop it ends
     over_limit: bool = False  # can never fit: size + what its thread holds + its contexts > the limit (BPF)
     said: bool = False        # logged as over the limit
+    first: bool = False       # its process's first context: it was just placed (Decisions._settling)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Box:
     adopted: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (bytes, contexts)
     shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
     torn: dict[int, int] = field(default_factory=dict)   # device -> cgstate.tearing the driver has freed
+    placed: dict[int, float] = field(default_factory=dict)   # pid -> when its first context was admitted
     # device -> tid -> an Ask resumed alone whose thread has not passed its recheck yet (where
     # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
     # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)

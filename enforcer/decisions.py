@@ -15,6 +15,7 @@ from .failsafe.stall import SignalStopper
 from .failsafe.threadhold import _tids
 
 CIRCULAR_S = 3.0   # s without a free in a container whose threads still run, before its waits are circular
+NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
@@ -22,17 +23,26 @@ log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "
 class Decisions:
     """Part of Enforcer (enforcer/daemon.py): schedule() and what it decides."""
 
+    _held_back: set = frozenset()   # keys of containers whose newcomer waits this pass (_settling)
+
     def schedule(self):
         now = time.monotonic()
         self._gone_through()
         for dev in sorted(self.capacity):
             if self._room(dev) < 0:   # an exit's memory is still in the driver and the card is full
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
+            self._held_back = set()
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:   # a free inside the container may be enough
                 demand = self._demand(box, dev)
                 if demand > box.assigned[dev] or demand > self._limit(box, dev):
                     self._serve(box, dev, now)   # not all of them: those that fit, one by one
+                    continue
+                firsts = [a.pid for a in box.waiting[dev].asks.values() if a.first]
+                if (firsts and isinstance(self.stopper, SignalStopper)
+                        and min(box.assigned[dev], self._limit(box, dev)) - demand < self._ctx(dev)):
+                    if not self._serve(box, dev, now):   # newcomers one at a time (_settling)
+                        self._held_back.add(box.key)     # neither granted nor called deadlocked meanwhile
                     continue
                 # running, it may use all of its assignment: only as much as is safe
                 me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
@@ -43,7 +53,8 @@ class Decisions:
                         box.assigned[dev] = top
                         self._write_assign(box, dev)
                     self._resume(box, dev, "fits its assignment")
-            if (not self._grant(dev, now) and not self._tearing(dev) and self._reclaim(dev)
+                    box.placed.update((q, now) for q in firsts)
+            if (not self._grant(dev, now) and not self._held_back and not self._tearing(dev) and self._reclaim(dev)
                     and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
 
@@ -81,6 +92,10 @@ class Decisions:
                 continue
             if holds and not self._newcomer_safe(unit, units, go, holds, box, dev, size):
                 continue
+            if any(a.first for a in unit):
+                if self._settling(box, dev, unit[0].pid, room - size, now, holds):
+                    continue
+                box.placed[unit[0].pid] = now    # the next newcomer of this pass waits on it
             go.append(unit)
             room -= size
         if go:
@@ -93,7 +108,7 @@ class Decisions:
         """One pass of the policy over the waiters on dev; True if it resumed one."""
         cands = []
         for box in self.boxes.values():
-            if dev not in box.waiting:
+            if dev not in box.waiting or box.key in self._held_back:
                 continue
             want = self._want(box, dev, box.waiting[dev])
             if want is None:
@@ -200,6 +215,27 @@ class Decisions:
             ctx = self.excess[(u.pid, dev)][0] if (u.pid, dev) in self.excess else max(u.contexts, 0) * self._ctx(dev)
             out[u.pid] = (u.live + ctx, ctx)
         return out
+
+    def _settling(self, box: Box, dev: int, pid: int, room_after: int, now: float, holds=None) -> bool:
+        """A process's first context waits while it would leave its container less room than
+        one more context and another process of the container, placed less than NEWCOMER_S
+        ago, has not allocated yet: that one is about to ask for the room this context would
+        take. (Six workers started at once beside a server each got a context, and none had
+        room for its first 256 MiB: a circular wait, for good.) Decided again within a second
+        (the loop's pass while anyone waits), by which time the other has allocated or its
+        time is up."""
+        if room_after >= self._ctx(dev):
+            return False
+        fresh = [q for q, t in box.placed.items() if q != pid and now - t < NEWCOMER_S]
+        if not fresh:
+            return False
+        holds = holds or self._process_holds(box, dev)
+        waits = [q for q in fresh if holds.get(q, (0, 0))[0] <= holds.get(q, (0, 0))[1]]
+        if waits and pid not in box.placed:
+            box.placed[pid] = 0.0   # said once: it is not fresh itself
+            log.info("container %s GPU%d: pid %d's first context waits for pid %s to allocate: it would leave "
+                     "less than a context's room", box.name, dev, pid, ", ".join(map(str, waits)))
+        return bool(waits)
 
     def _newcomer_safe(self, unit, units, go, holds, box: Box, dev: int, size: int) -> bool:
         """The banker's check over the container's processes, for a unit of a process that

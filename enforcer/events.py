@@ -107,7 +107,8 @@ class Events:
         for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
             self._new_device(box, d)
         self._waiter(box, dev, pid, 0, count=False,
-                     ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self._limit(box, dev)))
+                     ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self._limit(box, dev),
+                             first=True))
         if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
@@ -197,6 +198,7 @@ class Events:
         if box is None:
             return
         box.pids.discard(pid)
+        box.placed.pop(pid, None)
         settled = False
         if self.holder is not None:
             self.holder.forget(pid)

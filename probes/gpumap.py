@@ -69,18 +69,26 @@ def enumeration(gpus: list[GpuInfo], order: str | None) -> list[int] | None:
 
 def visible(cvd: str | None, gpus: list[GpuInfo], order: str | None) -> list[int] | None:
     """CUDA_VISIBLE_DEVICES as the driver reads it at cuInit: host GPUs in ordinal order, or
-    None where the list cannot be resolved here (indexes under an unknown enumeration, MIG
-    instances). Entries: indexes into the enumeration, or GPU-<uuid> (a prefix naming one GPU
-    is enough); the first entry that names no GPU (a bad index, an unknown or ambiguous UUID,
+    None where the list cannot be resolved here (indexes under an unknown enumeration).
+    Entries: indexes into the enumeration, GPU-<uuid> (a prefix naming one GPU is enough), or a
+    MIG instance (MIG-<uuid>, or the old MIG-GPU-<uuid>/gi/ci), which is its parent GPU: a MIG
+    instance's memory is a slice of its parent's, and convgpu's books and limits are per
+    physical GPU. The first entry that names no GPU (a bad index, an unknown or ambiguous UUID,
     a repeat) ends the list. Unset: every GPU; set and empty: none (FACTS: count 0)."""
     enum = enumeration(gpus, order)
     if cvd is None:
         return enum
     out: list[int] = []
     for e in cvd.split(","):
-        if e.startswith("MIG-"):
-            return None     # a MIG instance: its parent is not known from the text
-        if e.startswith("GPU-") and len(e) > 4:
+        if e.startswith("MIG-GPU-"):          # the old form: MIG-GPU-<parent uuid>/<gi>/<ci>
+            hit = [g.index for g in gpus if g.uuid == e[4:].split("/")[0]]
+            h = hit[0] if len(hit) == 1 else None
+        elif e.startswith("MIG-") and not any(g.migs for g in gpus):
+            return None     # NVML listed no instances (MIG off, or not readable): not known here
+        elif e.startswith("MIG-") and len(e) > 4:   # an instance (a prefix naming one): its parent GPU
+            hit = [g.index for g in gpus for m in g.migs if m.startswith(e)]
+            h = hit[0] if len(hit) == 1 else None
+        elif e.startswith("GPU-") and len(e) > 4:
             hit = [g.index for g in gpus if g.uuid.startswith(e)]
             h = hit[0] if len(hit) == 1 else None
         elif e.isdigit() and e.isascii():

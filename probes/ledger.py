@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .events import Event
+from .gpumap import Mapper
 from .procevents import ProcEvents, image_of
 from .tracer import ProcUsage
 
@@ -86,6 +87,7 @@ class Ledger:
         self._pe: ProcEvents | None = None
         self._checked = 0.0                          # last comparison of every image
         self._events: list[Event] = []
+        self.gpumap = Mapper()   # the shim's CUDA ordinals are the process's own (probes/gpumap.py)
 
     # --- the tracer's face ---
     def start(self) -> "Ledger":
@@ -111,6 +113,12 @@ class Ledger:
         if self._ep is not None:
             self._ep.close()
         self.b = None
+
+    @property
+    def mapped(self) -> set[int]:
+        """Processes whose GPUs were read (at their first message naming a device), as the
+        tracer's `mapped`: those placed in BPF's gpumap."""
+        return set(self.gpumap.cache)
 
     def fileno(self) -> int:
         return self._ep.fileno()   # readable when a watched process exits or anything execs
@@ -240,6 +248,7 @@ class Ledger:
             contexts += max(r.contexts, 0)
         self.primary = {p for p in self.primary if p[0] != pid}
         self.b[b"members"].pop(pid, None)
+        self.gpumap.forget(pid)   # a new image reads its environment and device nodes anew
         return self._event(pid, op, -1, left, contexts)
 
     def _event(self, pid: int, op: str, dev: int, size: int, live: int) -> Event:

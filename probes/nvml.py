@@ -15,6 +15,7 @@ class GpuInfo:
     used: int
     uuid: str = ""
     minor: int = -1     # its /dev/nvidiaN (probes/gpumap.py: which GPUs a process opened)
+    migs: tuple[str, ...] = ()   # UUIDs of its MIG instances (MIG mode on): charged to this GPU
 
 
 class Nvml:
@@ -54,8 +55,25 @@ class Nvml:
             except Exception:
                 minor = -1
             out.append(GpuInfo(i, _s(n.nvmlDeviceGetName(h)), mem.total, mem.used, _s(n.nvmlDeviceGetUUID(h)),
-                               minor))
+                               minor, self._migs(h)))
         return out
+
+    def _migs(self, h) -> tuple[str, ...]:
+        """The UUIDs of a GPU's MIG instances, () when MIG is off or unsupported."""
+        n = self._n
+        try:
+            if n.nvmlDeviceGetMigMode(h)[0] != n.NVML_DEVICE_MIG_ENABLE:
+                return ()
+            out = []
+            for j in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
+                try:
+                    out.append(_s(n.nvmlDeviceGetUUID(n.nvmlDeviceGetMigDeviceHandleByIndex(h, j))))
+                except n.NVMLError:   # an empty slot
+                    continue
+            return tuple(out)
+        except Exception as e:   # NotSupported on cards without MIG
+            log.debug("MIG instances: %s", e)
+            return ()
 
     def process_memory(self) -> dict[tuple[int, int], int]:
         """(pid, gpu index) -> bytes NVML says the process uses (allocations + context)."""

@@ -7,6 +7,7 @@
  *   {"op":"free","addr":A}                 after success (no reply)
  *   {"op":"ctx","dev":D,"primary":0|1}     after a context is made (no reply)
  *   {"op":"meminfo","dev":D}               -> {"ok":true,"total":T,"used":U}
+ *   {"op":"meminfo","minor":M}             -> the same, the GPU by its NVML minor number
  * A grant may take a while (the container waits for memory): one connection per thread, so only
  * the calling thread waits. A deny becomes CUDA_ERROR_OUT_OF_MEMORY (the runtime turns it into
  * cudaErrorMemoryAllocation; PyTorch frees its cache and retries, then raises OutOfMemoryError).
@@ -414,16 +415,18 @@ CTX_WRAPPER(cuCtxCreate_v2, (void **ctx, unsigned f, int dev), (ctx, f, dev), de
 CTX_WRAPPER(cuCtxCreate_v3, (void **ctx, void *params, int n, unsigned f, int dev), (ctx, params, n, f, dev), dev, 0)
 CTX_WRAPPER(cuCtxCreate_v4, (void **ctx, void *params, unsigned f, int dev), (ctx, params, f, dev), dev, 0)
 
-/* What this process may see of GPU dev, by the enforcer's rule (enforcer/memview.py): total =
+/* What this process may see of a GPU, by the enforcer's rule (enforcer/memview.py): total =
  * the limit less this process's context, used = what its container holds besides that context,
  * free = what is left of the total (never more than the GPU has free). The same for CUDA and
  * NVML. Never an error: without an answer from the enforcer the driver's numbers stay. used
- * may be NULL (CUDA has none). */
-static void container_view(int dev, unsigned long long *total, unsigned long long *free_b,
+ * may be NULL (CUDA has none). The GPU is named by `key`: "dev", this process's CUDA ordinal
+ * (the enforcer maps it to the host GPU, issue 25), or "minor", NVML's minor number (the
+ * /dev/nvidiaN of the host, whatever NVML's index is inside a container). */
+static void container_view(const char *key, int dev, unsigned long long *total, unsigned long long *free_b,
                            unsigned long long *used)
 {
     char msg[64], reply[256];
-    snprintf(msg, sizeof(msg), "{\"op\":\"meminfo\",\"dev\":%d}\n", dev);
+    snprintf(msg, sizeof(msg), "{\"op\":\"meminfo\",\"%s\":%d}\n", key, dev);
     if (dev < 0 || request(msg, reply, sizeof(reply), 1) < 0)
         return;
     long long limit = json_num(reply, "\"total\":"), mine = json_num(reply, "\"used\":");
@@ -446,20 +449,20 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
     if (rc != CUDA_SUCCESS || !free_b || !total_b)
         return rc;
     unsigned long long total = *total_b, free_left = *free_b;
-    container_view(current_device(), &total, &free_left, NULL);
+    container_view("dev", current_device(), &total, &free_left, NULL);
     *total_b = (size_t)total;
     *free_b = (size_t)free_left;
     return rc;
 }
 
-/* ---- NVML's memory queries: nvidia-smi in the container shows the limit too. NVML numbers
- * GPUs as CUDA does on a host whose order is the PCI order (CUDA_DEVICE_ORDER=PCI_BUS_ID);
- * the enforcer's GPU numbers are CUDA's. ---- */
-static int nvml_index(void *device)
+/* ---- NVML's memory queries: nvidia-smi in the container shows the limit too. The GPU goes by
+ * its minor number: NVML's index inside a container counts only the GPUs it was given, and is
+ * not the CUDA ordinal either where CUDA_VISIBLE_DEVICES reorders them. ---- */
+static int nvml_minor(void *device)
 {
     static int (*get)(void *, unsigned *);
     if (!get)
-        get = (int (*)(void *, unsigned *))nvml_sym("nvmlDeviceGetIndex");
+        get = (int (*)(void *, unsigned *))nvml_sym("nvmlDeviceGetMinorNumber");
     unsigned i = 0;
     return get && get(device, &i) == 0 ? (int)i : -1;
 }
@@ -474,7 +477,7 @@ static int nvml_index(void *device)
             return 13;   /* NVML_ERROR_FUNCTION_NOT_FOUND */                      \
         int rc = real(device, m);                                                 \
         if (rc == 0 && m) {                                                       \
-            container_view(nvml_index(device), &m->total, &m->free, &m->used);    \
+            container_view("minor", nvml_minor(device), &m->total, &m->free, &m->used); \
             reserved;                                                             \
         }                                                                         \
         return rc;                                                                \

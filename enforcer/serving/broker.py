@@ -18,6 +18,7 @@ import logging
 import time
 from collections import defaultdict
 
+from ...probes import gpumap
 from ...probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
 from ...units import format_size
 from .. import ctxest
@@ -49,8 +50,12 @@ class ShimBroker:
             box = enf._box_for(pid)
             if box is None:
                 raise LookupError(f"pid {pid} has gone")
+            if not self._mapped(pid):
+                return box      # not a member yet: BPF places (and maps) it at its first call
             enf._join(box, pid)
         if pid not in enf.shimmed:
+            if not self._mapped(pid):
+                return box
             for dev in enf.capacity:   # charged from its first call, asked for or not (contexts)
                 enf._ensure_state(box, dev)
             enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key | SHIM_MEMBER)
@@ -59,6 +64,35 @@ class ShimBroker:
                 self.ledger.watch(pid)
             log.info("pid %d of %s uses the shim: it waits (or fails) instead of stopping", pid, box.name)
         return box
+
+    def _mapped(self, pid: int) -> bool:
+        """Whether pid's CUDA ordinals are host GPUs in BPF's gpumap, so that it may be a member
+        (whose calls BPF charges without stopping it at placement). A shim says hello before its
+        first context, possibly before cuInit (an NVML query first): then nothing it opened tells
+        its GPUs yet, and it stays out of `members`; its first driver call stops for placement
+        as anyone's, which maps it (enforcer/events.py), and its next message makes it a shim
+        member. Before that, a process that said hello and called the driver outside the shim
+        was charged on its ordinals as host GPUs: on GPU 0 for a process given GPU 1."""
+        tr = self.enf.tracer
+        if self.ledger is not None or not tr.gpumap.gpus or pid in tr.mapped:
+            return True
+        if not gpumap.opened_minors(pid, tr.gpumap.major):
+            return False
+        tr.map_gpus(pid, self.enf.unmapped_charge == "all")
+        return True
+
+    def host(self, pid: int, ordinal: int) -> int:
+        """The host GPU behind pid's CUDA ordinal: the shim speaks the process's own ordinals, the
+        books host GPUs (probes/gpumap.py; the mapping BPF was given at its placement, or read now
+        from its device nodes: a message naming a device comes after cuInit opened them)."""
+        g = self.enf.tracer.gpumap
+        return g.host(pid, ordinal) if g.gpus else ordinal
+
+    def by_minor(self, minor: int) -> int:
+        """The host GPU whose /dev/nvidiaN has this minor (the shim's NVML wrappers name GPUs so),
+        -1 for none; without NVML's facts, the minor as the index (one GPU, minor 0)."""
+        gpus = self.enf.tracer.gpumap.gpus
+        return next((g.index for g in gpus if g.minor == minor), -1) if gpus else minor
 
     def shim_hello(self, pid: int) -> tuple[dict, int]:
         """The reply, and the process's credit page to pass with it."""

@@ -1,7 +1,7 @@
 """The shim socket's protocol (shim/shim.c is the other side), on top of enforcer/serving/server.py.
 Every message is checked; the caller is the process the kernel names (enforcer/serving/peers.py),
 whatever a message says. Decisions are the broker's (enforcer/serving/broker.py). Per process: its
-live objects (address -> device, size), so a free is counted once and only for what that process
+live objects (address -> host GPU, size), so a free is counted once and only for what that process
 allocated. A process is its pid and start time, not its pid: state left by a process whose pid
 now belongs to another is forgotten before the new one's first hello counts (issue 24, row 9)."""
 import logging
@@ -24,7 +24,7 @@ class ShimHandler(Handler):
         self.server = None                                        # set by Server
         broker.forget = self.forget
         Proc = tuple[int, int]                                    # (pid, start time)
-        self.objects: dict[Proc, dict[int, tuple[int, int]]] = {}  # addr -> (dev, size)
+        self.objects: dict[Proc, dict[int, tuple[int, int]]] = {}  # addr -> (host GPU, size)
         self.conns: dict[Proc, int] = {}                          # open connections that said hello
         self.owner: dict[int, int] = {}                           # pid -> start time of its shim process
 
@@ -46,7 +46,7 @@ class ShimHandler(Handler):
         if peer.state.get("asking"):
             return {"ok": False, "error": "one request at a time per connection"}
         if op == "ask":
-            dev, size = _int(msg, "dev", 0, 63), _int(msg, "size", 0, MAX_SIZE)
+            dev, size = self._dev(peer, msg), _int(msg, "size", 0, MAX_SIZE)
             peer.state["asking"] = True
 
             def wake(answer, peer=peer):
@@ -58,7 +58,7 @@ class ShimHandler(Handler):
             peer.state["asking"] = False
             return {"ok": True, **answer}
         if op == "alloc":   # reported after the call: no reply (the shim does not wait)
-            dev, addr, size = _int(msg, "dev", 0, 63), _int(msg, "addr", 0, 2**64 - 1), _int(msg, "size", 0, MAX_SIZE)
+            dev, addr, size = self._dev(peer, msg), _int(msg, "addr", 0, 2**64 - 1), _int(msg, "size", 0, MAX_SIZE)
             objects = self.objects.setdefault(peer.state["hello"], {})
             if addr and (addr in objects or len(objects) < MAX_OBJECTS):
                 objects[addr] = (dev, size)
@@ -75,12 +75,19 @@ class ShimHandler(Handler):
                 self.broker.shim_free(peer.pid, obj[0], addr, obj[1])
             return DEFER
         if op == "ctx":     # a context was made (no reply): counted here only without probes
-            self.broker.shim_context(peer.pid, _int(msg, "dev", 0, 63), bool(_int(msg, "primary", 0, 1)))
+            self.broker.shim_context(peer.pid, self._dev(peer, msg), bool(_int(msg, "primary", 0, 1)))
             return DEFER
         if op == "meminfo":
-            total, used = self.broker.shim_meminfo(peer.pid, _int(msg, "dev", 0, 63))
+            dev = self.broker.by_minor(_int(msg, "minor", 0, 1 << 20)) if "minor" in msg else self._dev(peer, msg)
+            if dev not in self.broker.enf.capacity:
+                return {"ok": False, "error": f"no GPU {dev} under the enforcer"}
+            total, used = self.broker.shim_meminfo(peer.pid, dev)
             return {"ok": True, "total": total, "used": used}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _dev(self, peer: Peer, msg: dict) -> int:
+        """The host GPU a message names: its `dev` is the process's own CUDA ordinal (issue 25)."""
+        return self.broker.host(peer.pid, _int(msg, "dev", 0, 63))
 
     def _proc(self, peer: Peer) -> tuple[int, int]:
         start = _start_time(peer.pid, "/proc")

@@ -1,6 +1,7 @@
 """Issue 14 on the real driver: a driver copy nobody has probed is seen from its first call
 (trace) and enforced from it (enforce); a restart after kill -9 with a large stalled call
 rebuilds the books exactly, and jobs under their limits finish (PyTorch, CuPy, JAX)."""
+import contextlib
 import json
 import os
 import shutil
@@ -180,20 +181,32 @@ def test_restart_after_kill_9_with_a_large_stalled_call(root, cgroups):
         procs += jobs
         for j in jobs:
             assert line(j, "job first") == "first"
-        assert line(jobs[0], "job one second") == "second"
+        # the container placed first was assigned its whole 3 GiB, the other what was left
+        # (2 GiB): the first one's second GiB comes at once, the other's after it exits
+        ahead = None
+        deadline = time.monotonic() + 60
+        while ahead is None and time.monotonic() < deadline:
+            for j in jobs:
+                with contextlib.suppress(AssertionError):
+                    assert line(j, "a job's second", 0.2) == "second"
+                    ahead = j
+                    break
+        assert ahead is not None, f"neither job's second GiB came in 60 s: {seen}"
+        later = jobs[1 - jobs.index(ahead)]
+        names = {jobs[0]: "one", jobs[1]: "two"}
         st = enf2.status()
-        one = next(c for c in st["containers"] if c["name"] == "one")["gpus"]["0"]
-        record("restart books", one=one, status=st)
-        assert (one["used"], one["reserved"]) == (2 * GiB, 0)
-        jobs[0].stdin.write("\n")
-        jobs[0].stdin.flush()
-        assert jobs[0].wait(timeout=60) == 0
-        assert line(jobs[1], "job two second") == "second"
-        two = next(c for c in enf2.status()["containers"] if c["name"] == "two")["gpus"]["0"]
-        assert (two["used"], two["reserved"]) == (2 * GiB, 0)
-        jobs[1].stdin.write("\n")
-        jobs[1].stdin.flush()
-        assert jobs[1].wait(timeout=60) == 0
+        first = next(c for c in st["containers"] if c["name"] == names[ahead])["gpus"]["0"]
+        record("restart books", first=first, status=st)
+        assert (first["used"], first["reserved"]) == (2 * GiB, 0)
+        ahead.stdin.write("\n")
+        ahead.stdin.flush()
+        assert ahead.wait(timeout=60) == 0
+        assert line(later, "the other job's second") == "second"
+        other = next(c for c in enf2.status()["containers"] if c["name"] == names[later])["gpus"]["0"]
+        assert (other["used"], other["reserved"]) == (2 * GiB, 0)
+        later.stdin.write("\n")
+        later.stdin.flush()
+        assert later.wait(timeout=60) == 0
     finally:
         for p in procs:
             if p.poll() is None:

@@ -16,14 +16,17 @@ pytestmark = pytest.mark.gpu
 GiB, MiB = 1 << 30, 1 << 20
 QUOTA = 16384
 # PyTorch without its cache (every tensor is a cuMemAlloc) and CuPy without its pool: the most
-# objects a framework makes; then a model-sized mix with the caching allocator
+# objects a framework makes; then a model-sized mix with the caching allocator. Sizes up to
+# 1 MiB and 256 KiB: ~1.9 GiB in all with the contexts, well inside the 6 GiB limit (up to
+# 4 MiB, as first written, asked ~7.7 GiB: the process was stalled over its limit, which read
+# as a hang on the H100 runs of 2026-11-25d).
 FRAMEWORKS = r"""
 import os, sys, json, random
 import torch, cupy
 random.seed(1)
-ts = [torch.empty(random.randint(1, 4 << 20), dtype=torch.uint8, device="cuda") for _ in range(3000)]
+ts = [torch.empty(random.randint(1, 1 << 20), dtype=torch.uint8, device="cuda") for _ in range(3000)]
 cupy.cuda.set_allocator(None)
-cs = [cupy.empty(random.randint(1, 1 << 20), dtype=cupy.uint8) for _ in range(3000)]
+cs = [cupy.empty(random.randint(1, 1 << 18), dtype=cupy.uint8) for _ in range(3000)]
 m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(48)]).cuda()
 opt = torch.optim.Adam(m.parameters())
 for _ in range(5):
@@ -110,7 +113,9 @@ def test_gpu_frameworks_fit_the_default_quotas(env):
     e = Env(env)
     try:
         p = e.start("frameworks", FRAMEWORKS, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-        out = json.loads(p.stdout.readline())
+        got: list = []
+        lines_until(p.stdout, lambda line: line.startswith("{"), got, 180, "frameworks")   # bounded
+        out = json.loads(got[-1])
         q = e.box(out["pid"])["map_quota"]
         print("frameworks hold", q)                  # the numbers behind the default, for the report
         assert q["hits"] == 0 and q["denied"] == 0 and 6000 < q["objects"] < QUOTA

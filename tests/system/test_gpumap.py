@@ -227,3 +227,68 @@ def test_unmappable_is_said_and_charged_to_every_gpu_it_may_use(build, two, cgro
             p.kill()
             p.wait()
         until(lambda: enf._usage(box, 0)[:2] == (0, 0) and enf._usage(box, 1)[:2] == (0, 0), 5, "its exit")
+
+
+# Under the preload shim: a context and 300 MiB on its device 0, then what cuMemGetInfo_v2 says
+# of its device and NVML of each host GPU (NVML numbers GPUs in host order). argv[2] "nvml":
+# an NVML query first, so that the shim says hello before cuInit opened any device node.
+SHIM_VIEW = r"""
+import ctypes, json, sys
+import pynvml
+if sys.argv[2] == "nvml":
+    pynvml.nvmlInit(); pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
+cu = ctypes.CDLL(sys.argv[1])
+assert cu.cuInit(0) == 0
+c = ctypes.c_void_p()
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0 and cu.cuCtxSetCurrent(c) == 0
+p = ctypes.c_uint64()
+assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) == 0
+f, t = ctypes.c_size_t(), ctypes.c_size_t()
+assert cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)) == 0
+pynvml.nvmlInit()
+nv = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in (0, 1)]
+print(json.dumps({"cuda": [t.value, f.value], "nvml": [[m.total, m.used] for m in nv]}), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("first", ["cuda", "nvml"])
+@pytest.mark.parametrize("mode", ["shim-only", "shim+probes"])
+def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
+    """The shim's messages name the process's own ordinal (CUDA) or NVML's minor number: with
+    CUDA_VISIBLE_DEVICES=1 its device 0 is host GPU 1, so its bytes and context are charged
+    there (the ledger's books without probes, BPF's with), and what cuMemGetInfo_v2 and NVML
+    show it is GPU 1's view; GPU 0 shows its container nothing. Before: the ledger charged
+    GPU 0, BPF too (a shim user was placed at its hello, never mapped), and the CUDA view was
+    GPU 0's. `nvml` first: its hello comes before cuInit, when nothing tells its GPUs yet."""
+    from convgpu.enforcer.daemon import Enforcer
+    from convgpu.enforcer.tenants.limits import LimitRules
+    from convgpu.probes.ledger import Ledger
+    from conftest import run_dir_for, shim_env
+    if mode == "shim-only":
+        run_dir = run_dir_for("shimmap")
+        enf = Enforcer(Ledger(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), run_dir=run_dir,
+                       state_dir=run_dir, nvml=TwoGpus(two["CONVGPU_STANDIN_SHM"]))
+    else:
+        enf = enforcer(build, two, "shimmap")
+    enf.tracer.gpumap.major = 1
+    with serving(enf):
+        e = shim_env(two, enf, CUDA_VISIBLE_DEVICES="1", CONVGPU_STANDIN_MINORS="3,5",
+                     LD_LIBRARY_PATH=f"{build}/standin-nvml:{two['LD_LIBRARY_PATH']}")
+        p = popen_in(cgroups("shimmap"), sys.executable, "-c", SHIM_VIEW, build / "standin" / "libcuda.so.1", first,
+                     env=e)
+        try:
+            out = []
+            lines_until(p.stdout, lambda line: line.startswith("{"), out, 20, "the process")
+            view = json.loads(out[-1])
+            box = box_of(enf, "shimmap")
+            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            assert enf._usage(box, 0)[:2] == (0, 0)
+            (t0, used0), (t1, used1) = view["nvml"]
+            assert (used0, used1) == (0, 300 * MiB)           # NVML: GPU 1 holds its 300 MiB
+            assert view["cuda"][0] == t1 and view["cuda"][0] - view["cuda"][1] == 300 * MiB
+            assert mapping_of(enf, p.pid)["hosts"] == [1]
+            assert p.pid in enf.shimmed                       # a shim user, whichever came first
+        finally:
+            p.kill()
+            p.wait()

@@ -26,7 +26,26 @@ def test_visible_devices_as_the_driver_reads_them():
     assert visible("GPU-85b5", H100, None) == []                # a prefix of two names none
     assert visible(f"{U[3]},0", H100, None) == [3, 0]
     assert visible("x,1", H100, None) == []
-    assert visible("MIG-4f2b1c9e-1111-2222-3333-444444444444", H100, None) is None
+    assert visible("MIG-4f2b1c9e-1111-2222-3333-444444444444", H100, None) is None   # NVML lists no instance
+
+
+MIG = ["MIG-4f2b1c9e-1111-2222-3333-444444444444", "MIG-4f2b77aa-0000-0000-0000-000000000001",
+       "MIG-90000000-0000-0000-0000-000000000002"]
+WITH_MIG = [GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 << 30, 0, U[0], 0, (MIG[0], MIG[1])),
+            GpuInfo(1, "NVIDIA H100 80GB HBM3", 80 << 30, 0, U[1], 1, (MIG[2],))]
+
+
+def test_a_mig_instance_is_its_parent_gpu():
+    """MIG instances are slices of their parent's memory; books and limits are per physical GPU."""
+    assert visible(MIG[2], WITH_MIG, None) == [1]
+    assert visible(MIG[0], WITH_MIG, None) == [0]
+    assert visible("MIG-4f2b7", WITH_MIG, None) == [0]          # a prefix naming one instance
+    assert visible("MIG-4f2b", WITH_MIG, None) == []            # a prefix of two names none
+    assert visible(f"MIG-{U[1]}/1/0", WITH_MIG, None) == [1]    # the old form names the parent
+    assert visible(f"{MIG[2]},{MIG[0]}", WITH_MIG, None) == [1, 0]
+    assert visible(f"{MIG[0]},{MIG[1]}", WITH_MIG, None) == [0]  # two slices of one GPU: one GPU
+    assert visible("MIG-77000000-0000-0000-0000-000000000000", WITH_MIG, None) == []   # none such
+    assert resolve(visible(MIG[2], WITH_MIG, None), {1}, WITH_MIG).hosts == (1,)
 
 
 def test_indexes_on_mixed_cards_depend_on_an_order_only_pci_bus_id_fixes():
