@@ -456,12 +456,15 @@ static __always_inline struct cg_cgstate *state_of(u32 tgid, s32 dev, u64 *key)
 
 // Bytes and contexts that landed (or left): kept per container as well as per process.
 // A process whose GPUs the evidence did not tell apart counts on each it may use (gpumap `also`).
-static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
+// others 0: its own GPU only (a caller inside a loop settles the others once, after it:
+// charge_others; inlined 16 times in each of 32 iterations, the loop made exit_vmm_unmap the
+// program the verifier took longest on, 0.26 s of every start).
+static __always_inline void cg_charge_on(u32 tgid, s32 dev, s64 bytes, s64 contexts, int others)
 {
     u64 key;
     u64 *m = members.lookup(&tgid);
     u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
-    struct cg_gpumap *g = m ? gpumap.lookup(&ak) : 0;
+    struct cg_gpumap *g = m && others ? gpumap.lookup(&ak) : 0;
     u32 also = (g ? g->also : 0) | (1u << (dev & (CG_MAX_DEV - 1)));
 #pragma unroll
     for (int d = 0; d < CG_MAX_DEV; d++) {
@@ -472,6 +475,33 @@ static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts
             __sync_fetch_and_add(&s->used, bytes);
         if (contexts)
             __sync_fetch_and_add(&s->contexts, contexts);
+    }
+}
+
+static __always_inline void cg_charge(u32 tgid, s32 dev, s64 bytes, s64 contexts)
+{
+    cg_charge_on(tgid, dev, bytes, contexts, 1);
+}
+
+// What cg_charge_on(..., 0) left on its `also` GPUs: freed[d] bytes left GPU d, so each
+// GPU of its `also` gives back all of them but its own (already given back).
+static __always_inline void charge_others(u32 tgid, u64 *freed)
+{
+    u64 key, all = 0;
+    u64 *m = members.lookup(&tgid);
+    u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
+    struct cg_gpumap *g = m ? gpumap.lookup(&ak) : 0;
+    u32 also = g ? g->also : 0;
+    if (!also)
+        return;
+#pragma unroll
+    for (int d = 0; d < CG_MAX_DEV; d++)
+        all += freed[d];
+#pragma unroll
+    for (int d = 0; d < CG_MAX_DEV; d++) {
+        struct cg_cgstate *s = (also >> d) & 1 && all != freed[d] ? member_state(m, d, &key) : 0;
+        if (s)
+            __sync_fetch_and_add(&s->used, -(s64)(all - freed[d]));
     }
 }
 
@@ -740,15 +770,15 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
 
 // Bytes returned: only what this process generation was seen to obtain, exactly once
 // (delete succeeds for one caller only, so racing frees cannot subtract twice).
-static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struct cg_obj *o,
-                                       u64 addr)
+static __always_inline u64 bytes_gone(u64 id, struct cg_proc *p, u16 api, struct cg_obj *o,
+                                      u64 addr, int others)
 {
     u32 tgid = id >> 32;
     struct cg_usage *u = find_usage(tgid, o->dev, p->gen);
     if (!u)
-        return;
+        return 0;
     u64 live = __sync_fetch_and_sub(&u->live, o->size) - o->size;
-    cg_charge(tgid, o->dev, -(s64)o->size, 0);
+    cg_charge_on(tgid, o->dev, -(s64)o->size, 0, others);
     u64 owner = ((u64)tgid << 32) | o->tid;
     struct cg_thread *t = threads.lookup(&owner);
     if (t)
@@ -758,20 +788,29 @@ static __always_inline void bytes_gone(u64 id, struct cg_proc *p, u16 api, struc
     u->last_ns = bpf_ktime_get_ns();
     if (!quiet(1))
         emit_flags(id, api, OP_FREE, 0, o->dev, addr, o->size, live, 0, wake_if_waiting());
+    return o->size;
 }
 
-static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
+// The bytes it gave back (on o.dev, its own GPU; others: on its `also` GPUs too), *dev that GPU
+static __always_inline u64 obj_free_on(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr, int others,
+                                       s32 *dev)
 {
     struct cg_obj_key k = {.tgid = id >> 32, .ns = ns, .addr = addr};
     struct cg_obj *found = objs.lookup(&k);
     if (!found || found->gen != p->gen) {
         stat_inc(ST_UNKNOWN_FREE);
         emit(id, api, OP_FREE, EF_UNKNOWN, current_dev(id, p), addr, 0, 0, 0);
-        return;
+        return 0;
     }
     struct cg_obj o = *found;
-    if (obj_del(&k, o.quota) == 0)
-        bytes_gone(id, p, api, &o, addr);
+    *dev = o.dev;
+    return obj_del(&k, o.quota) == 0 ? bytes_gone(id, p, api, &o, addr, others) : 0;
+}
+
+static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
+{
+    s32 dev;
+    obj_free_on(id, p, api, ns, addr, 1, &dev);
 }
 
 static __always_inline void ctx_count(u64 id, struct cg_proc *p, s32 dev, s64 delta, u16 api,
@@ -1183,6 +1222,7 @@ int exit_vmm_unmap(struct pt_regs *ctx)
 {
     SETTLE();
     u64 at = c.a0, end = c.a0 + c.a1;
+    u64 freed[CG_MAX_DEV] = {};     // per GPU: bytes of released handles whose last mapping went
     for (int i = 0; i < 32 && at < end; i++) {
         struct cg_obj_key mk = {.tgid = tgid, .ns = NS_MAPPING, .addr = at};
         struct cg_obj *m = objs.lookup(&mk);
@@ -1193,12 +1233,16 @@ int exit_vmm_unmap(struct pt_regs *ctx)
         emit(id, c.api, OP_UNMAP, 0, dev, at, msize, 0, 0);
         struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = handle};
         struct cg_obj *o = objs.lookup(&k);
-        if (o && __sync_fetch_and_add(&o->maps, -1) == 1 && o->released)
-            obj_free(id, p, c.api, NS_VMM, handle);
+        if (o && __sync_fetch_and_add(&o->maps, -1) == 1 && o->released) {
+            s32 od = 0;
+            u64 f = obj_free_on(id, p, c.api, NS_VMM, handle, 0, &od);
+            freed[od & (CG_MAX_DEV - 1)] += f;
+        }
         if (!msize)
             break;
         at += msize;
     }
+    charge_others(tgid, freed);
     release(&c);
     return 0;
 }
@@ -1325,29 +1369,47 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     }
     q_give(p->quota, Q_PROCS);
     u64 freed = 0, contexts = 0;
-    u64 *m = members.lookup(&tgid);
-    struct cg_gone g = {};
+    s64 ctx_all = 0;                // signed: a context count may have gone below zero
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
         struct cg_usage *u = usage.lookup(&k);
         if (u) {
             freed += u->live;
+            ctx_all += u->contexts;
             if (u->contexts > 0)
                 contexts += u->contexts;
-            // The driver frees the bytes only when the files close (the H100: ~55 ms after this
-            // tracepoint): until the enforcer saw its pidfd fire, the container still holds
-            // them, so neither a sibling's call nor a resumed waiter takes their place.
-            struct cg_cgstate *s = member_state(m, d, &g.container);
-            struct cg_limit_key lk = {.container = g.container, .dev = d};
-            struct cg_assign *a = s ? assign.lookup(&lk) : 0;
-            if (a) {
-                u64 c = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
-                g.charge[d] = c;
-                __sync_fetch_and_add(&s->tearing, c);
-            }
-            cg_charge(tgid, d, -(s64)u->live, -u->contexts);   // and on its `also` GPUs
-            usage.delete(&k);
         }
+    }
+    // What cg_charge() put on each GPU leaves it: a GPU of its `also` carried every byte and
+    // context the process had anywhere, the others their own. (One pass, not cg_charge per
+    // GPU: 16 x 16 inlined bodies made this the program the verifier took longest on.)
+    u64 *m = members.lookup(&tgid);
+    u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
+    struct cg_gpumap *gm = m ? gpumap.lookup(&ak) : 0;
+    u32 also = gm ? gm->also : 0;
+    struct cg_gone g = {};
+    for (int d = 0; d < CG_MAX_DEV; d++) {
+        struct cg_usage_key k = {.tgid = tgid, .dev = d};
+        struct cg_usage *u = usage.lookup(&k);
+        int every = (also >> d) & 1;
+        s64 b = every ? (s64)freed : u ? (s64)u->live : 0, c = every ? ctx_all : u ? u->contexts : 0;
+        struct cg_cgstate *s = u || b || c ? member_state(m, d, &g.container) : 0;
+        // The driver frees the bytes only when the files close (the H100: ~55 ms after this
+        // tracepoint): until the enforcer saw its pidfd fire, the container still holds
+        // them, so neither a sibling's call nor a resumed waiter takes their place.
+        struct cg_limit_key lk = {.container = g.container, .dev = d};
+        struct cg_assign *a = s && u ? assign.lookup(&lk) : 0;
+        if (a) {
+            u64 t = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
+            g.charge[d] = t;
+            __sync_fetch_and_add(&s->tearing, t);
+        }
+        if (s && b)
+            __sync_fetch_and_add(&s->used, -b);
+        if (s && c)
+            __sync_fetch_and_add(&s->contexts, -c);
+        if (u)
+            usage.delete(&k);
     }
     forget_gpus(tgid);              // after its bytes left every GPU they counted on
     if (m)
@@ -1415,9 +1477,16 @@ static __always_inline struct cg_discovery *discovering(u32 tgid)
 {
     u32 k = 0;
     struct cg_discovery *d = discovery.lookup(&k);
-    if (!d || !d->on || tgid == d->exempt || tgid == self_tgid())
-        return 0;
-    return (s64)(bpf_ktime_get_ns() - d->beat_ns) <= (s64)DISCOVERY_STALE_NS ? d : 0;
+    return d && d->on && tgid != d->exempt && tgid != self_tgid() ? d : 0;
+}
+
+// The loop beat lately (DISCOVERY_STALE_NS). Asked after the name matched: read before it,
+// the time made the verifier keep six times the states through driver_named's loop.
+static __always_inline int discovery_fresh(void)
+{
+    u32 k = 0;
+    struct cg_discovery *d = discovery.lookup(&k);
+    return d && (s64)(bpf_ktime_get_ns() - d->beat_ns) <= (s64)DISCOVERY_STALE_NS;
 }
 
 // The last path component is "libcuda.so" with or without a version (".1", ".580.159.04").
@@ -1459,7 +1528,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_openat)
         return 0;
     char *buf = p->s;
     int n = bpf_probe_read_user_str(buf, NAME_MAX_BPF, args->filename);
-    if (n <= 0 || !driver_named(buf, n))
+    if (n <= 0 || !driver_named(buf, n) || !discovery_fresh())
         return 0;
     u8 one = 1;
     opening.update(&id, &one);
@@ -1473,7 +1542,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
         return 0;
     opening.delete(&id);
     u32 tgid = id >> 32;
-    if (args->ret < 0 || !discovering(tgid))
+    if (args->ret < 0 || !discovering(tgid) || !discovery_fresh())
         return 0;
     u64 fd = args->ret;
     u64 why = HELD_OPEN | fd;

@@ -185,12 +185,13 @@ def run_container(proc: Proc, cg: Path, env: dict, t0: float, scale: float, cgca
 
 
 def stalled_all(procs: list[Proc]) -> bool:
-    """Every container still alive is stopped (state T) and has been started: no progress can
-    come from them, and nobody else will free memory."""
+    """Every container still alive is stopped (state T, or t: a thread held alone under
+    ptrace, issue 23) and has been started: no progress can come from them, and nobody else
+    will free memory."""
     alive = [x for x in procs if x.end is None and not x.error]
     if not alive or any(x.p is None for x in alive):
         return False
-    return all(proc_state(x.p.pid) == "T" for x in alive)
+    return all(proc_state(x.p.pid) in ("T", "t") for x in alive)
 
 
 def run_policy(policy: str, jobs: list[Job], overhead: int, seed: int, scale: float,

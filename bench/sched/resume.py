@@ -97,7 +97,7 @@ class Worker:
 
     def wait_stopped(self, timeout: float = 10.0):
         deadline = time.monotonic() + timeout
-        while proc_state(self.p.pid) != "T":
+        while proc_state(self.p.pid) not in ("T", "t"):   # t: its thread held alone (ptrace; issue 23)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.p.pid} not stopped: {proc_state(self.p.pid)}")
             time.sleep(0.001)

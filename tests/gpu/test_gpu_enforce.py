@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lines_until, need
+from conftest import lines_until, need, proc_state
 
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
@@ -80,8 +80,10 @@ def test_two_pytorch_processes_one_waits(root):
 
 
 def test_sigcont_from_outside_is_stopped_again_on_the_real_driver(root, build):
-    """The second-instruction probe on the real libcuda: a stalled cuMemAlloc_v2 resumed by an
-    outside SIGCONT stops again before the driver allocates (NVML shows no new memory)."""
+    """A stalled cuMemAlloc_v2 on the real libcuda given an outside SIGCONT does not allocate
+    (NVML shows no new memory): its thread is held under ptrace, which SIGCONT does not end
+    (the driver's process is multi-threaded, issue 23); held whole (ptrace refused), the
+    second-instruction probe stops it again."""
     from convgpu.enforcer.tenants.containers import cgroup_layout
     from convgpu.probes.nvml import Nvml
     base = Path(cgroup_layout().v2_root) / f"convgpu-gpu-sig-{os.getpid()}"
@@ -111,10 +113,15 @@ def test_sigcont_from_outside_is_stopped_again_on_the_real_driver(root, build):
         time.sleep(0.5)
         held = nvml.process_memory().get((b.pid, 0), 0)
         assert held < GiB                                        # its context only
+        state = proc_state(b.pid)
         os.kill(b.pid, 18)                                       # SIGCONT from outside
-        until(f"pid {b.pid} of b resumed without a grant")
-        time.sleep(0.5)
-        assert open(f"/proc/{b.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        if state == "t":    # its thread held alone under ptrace (issue 23): SIGCONT does not end that
+            time.sleep(1.0)
+            assert proc_state(b.pid) == "t"
+        else:               # held whole: it runs, and the second-instruction probe stops it again
+            until(f"pid {b.pid} of b resumed without a grant")
+            time.sleep(0.5)
+            assert proc_state(b.pid) == "T"
         assert nvml.process_memory().get((b.pid, 0), 0) == held   # the 4 GiB were not allocated
         a.stdin.write("\n")
         a.stdin.flush()
