@@ -5,7 +5,7 @@
  * machine, the real driver, so only real-driver semantics are used here.
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
- *                 [--hold] [--no-free]
+ *                 [--hold] [--no-free] [--hold-freed]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
  * SIZE accepts a K/M/G/T suffix (powers of 1024).
  *
@@ -14,6 +14,7 @@
  *   ready
  *   (--hold: waits for one stdin line or EOF here)
  *   freed COUNT BYTES                            (--no-free: "freed 0 0")
+ *   (--hold-freed: waits for one stdin line or EOF here, freed but alive)
  *   exit
  * fail family: first "failed cuMemAlloc_v2 CODE", then the protocol above
  *   with "allocated 0 0 ..." and "freed 0 0"; exit status 0 iff CODE != 0.
@@ -43,6 +44,7 @@ static struct {
     int device;
     int hold;
     int nofree;
+    int hold_freed;
 } O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0};
 
 static CUdevice g_dev;
@@ -388,7 +390,7 @@ static uint64_t parse_size(const char *s)
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free]\n"
+                    " [--hold] [--no-free] [--hold-freed]\n"
                     "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n");
     exit(64);
 }
@@ -403,6 +405,7 @@ int main(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--hold")) O.hold = 1;
         else if (!strcmp(a, "--no-free")) O.nofree = 1;
+        else if (!strcmp(a, "--hold-freed")) O.hold_freed = 1;
         else if (!v) usage();
         else if (!strcmp(a, "-n")) O.count = atol(v), i++;
         else if (!strcmp(a, "-s")) O.size = parse_size(v), O.size_set = 1, i++;
@@ -473,6 +476,11 @@ int main(int argc, char **argv)
     for (int i = 0; i < n; i++)
         fc += ts[i].fcount, fb += ts[i].fbytes;
     printf("freed %llu %llu\n", (unsigned long long)fc, (unsigned long long)fb);
+    if (O.hold_freed) {
+        char line[256];
+        if (!fgets(line, sizeof line, stdin))
+            clearerr(stdin);
+    }
     printf("exit\n");
     return 0;
 }

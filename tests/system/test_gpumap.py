@@ -136,7 +136,7 @@ def test_enforced_on_gpu_1_and_gpu_0_untouched(build, two, cgroups):
             p.stdin.flush()     # 600 + 700 MiB > the 1 GiB limit: stopped, on GPU 1
             wait_state(p.pid, "T")   # stopped by BPF; the enforcer's loop records it just after
             until(lambda: box.waiting.keys() == {1}, 5, "the stall recorded on GPU1")
-            assert box.waiting[1].over_limit
+            until(lambda: box.waiting[1].over_limit, 5, "the wait called over the limit (the next pass)")
             assert enf._usage(box, 1)[:2] == (600 * MiB, 1) and 0 not in box.assigned
         finally:
             p.kill()
@@ -289,6 +289,67 @@ def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
             assert view["cuda"][0] == t1 and view["cuda"][0] - view["cuda"][1] == 300 * MiB
             assert mapping_of(enf, p.pid)["hosts"] == [1]
             assert p.pid in enf.shimmed                       # a shim user, whichever came first
+        finally:
+            p.kill()
+            p.wait()
+
+
+def test_unmappable_vmm_bytes_leave_every_gpu_they_counted_on(build, two, cgroups):
+    """cuMemRelease while mapped, then cuMemUnmap: the bytes go at the unmap, inside its loop
+    over mappings, which gives them back on the process's own GPU and settles its `also` GPUs
+    once after the loop (bpf/convgpu.bpf.c charge_others). Every GPU they counted on drops to
+    0 while the process still lives (its exit would have hidden a leftover)."""
+    env = {k: v for k, v in two.items() if k != "CONVGPU_STANDIN_DEVNODES"}
+    enf = enforcer(build, env, "unvmm")
+    with serving(enf):
+        p = popen_in(cgroups("unvmm"), build / "cgcaller", "vmm", "-n", 4, "-s", 2 * MiB, "--hold", "--hold-freed",
+                     env=dict(env, CUDA_VISIBLE_DEVICES="1"))
+        try:
+            lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "cgcaller")
+            box = box_of(enf, "unvmm")
+            until(lambda: [enf._usage(box, d)[0] for d in (0, 1)] == [8 * MiB] * 2, 5, "both GPUs charged")
+            assert mapping_of(enf, p.pid)["also"] == [0, 1]
+            p.stdin.write("\n")
+            p.stdin.flush()
+            lines_until(p.stdout, lambda line: line.startswith("freed"), [], 20, "cgcaller")
+            until(lambda: [enf._usage(box, d)[0] for d in (0, 1)] == [0, 0], 5, "both GPUs given back")
+            assert p.poll() is None
+        finally:
+            p.kill()
+            p.wait()
+
+
+HELLO_THEN_DRIVER = r"""
+import ctypes, json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b'{"op":"hello"}\n')
+assert json.loads(s.makefile("rb").readline())["ok"]
+cu = ctypes.CDLL(sys.argv[2])
+assert cu.cuInit(0) == 0
+c = ctypes.c_void_p()
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0 and cu.cuCtxSetCurrent(c) == 0
+p = ctypes.c_uint64()
+assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) == 0
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_hello_then_the_driver_is_charged_on_its_host_gpu(build, two, cgroups):
+    """Issue 24 row 2 meets issue 25: a process says hello on the shim socket before cuInit,
+    then calls the driver itself with CUDA_VISIBLE_DEVICES=1. It is no member before its GPUs
+    can be read, so its first call stops for placement, which maps it: its context and 300 MiB
+    count on GPU 1. Before, its hello made it a member never mapped: charged on GPU 0."""
+    enf = enforcer(build, two, "hello1")
+    with serving(enf):
+        p = popen_in(cgroups("hello1"), sys.executable, "-c", HELLO_THEN_DRIVER, f"{enf.run_dir}/shim/shim.sock",
+                     build / "standin" / "libcuda.so.1", env=dict(two, CUDA_VISIBLE_DEVICES="1"))
+        try:
+            lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
+            box = box_of(enf, "hello1")
+            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            assert enf._usage(box, 0)[:2] == (0, 0) and mapping_of(enf, p.pid)["hosts"] == [1]
         finally:
             p.kill()
             p.wait()
