@@ -1370,6 +1370,14 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     q_give(p->quota, Q_PROCS);
     u64 freed = 0, contexts = 0;
     s64 ctx_all = 0;                // signed: a context count may have gone below zero
+    u64 *m = members.lookup(&tgid);
+    // What cg_charge() put on each GPU leaves it: its own GPU's bytes and contexts there, and
+    // on each GPU of its `also` all of them (second loop). Not cg_charge per GPU: 16 x 16
+    // inlined bodies made this the program the verifier took longest on.
+    u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
+    struct cg_gpumap *gm = m ? gpumap.lookup(&ak) : 0;
+    u32 also = gm ? gm->also : 0;
+    struct cg_gone g = {};
     for (int d = 0; d < CG_MAX_DEV; d++) {
         struct cg_usage_key k = {.tgid = tgid, .dev = d};
         struct cg_usage *u = usage.lookup(&k);
@@ -1378,38 +1386,31 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
             ctx_all += u->contexts;
             if (u->contexts > 0)
                 contexts += u->contexts;
+            // The driver frees the bytes only when the files close (the H100: ~55 ms after this
+            // tracepoint): until the enforcer saw its pidfd fire, the container still holds
+            // them, so neither a sibling's call nor a resumed waiter takes their place.
+            struct cg_cgstate *s = member_state(m, d, &g.container);
+            struct cg_limit_key lk = {.container = g.container, .dev = d};
+            struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+            if (a) {
+                u64 c = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
+                g.charge[d] = c;
+                __sync_fetch_and_add(&s->tearing, c);
+            }
+            if (s && !((also >> d) & 1)) {
+                __sync_fetch_and_add(&s->used, -(s64)u->live);
+                __sync_fetch_and_add(&s->contexts, -u->contexts);
+            }
+            usage.delete(&k);
         }
     }
-    // What cg_charge() put on each GPU leaves it: a GPU of its `also` carried every byte and
-    // context the process had anywhere, the others their own. (One pass, not cg_charge per
-    // GPU: 16 x 16 inlined bodies made this the program the verifier took longest on.)
-    u64 *m = members.lookup(&tgid);
-    u64 ak = (u64)tgid << 32 | CG_GPUMAP_ALSO;
-    struct cg_gpumap *gm = m ? gpumap.lookup(&ak) : 0;
-    u32 also = gm ? gm->also : 0;
-    struct cg_gone g = {};
-    for (int d = 0; d < CG_MAX_DEV; d++) {
-        struct cg_usage_key k = {.tgid = tgid, .dev = d};
-        struct cg_usage *u = usage.lookup(&k);
-        int every = (also >> d) & 1;
-        s64 b = every ? (s64)freed : u ? (s64)u->live : 0, c = every ? ctx_all : u ? u->contexts : 0;
-        struct cg_cgstate *s = u || b || c ? member_state(m, d, &g.container) : 0;
-        // The driver frees the bytes only when the files close (the H100: ~55 ms after this
-        // tracepoint): until the enforcer saw its pidfd fire, the container still holds
-        // them, so neither a sibling's call nor a resumed waiter takes their place.
-        struct cg_limit_key lk = {.container = g.container, .dev = d};
-        struct cg_assign *a = s && u ? assign.lookup(&lk) : 0;
-        if (a) {
-            u64 t = u->live + (u->contexts > 0 ? u->contexts * a->ctx_charge : 0);
-            g.charge[d] = t;
-            __sync_fetch_and_add(&s->tearing, t);
+    u64 key;
+    for (int d = 0; d < CG_MAX_DEV && also; d++) {
+        struct cg_cgstate *s = (also >> d) & 1 ? member_state(m, d, &key) : 0;
+        if (s) {
+            __sync_fetch_and_add(&s->used, -(s64)freed);
+            __sync_fetch_and_add(&s->contexts, -ctx_all);
         }
-        if (s && b)
-            __sync_fetch_and_add(&s->used, -b);
-        if (s && c)
-            __sync_fetch_and_add(&s->contexts, -c);
-        if (u)
-            usage.delete(&k);
     }
     forget_gpus(tgid);              // after its bytes left every GPU they counted on
     if (m)

@@ -132,16 +132,18 @@ class Signals:
         self.b.cleanup()
 
 
-def stopped_then_told(signals: list, told: list, pid: int):
+def stopped_then_told(signals: list, told: list, pid: int, traced: bool = False):
     """Each stop event of pid (unknown, stall) came after the SIGSTOP its own BPF program sent,
     and before the next one: stop, event, stop, event... A SIGCONT that answered an event can
-    therefore never come before the SIGSTOP it undoes. And the last signal it got is a SIGCONT."""
+    therefore never come before the SIGSTOP it undoes. And the last signal it got is a SIGCONT,
+    unless its last stop held its thread under ptrace (traced: a process with several threads,
+    as the real driver's; issue 23), which PTRACE_CONT ends, no signal sent."""
     stops = [ns for ns, sig, tid, by in signals if sig == 19 and tid == pid and by == pid]
     events = [e.ts_ns for e in told if e.tid == pid]
     assert events and len(stops) == len(events), (pid, stops, events)
     for i, (s, e) in enumerate(zip(stops, events)):
         assert s < e and (i == 0 or events[i - 1] < s), (pid, i, stops, events)
-    assert [sig for _, sig, tid, _ in signals if tid == pid][-1] == 18, (pid, signals)
+    assert [sig for _, sig, tid, _ in signals if tid == pid][-1] in ((18, 19) if traced else (18,)), (pid, signals)
 
 
 def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int:
@@ -166,6 +168,7 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         ws.append(b)
         b.send(f"a {2 * GiB}")       # 2 GiB + its context > its 1 GiB: stopped before the call
         b.wait_stopped()
+        traced = len(os.listdir(f"/proc/{b.p.pid}/task")) > 1   # its thread held alone (ptrace)
         # stopped at its call's entry, before the body: what the driver counts for it stays put,
         # so NVML's sampler reads it (a waiter whose last value was off is re-read, not frozen)
         assert b.p.pid not in enf.tracer.calls_in_flight(settle_ns=0)
@@ -184,6 +187,6 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         assert st["physical"] == (physical or {0: 4 * GiB})[0] and st["tearing_down"] == 0
         seen = signals.read()
         stopped_then_told(seen, told, a.p.pid)      # its first context
-        stopped_then_told(seen, told, b.p.pid)      # its first context, then its 2 GiB
+        stopped_then_told(seen, told, b.p.pid, traced)   # its first context, then its 2 GiB
         assert [e.op for e in told if e.tid == b.p.pid] == ["unknown", "stall"]
         return int(m.group(1))
