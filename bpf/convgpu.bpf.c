@@ -701,7 +701,7 @@ int recheck(struct pt_regs *ctx)
     struct cg_cgstate *s = state_of(tgid, dev, &key);
     struct cg_limit_key lk = {.container = key, .dev = dev};
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
-    u8 op = OP_UNKNOWN;
+    u8 op = OP_UNKNOWN, kept = 0;
     u64 total = 0;
     if (a && !quota_ok(tgid, t, key, ctl)) {
         op = OP_QUOTA;
@@ -718,10 +718,18 @@ int recheck(struct pt_regs *ctx)
             held.delete(&id);
             return 0;
         }
-        release(&t->call);          // stopped again: it holds nothing meanwhile (admit())
+        // Stopped again, it keeps its reservation: once let go it runs on from here, past this
+        // check, and a sibling's call admitted meanwhile must see it (before, it ran unreserved:
+        // eight CuPy threads on the H100 had five 256 MiB blocks live under a limit fitting
+        // four, the freeing thread's next call admitted beside it). Over its limit it can
+        // never fit: that holds nothing (admit()).
         op = stall_op(tgid, dev, t->call.want, a, t);
+        if (op == OP_STALL)
+            kept = EF_RESERVED;
+        else
+            release(&t->call);
     }
-    stop_then_tell(id, t->call.api, op, EF_RESTALL | (t->call.ordinal ? EF_ORDINAL : 0), dev,
+    stop_then_tell(id, t->call.api, op, EF_RESTALL | kept | (t->call.ordinal ? EF_ORDINAL : 0), dev,
                    key, t->call.want, total, ctl);
     return 0;
 }

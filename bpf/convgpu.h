@@ -84,6 +84,7 @@ enum cg_op {
 #define EF_RESTALL 0x8    /* enforce: resumed without a grant (e.g. a sibling's SIGCONT): stopped again */
 #define EF_UNRECORDED 0x10 /* the object found no room in the map: see obj_add() */
 #define EF_ORDINAL 0x20   /* enforce: dev is the process's CUDA ordinal, not yet mapped to a host GPU */
+#define EF_RESERVED 0x40  /* enforce: a restalled call that keeps its reservation (recheck()) */
 
 /* Ring-buffer record, 80 bytes. */
 struct cg_event {

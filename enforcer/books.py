@@ -25,6 +25,12 @@ class Ask:
     over_limit: bool = False  # can never fit: size + what its thread holds + its contexts > the limit (BPF)
     said: bool = False        # logged as over the limit
     first: bool = False       # its process's first context: it was just placed (Decisions._settling)
+    reserved: bool = False    # stopped again at its recheck, its reservation kept (BPF): in _taken already
+
+    @property
+    def need(self) -> int:
+        """What it adds to what the container has taken once resumed."""
+        return 0 if self.reserved else self.size
 
 
 @dataclass
@@ -42,7 +48,7 @@ class Wait:
 
     @property
     def asked(self) -> int:
-        return sum(a.size for a in self.asks.values())
+        return sum(a.need for a in self.asks.values())
 
 
 @dataclass
@@ -127,7 +133,7 @@ class Books:
         reserved yet (they do at their recheck: Box.going)."""
         used, contexts, reserved = self._usage(box, dev)
         return (self._ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
-                + sum(a.size for a in box.going.get(dev, {}).values()))
+                + sum(a.need for a in box.going.get(dev, {}).values()))
 
     def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the

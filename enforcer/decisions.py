@@ -87,7 +87,7 @@ class Decisions:
 
         go = []
         for unit in sorted(units, key=lambda u: (newcomer(u), min(a.since for a in u))):
-            size = sum(a.size for a in unit)
+            size = sum(a.need for a in unit)
             if any(a.over_limit for a in unit) or size > room:
                 continue
             if holds and not self._newcomer_safe(unit, units, go, holds, box, dev, size):
@@ -189,9 +189,9 @@ class Decisions:
             return self._demand(box, dev)   # the freezer resumes the container whole
         want = taken + w.unreserved
         for i, a in enumerate(asks):
-            if i and want + a.size > self._limit(box, dev):
+            if i and want + a.need > self._limit(box, dev):
                 break
-            want += a.size
+            want += a.need
         return want
 
     def _units(self, w) -> list[list]:
@@ -257,7 +257,7 @@ class Decisions:
             claims.append(policies.Claim(str(q), h + sum(a.size for a in u), h))
         if not claims:
             return True
-        room = self._limit(box, dev) - self._taken(box, dev) - size - sum(a.size for u in go for a in u)
+        room = self._limit(box, dev) - self._taken(box, dev) - size - sum(a.need for u in go for a in u)
         return len(policies.finishers(claims, room + sum(c.held for c in claims))) == len(claims)
 
     def _gone_through(self):
@@ -290,7 +290,7 @@ class Decisions:
             w.freed_at = now
         w.held_was = taken
         units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
-        if not units or any(taken + sum(a.size for a in u) <= self._limit(box, dev) for u in units):
+        if not units or any(taken + sum(a.need for a in u) <= self._limit(box, dev) for u in units):
             w.circular = False
             return
         asking = {a.pid for a in w.asks.values()}

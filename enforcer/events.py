@@ -9,7 +9,7 @@ import selectors
 import signal
 import time
 
-from ..probes.events import EF_ORDINAL
+from ..probes.events import EF_ORDINAL, EF_RESERVED
 from ..units import format_size
 from . import policies
 from .actions import alive
@@ -54,7 +54,8 @@ class Events:
                                  box.name, e.pid, max(e.dev, 0), e.api, format_size(e.size),
                                  format_size(e.live), format_size(box.assigned.get(max(e.dev, 0), 0)))
                     self._waiter(box, max(e.dev, 0), e.pid, 0, ask=Ask(e.pid, e.tid, e.size, now, e.result,
-                                                                        over_limit=e.op == "over_limit"))
+                                                                        over_limit=e.op == "over_limit",
+                                                                        reserved=bool(e.flags & EF_RESERVED)))
                 dirty = True
             elif e.op == "quota":
                 self._quota_hit(e)
@@ -165,7 +166,8 @@ class Events:
         if ask is not None:   # a re-stall replaces its thread's ask (the same call)
             box.going.get(dev, {}).pop(ask.tid, None)
             old = w.asks.get(ask.tid)
-            w.asks[ask.tid] = ask if old is None else Ask(ask.pid, ask.tid, ask.size, old.since, ask.seq, ask.over_limit)
+            w.asks[ask.tid] = ask if old is None else Ask(ask.pid, ask.tid, ask.size, old.since, ask.seq, ask.over_limit,
+                                                          reserved=ask.reserved)
         w.pids.add(pid)
         if pid in self.shimmed:
             return w
