@@ -39,7 +39,7 @@ def _p(lib, sym, exit_fn, required, why):
 
 PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuMemAlloc_v2", "exit_alloc", True, "cudaMalloc, PyTorch's default allocator"),
-    _p(CUDA, "cuMemFree_v2", None, True, "frees of cuMemAlloc memory (settled at entry)"),
+    _p(CUDA, "cuMemFree_v2", "exit_free", True, "frees of cuMemAlloc memory (settled at return)"),
     _p(CUDA, "cuMemAllocPitch_v2", "exit_pitch", False, "pitched 2D allocations"),
     _p(CUDA, "cuMemAllocManaged", "exit_alloc", False, "unified memory"),
     _p(CUDA, "cuMemCreate", "exit_vmm_create", False, "VMM physical memory: expandable segments, NCCL"),
@@ -52,8 +52,8 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuMemAllocAsync_ptsz", "exit_alloc", False, "the same, per-thread default stream"),
     _p(CUDA, "cuMemAllocFromPoolAsync", "exit_alloc", False, "memory pools"),
     _p(CUDA, "cuMemAllocFromPoolAsync_ptsz", "exit_alloc", False, "memory pools, per-thread stream"),
-    _p(CUDA, "cuMemFreeAsync", None, False, "stream-ordered frees (at entry)"),
-    _p(CUDA, "cuMemFreeAsync_ptsz", None, False, "stream-ordered frees, per-thread stream (at entry)"),
+    _p(CUDA, "cuMemFreeAsync", "exit_free", False, "stream-ordered frees (at return)"),
+    _p(CUDA, "cuMemFreeAsync_ptsz", "exit_free", False, "stream-ordered frees, per-thread stream (at return)"),
     _p(CUDA, "cuArrayCreate_v2", "exit_array", False, "CUDA arrays (size estimated from descriptor)"),
     _p(CUDA, "cuArray3DCreate_v2", "exit_array", False, "3D arrays (estimated)"),
     _p(CUDA, "cuMipmappedArrayCreate", "exit_array", False, "mipmapped arrays (estimated)"),

@@ -343,9 +343,10 @@ class Tracer:
         """Pids with a driver call that may be running: between its entry and its return probe,
         and not stalled at its entry (a process the enforcer holds there is stopped before the
         call's body, so what the driver counts for it does not move); and, with settle_ns, pids
-        whose bytes changed that recently: a free is settled at its entry and has no return
-        probe, so it can still be inside the driver (milliseconds for GiBs on the H100)."""
-        running = {k.value >> 32 for k, t in self.b[b"threads"].items() if t.call.api and not t.call.stalled}
+        whose bytes changed that recently (the driver's own count may trail a return). A free
+        is in flight from its entry to its return (`freeing`: settled there, bpf exit_free)."""
+        running = {k.value >> 32 for k, t in self.b[b"threads"].items()
+                   if (t.call.api and not t.call.stalled) or t.freeing}
         if not settle_ns:
             return running
         since = time.monotonic_ns() - settle_ns     # bpf_ktime_get_ns is CLOCK_MONOTONIC too
