@@ -229,6 +229,16 @@ def test_unmappable_is_said_and_charged_to_every_gpu_it_may_use(build, two, cgro
         until(lambda: enf._usage(box, 0)[:2] == (0, 0) and enf._usage(box, 1)[:2] == (0, 0), 5, "its exit")
 
 
+# A context on device 0 of the driver at `lib`, and 300 MiB there (in the scripts below).
+ON_DEVICE_0 = """
+cu = ctypes.CDLL(lib)
+assert cu.cuInit(0) == 0
+c = ctypes.c_void_p()
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0 and cu.cuCtxSetCurrent(c) == 0
+p = ctypes.c_uint64()
+assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) == 0
+"""
+
 # Under the preload shim: a context and 300 MiB on its device 0, then what cuMemGetInfo_v2 says
 # of its device and NVML of each host GPU (NVML numbers GPUs in host order). argv[2] "nvml":
 # an NVML query first, so that the shim says hello before cuInit opened any device node.
@@ -237,12 +247,8 @@ import ctypes, json, sys
 import pynvml
 if sys.argv[2] == "nvml":
     pynvml.nvmlInit(); pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
-cu = ctypes.CDLL(sys.argv[1])
-assert cu.cuInit(0) == 0
-c = ctypes.c_void_p()
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0 and cu.cuCtxSetCurrent(c) == 0
-p = ctypes.c_uint64()
-assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) == 0
+lib = sys.argv[1]
+""" + ON_DEVICE_0 + r"""
 f, t = ctypes.c_size_t(), ctypes.c_size_t()
 assert cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)) == 0
 pynvml.nvmlInit()
@@ -325,12 +331,8 @@ s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 s.sendall(b'{"op":"hello"}\n')
 assert json.loads(s.makefile("rb").readline())["ok"]
-cu = ctypes.CDLL(sys.argv[2])
-assert cu.cuInit(0) == 0
-c = ctypes.c_void_p()
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), 0) == 0 and cu.cuCtxSetCurrent(c) == 0
-p = ctypes.c_uint64()
-assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) == 0
+lib = sys.argv[2]
+""" + ON_DEVICE_0 + r"""
 print("ready", flush=True)
 sys.stdin.readline()
 """
