@@ -259,6 +259,8 @@ class Tracer:
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation
                 self.gpumap.forget(ev.pid)
                 self.mapped.discard(ev.pid)
+            elif ev.pid in self._ignore:    # our own self-test children: never mapped (nor said)
+                continue
             elif ev.dev >= 0 and self.gpumap.gpus and ev.pid not in self.mapped and not ev.flags & EF_ORDINAL:
                 ev = ev._replace(dev=self.gpumap.host(ev.pid, ev.dev))
             if ev.pid not in self._ignore:
