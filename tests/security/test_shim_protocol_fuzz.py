@@ -56,7 +56,7 @@ field = st.one_of(ints, st.none(), st.booleans(), st.floats(allow_nan=True), st.
 ops = st.sampled_from(["hello", "ask", "alloc", "free", "ctx", "meminfo", "launch", "", None])
 message = st.one_of(
     st.fixed_dictionaries({"op": ops}, optional={"dev": field, "size": field, "addr": field, "primary": field,
-                                                  "pid": ints}).map(lambda m: json.dumps(m).encode() + b"\n"),
+                                                  "minor": field, "pid": ints}).map(lambda m: json.dumps(m).encode() + b"\n"),
     st.builds(lambda d, s, a: b'{"op":"alloc","dev":%d,"addr":%d,"size":%d}\n' % (d, a, s),
               st.integers(0, 1), st.integers(0, 1 << 31), st.integers(1, 1 << 40)),
     st.builds(lambda a: b'{"op":"free","addr":%d}\n' % a, st.integers(0, 1 << 40)),

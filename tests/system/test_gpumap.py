@@ -339,19 +339,28 @@ sys.stdin.readline()
 
 
 def test_hello_then_the_driver_is_charged_on_its_host_gpu(build, two, cgroups):
-    """Issue 24 row 2 meets issue 25: a process says hello on the shim socket before cuInit,
-    then calls the driver itself with CUDA_VISIBLE_DEVICES=1. It is no member before its GPUs
-    can be read, so its first call stops for placement, which maps it: its context and 300 MiB
-    count on GPU 1. Before, its hello made it a member never mapped: charged on GPU 0."""
+    """Issue 24 row 2 meets issue 25: in a container already placed on GPU 0 (a sibling holds
+    100 MiB there), a process says hello on the shim socket before cuInit, then calls the
+    driver itself with CUDA_VISIBLE_DEVICES=1. It is no member before its GPUs can be read, so
+    its first call stops for placement, which maps it: its context and 300 MiB count on GPU 1.
+    Before, its hello made it a member never mapped, admitted on its container's GPU 0
+    assignment: charged on GPU 0, GPU 1's limit never applied to it."""
     enf = enforcer(build, two, "hello1")
+    cg = cgroups("hello1")
     with serving(enf):
-        p = popen_in(cgroups("hello1"), sys.executable, "-c", HELLO_THEN_DRIVER, f"{enf.run_dir}/shim/shim.sock",
-                     build / "standin" / "libcuda.so.1", env=dict(two, CUDA_VISIBLE_DEVICES="1"))
+        sib = start(cg, build, two, "0", "0:100")
+        p = None
         try:
-            lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
+            lines_until(sib.stdout, lambda line: line.strip() == "ready", [], 20, "the sibling")
             box = box_of(enf, "hello1")
+            until(lambda: enf._usage(box, 0)[:2] == (100 * MiB, 1), 5, "GPU0's usage")
+            p = popen_in(cg, sys.executable, "-c", HELLO_THEN_DRIVER, f"{enf.run_dir}/shim/shim.sock",
+                         build / "standin" / "libcuda.so.1", env=dict(two, CUDA_VISIBLE_DEVICES="1"))
+            lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
             until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
-            assert enf._usage(box, 0)[:2] == (0, 0) and mapping_of(enf, p.pid)["hosts"] == [1]
+            assert enf._usage(box, 0)[:2] == (100 * MiB, 1) and mapping_of(enf, p.pid)["hosts"] == [1]
         finally:
-            p.kill()
-            p.wait()
+            for q in (sib, p):
+                if q is not None:
+                    q.kill()
+                    q.wait()
