@@ -2,14 +2,18 @@
 waits for (Box, Wait, and per stopped thread an Ask), and the sums the decisions read (room,
 free, claims). Reads only: the BPF counters through Actions._state, never a write."""
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ..units import format_size
 from . import policies
+from .failsafe.stall import SignalStopper
+from .failsafe.threadhold import _tids
 from .tenants.containers import Container
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 MASK64 = (1 << 64) - 1
+CIRCULAR_S = 3.0   # s without a free in a container whose threads still run, before its waits are circular
 
 
 @dataclass
@@ -178,12 +182,28 @@ class Books:
                                       stuck=w is not None and (w.over_limit or w.circular)))
         return out
 
-    def _paused(self, box: Box, dev: int) -> bool:
-        """Every process of the container waits on dev (a stopped call or a shim request): a
-        container with one still running may allocate up to its assignment (issue 23: waits
-        are per process and thread, so a container can be both)."""
+    def _paused(self, box: Box, dev: int, now: float | None = None) -> bool:
+        """The container cannot go on by itself on dev: every process of it waits (a stopped
+        call or a shim request) and none runs a thread that could free. A container with a
+        process still running may allocate up to its assignment (issue 23: waits are per
+        process and thread, so a container can be both). Where a waiting process's other
+        threads run (a thread held alone), they may free at any moment: it counts as paused
+        only once none of them freed anything for CIRCULAR_S (the eight-thread run on the H100
+        was called deadlocked, and its unused assignment reclaimed, while its threads took
+        turns)."""
         w = box.waiting.get(dev)
-        return w is not None and box.pids <= w.pids
+        if w is None or not box.pids <= w.pids:
+            return False
+        return self._stopped_whole(box, w) or (now or time.monotonic()) - w.freed_at >= CIRCULAR_S
+
+    def _stopped_whole(self, box: Box, w: Wait) -> bool:
+        """Every process of the container is stopped with all its threads: the freezer, or
+        each one at a call and held whole (ptrace refused, or a single thread)."""
+        if not isinstance(self.stopper, SignalStopper):
+            return True
+        asking = {a.pid for a in w.asks.values()}
+        return box.pids <= asking and all(self.holder is None or self.holder.mode(p) == "process"
+                                          or len(_tids(p)) <= 1 for p in box.pids)
 
     def find(self, container: str) -> Box:
         for box in self.boxes.values():

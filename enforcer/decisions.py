@@ -10,11 +10,9 @@ import time
 from ..units import format_size
 from . import policies
 from .actions import alive
-from .books import Box
+from .books import CIRCULAR_S, Box
 from .failsafe.stall import SignalStopper
-from .failsafe.threadhold import _tids
 
-CIRCULAR_S = 3.0   # s without a free in a container whose threads still run, before its waits are circular
 NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
@@ -33,6 +31,8 @@ class Decisions:
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
             self._held_back = set()
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
+            for box in waiting:
+                self._saw_frees(box, dev, now)
             for box in waiting:   # a free inside the container may be enough
                 demand = self._demand(box, dev)
                 if demand > box.assigned[dev] or demand > self._limit(box, dev):
@@ -54,7 +54,7 @@ class Decisions:
                         self._write_assign(box, dev)
                     self._resume(box, dev, "fits its assignment")
                     box.placed.update((q, now) for q in firsts)
-            if (not self._grant(dev, now) and not self._held_back and not self._tearing(dev) and self._reclaim(dev)
+            if (not self._grant(dev, now) and not self._held_back and not self._tearing(dev) and self._reclaim(dev, now)
                     and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
 
@@ -138,10 +138,19 @@ class Decisions:
                     resumed = self._serve(box, dev, now) or resumed
         return resumed
 
-    def _reclaim(self, dev: int) -> bool:
+    def _saw_frees(self, box: Box, dev: int, now: float):
+        """When a waiting container last gave memory back (its threads still running may free:
+        Books._paused, _circular)."""
+        w = box.waiting[dev]
+        taken = self._taken(box, dev) + w.unreserved
+        if taken < w.held_was:
+            w.freed_at = now
+        w.held_was = taken
+
+    def _reclaim(self, dev: int, now: float) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
         on = [b for b in self.boxes.values() if dev in b.assigned]
-        paused = [b for b in on if self._paused(b, dev)]
+        paused = [b for b in on if self._paused(b, dev, now)]
         waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in paused}
         within = any(not b.waiting[dev].over_limit for b in paused)
         back = policies.reclaim(waiting, len(paused) < len(on), within) if waiting else {}
@@ -286,18 +295,12 @@ class Decisions:
         them (a free, an exit or a new limit still resumes them), kill ends the newest
         waiter's process."""
         taken = self._taken(box, dev) + w.unreserved
-        if taken < w.held_was:
-            w.freed_at = now
-        w.held_was = taken
         units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
         if not units or any(taken + sum(a.need for a in u) <= self._limit(box, dev) for u in units):
             w.circular = False
             return
         asking = {a.pid for a in w.asks.values()}
-        whole = not isinstance(self.stopper, SignalStopper) or (
-            box.pids <= asking and all(self.holder is None or self.holder.mode(p) == "process"
-                                       or len(_tids(p)) <= 1 for p in box.pids))
-        if w.circular or (not whole and now - w.freed_at < CIRCULAR_S):
+        if w.circular or (not self._stopped_whole(box, w) and now - w.freed_at < CIRCULAR_S):
             return
         w.circular = True
         box.circulars += 1
