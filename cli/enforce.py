@@ -15,7 +15,6 @@ from ..enforcer.tenants import config as cfg
 from ..enforcer.daemon import Enforcer
 from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
-from ..enforcer.metrics import MetricsServer, Tls
 from ..enforcer.quotas import MapQuota
 from ..enforcer.failsafe.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
@@ -39,7 +38,9 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
 MAP_SIZES = MapQuota(262144 // 16, 65536 // 16, 65536 // 64)
 
 
-def metrics_tls_of(value: str | None) -> Tls | None:
+def metrics_tls_of(value: str | None):
+    """--metrics-tls as the metrics server's Tls, or None."""
+    from ..enforcer.metrics import Tls
     if not value:
         return None
     parts = value.split(",")
@@ -196,6 +197,7 @@ def enforce(
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:
+            from ..enforcer.metrics import MetricsServer   # imported only when served (start-up)
             try:
                 enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml,
                                             tls=metrics_tls_of(s["metrics_tls"]))

@@ -2,38 +2,65 @@
 import typer
 
 from .. import __version__
-from . import common, doctor, enforce, kube, limit, run, shim, status, trace
+import importlib
+import sys
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Share one GPU's memory between containers: trace and limit CUDA allocations.")
+from . import common
+
+_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                   help="Share one GPU's memory between containers: trace and limit CUDA allocations.")
 
 
-@app.callback()
+@_app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Tracebacks and debug logs."),
           verbose: bool = typer.Option(False, "--verbose", "-v", help="Info logs.")):
     common.state["debug"] = debug
     common.setup_logging(verbose, debug)
 
 
-@app.command("version")
+@_app.command("version")
 def version():
     """Print the version."""
     typer.echo(__version__)
 
 
-app.command("trace")(trace.trace)
-app.command("doctor")(doctor.doctor)
-app.command("enforce")(enforce.enforce)
-app.command("status")(status.status)
-app.add_typer(limit.app, name="limit")
-app.command("reload")(limit.reload)
-app.command("run", context_settings={"allow_interspersed_args": False})(run.run)
-app.command("shim")(shim.shim)
-app.command("kube")(kube.kube)
+# name -> (module, attribute, typer.command settings); "limit" is a group of its own
+COMMANDS = {"trace": ("trace", "trace", {}), "doctor": ("doctor", "doctor", {}),
+            "enforce": ("enforce", "enforce", {}), "status": ("status", "status", {}),
+            "limit": ("limit", "app", None), "reload": ("limit", "reload", {}),
+            "run": ("run", "run", {"context_settings": {"allow_interspersed_args": False}}),
+            "shim": ("shim", "shim", {}), "kube": ("kube", "kube", {})}
 
 
-def main():
-    app()
+def _register(argv: list[str] | None = None) -> typer.Typer:
+    """Only the command named on the command line is imported (`convgpu enforce` starts
+    without the others' imports: start-up is a stated property, docs/BENCHMARKS.md); every
+    one for help, a name that is none of them (typer then says so), or argv None."""
+    named = next((a for a in argv or () if not a.startswith("-")), None)
+    for name, (module, attr, settings) in COMMANDS.items():
+        if named in COMMANDS and name != named or name in _registered:
+            continue
+        _registered.add(name)
+        obj = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+        if settings is None:
+            _app.add_typer(obj, name=name)
+        else:
+            _app.command(name, **settings)(obj)
+    return _app
+
+
+_registered: set[str] = set()
+
+
+def __getattr__(name: str):
+    """`app`, with every command (tests drive it through typer's CliRunner)."""
+    if name == "app":
+        return _register()
+    raise AttributeError(name)
+
+
+def main(argv: list[str] | None = None):
+    _register(sys.argv[1:] if argv is None else argv)()
 
 
 if __name__ == "__main__":

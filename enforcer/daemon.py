@@ -149,6 +149,7 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
                                               caps=SHIM_CAPS, group_of=self._peer_group))
         self.tracer.selftest_exempt = self._exempting
         self.tracer.recheck = True
+        self.tracer.selftest_later = True   # admission on first: it only reports (Tracer.poll)
         if self.tracer.kernel:
             prev = self._load_over_pins()
             shimprobes.attach(self.tracer.b)   # only calls from inside the shim wait in it

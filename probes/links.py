@@ -99,6 +99,11 @@ def kind(b) -> str:
     return "links" if isinstance(_state(b), list) else "perf events"
 
 
+def kind_known(b) -> str | None:
+    """kind(b) once the first attach decided it, else None."""
+    return None if _state(b) is None else kind(b)
+
+
 def attach(b, fn_name: bytes, path: bytes, offset: int, sym: bytes, sym_off: int = 0,
            ret: bool = False) -> int | None:
     """Run b's function fn_name at file offset `offset` of path (sym+sym_off), on entry or

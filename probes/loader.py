@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .. import phases
 from ..bpf import DIR as BPF_DIR, SOURCE
 from ..errors import PrerequisiteError, ProbeError
 from . import bpfcache, links, prologue, untrusted
@@ -147,6 +148,19 @@ class LibraryProbes:
     @property
     def missing_required(self) -> list[Attached]:
         return [a for a in self.probes if not a.ok and a.probe.required]
+
+
+def preload(b, recheck: bool = False) -> None:
+    """A replayed program (a warm start): every function the table attaches is verified at
+    once, in parallel (Replayed.preload), before the attach loop asks for them one by one.
+    Loaded for uprobe links where the kernel takes them (probes/links.py), else for perf events."""
+    if not hasattr(b, "preload"):
+        return
+    bcc = import_bcc()
+    names = [n for p in PROBES for n in (p.enter, p.exit) if n] + (["recheck"] if recheck else [])
+    with phases.timed("load"):
+        as_links = links.wanted() and links.kind_known(b) in (None, "links") and links.supported()[0]
+        b.preload(names, bcc.BPF.KPROBE, links.BPF_TRACE_UPROBE_MULTI if as_links else -1)
 
 
 def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:

@@ -57,6 +57,11 @@ class Tracer:
         self.ringbuf_pages = ringbuf_pages
         self.rescan_every = rescan_every
         self.selftest = selftest
+        # the enforcer's: libraries attached by start() are self-tested at the first poll(),
+        # after admission is on (a self-test only reports: it gates nothing; ~0.1 s a driver)
+        self.selftest_later = False
+        self._untested: list[loader.LibraryProbes] = []
+        self._starting = False
         self.sweep_every = sweep_every
         self.attached: list[loader.LibraryProbes] = []
         self.failed: list[tuple[Library, str]] = []
@@ -87,7 +92,12 @@ class Tracer:
         # a successor over pinned maps: the processes its predecessor mapped are mapped in BPF
         self.mapped = {k.value >> 32 for k in self.b[b"gpumap"].keys() if k.value & GPUMAP_ALSO == GPUMAP_ALSO}
         self.started_ns = time.monotonic_ns()
-        self.rescan(force=True)
+        loader.preload(self.b, self.recheck)
+        self._starting = True
+        try:
+            self.rescan(force=True)
+        finally:
+            self._starting = False
         phases.mark("probes")
         return self
 
@@ -160,19 +170,24 @@ class Tracer:
             if container is None:   # else discovery says it, with the opener and what it does to it
                 log.warning("%s: %s", lib, e)
             return None
-        if self.selftest:
-            with phases.timed("self-test"):
-                pid = loader.self_test(self.b, lp, self._exempt)
-            if pid:
-                self._ignore.add(pid)
-            silent = [a.probe.symbol for a in lp.probes if a.probe.required and a.fired is False]
-            if silent:
-                self.failed.append((lib, f"required probes never fired in the self-test: {', '.join(silent)}"))
-                log.warning("%s: required probes never fired in the self-test: %s", lib, ", ".join(silent))
+        if self.selftest and self.selftest_later and self._starting:
+            self._untested.append(lp)
+        elif self.selftest:
+            self._self_test(lp)
         self.attached.append(lp)
         self._say(logging.INFO, container, "attached", "probes attached to %s (%d symbols%s)", lib,
                   sum(a.ok for a in lp.probes), "" if lib.trusted else ", verified by reading it")
         return lp
+
+    def _self_test(self, lp: loader.LibraryProbes) -> None:
+        with phases.timed("self-test"):
+            pid = loader.self_test(self.b, lp, self._exempt)
+        if pid:
+            self._ignore.add(pid)
+        silent = [a.probe.symbol for a in lp.probes if a.probe.required and a.fired is False]
+        if silent:
+            self.failed.append((lp.library, f"required probes never fired in the self-test: {', '.join(silent)}"))
+            log.warning("%s: required probes never fired in the self-test: %s", lp.library, ", ".join(silent))
 
     def _say(self, level, container, kind, msg, *args):
         if container is None:
@@ -237,6 +252,8 @@ class Tracer:
         housekeeping comes first, for what earlier polls found: an exit reaches the caller
         (the enforcer resumes a waiter on it) without waiting for its own sweep."""
         self.discovery.beat()
+        while self._untested:
+            self._self_test(self._untested.pop(0))
         self.rescan()
         now = time.monotonic()
         if self._sweeps or now - self._last_sweep > self.sweep_every:
