@@ -8,7 +8,7 @@ import signal
 import time
 
 from ..units import format_size
-from . import policies
+from . import policies, within
 from .actions import alive
 from .books import CIRCULAR_S, Box
 from .failsafe.stall import SignalStopper
@@ -60,12 +60,9 @@ class Decisions:
 
     def _serve(self, box: Box, dev: int, now: float) -> bool:
         """Within a container: resume the stopped calls that fit its assignment now, each on
-        its own (a wait belongs to a thread, or to a process held whole), the calls of
-        processes that hold memory first (finishing them frees it), in the order they stopped.
-        A newcomer (a process holding nothing but contexts) only where, after it, every
-        waiting holder could still be served in the banker's order (policies.finishers over
-        the container's processes: a newcomer's context must not take the room its siblings
-        need to finish). Then circular waits are looked for. True if one resumed."""
+        its own (a wait belongs to a thread, or to a process held whole; within.resumable
+        chooses, from the books as plain values). Then circular waits are looked for. True if
+        one resumed."""
         w = box.waiting.get(dev)
         if w is None or not w.asks:
             return False
@@ -76,28 +73,17 @@ class Decisions:
         for a in list(w.asks.values()):
             if a.over_limit:
                 self._over_limit(box, dev, a.size, a)
-        taken = self._taken(box, dev) + w.unreserved
-        room = min(box.assigned[dev], self._limit(box, dev)) - taken
+        taken = self._taken(box, dev)
         units = self._units(w)
         holds = self._process_holds(box, dev) if len(units) > 1 else {}
 
-        def newcomer(u) -> bool:
-            held, ctx = holds.get(u[0].pid, (0, 0))
-            return held <= ctx
-
-        go = []
-        for unit in sorted(units, key=lambda u: (newcomer(u), min(a.since for a in u))):
-            size = sum(a.need for a in unit)
-            if any(a.over_limit for a in unit) or size > room:
-                continue
-            if holds and not self._newcomer_safe(unit, units, go, holds, box, dev, size):
-                continue
-            if any(a.first for a in unit):
-                if self._settling(box, dev, unit[0].pid, room - size, now, holds):
-                    continue
-                box.placed[unit[0].pid] = now    # the next newcomer of this pass waits on it
-            go.append(unit)
-            room -= size
+        def settling(pid: int, room_after: int) -> bool:
+            if self._settling(box, dev, pid, room_after, now, holds):
+                return True
+            box.placed[pid] = now    # the next newcomer of this pass waits on it
+            return False
+        go = within.resumable(units, min(box.assigned[dev], self._limit(box, dev)) - taken - w.unreserved,
+                              self._limit(box, dev) - taken, holds, settling)
         if go:
             self._resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
             return True
@@ -245,29 +231,6 @@ class Decisions:
             log.info("container %s GPU%d: pid %d's first context waits for pid %s to allocate: it would leave "
                      "less than a context's room", box.name, dev, pid, ", ".join(map(str, waits)))
         return bool(waits)
-
-    def _newcomer_safe(self, unit, units, go, holds, box: Box, dev: int, size: int) -> bool:
-        """The banker's check over the container's processes, for a unit of a process that
-        holds no bytes yet (a newcomer: at most its contexts): after it, every waiting process
-        that holds bytes can still reach what it asks for in some order within the limit, each
-        giving back what it holds once done (policies.finishers). Its context must not take
-        the room its siblings need to finish (they would wait on each other for good)."""
-        pid = unit[0].pid
-        held, ctx = holds.get(pid, (0, 0))
-        if held > ctx:
-            return True
-        started = {u[0].pid for u in go}
-        claims = []
-        for u in units:
-            q = u[0].pid
-            h, c = holds.get(q, (0, 0))
-            if q == pid or q in started or h <= c:
-                continue
-            claims.append(policies.Claim(str(q), h + sum(a.size for a in u), h))
-        if not claims:
-            return True
-        room = self._limit(box, dev) - self._taken(box, dev) - size - sum(a.need for u in go for a in u)
-        return len(policies.finishers(claims, room + sum(c.held for c in claims))) == len(claims)
 
     def _gone_through(self):
         """Resumed calls (Box.going) whose thread passed its recheck (BPF reserved them: its

@@ -2,7 +2,6 @@
 processes and several threads in one container, under `convgpu run`. NVML's per-container sum,
 sampled every 50 ms, must never pass the assignment by more than 2 MiB; every job finishes.
 Run: CONVGPU_REQUIRE_SYSTEM=1 python3 -m pytest -m gpu tests/gpu/test_gpu_waits.py -q -rA -s"""
-import os
 import subprocess
 import sys
 import threading
@@ -15,13 +14,19 @@ from test_gpu_guarantee import GpuEnforcer, record
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
+# job.py [MIB [N [HOLD_S [WAIT_S]]]]: a context, then N arrays of MIB MiB one after another
+# (after WAIT_S of start-up past the context), held HOLD_S together, then exit
 JOB = r"""
 import sys, time, cupy
+mib, n, hold, wait = (list(map(float, sys.argv[1:])) + [256, 1, 4, 0][len(sys.argv) - 1:])[:4]
 cupy.cuda.set_allocator(None)             # frees reach the driver
 cupy.cuda.Device(0).use()
-a = cupy.empty(256 << 20, dtype=cupy.uint8)
+if wait:
+    cupy.cuda.runtime.deviceSynchronize()  # the context alone
+    time.sleep(wait)
+a = [cupy.empty(int(mib) << 20, dtype=cupy.uint8) for _ in range(int(n))]
 cupy.cuda.Device(0).synchronize()
-time.sleep(4)
+time.sleep(hold)
 del a
 print("done", flush=True)
 """
@@ -90,30 +95,8 @@ def test_four_cupy_processes_in_one_container(root, tmp_path, limit, fit):
     """Parts 1 and 2: four CuPy jobs (a context of ~543 MiB and 256 MiB held 4 s) started at
     once; `fit` of them fit the limit at a time. Before: under 2 GiB three stayed stopped for
     good ("above its limit"); under 2560 MiB NVML's sum peaked 280 MiB over the limit."""
-    job = tmp_path / "job.py"
-    job.write_text(JOB)
-    name = f"par{limit}"
-    enf = GpuEnforcer("--gpu-memory", "20GiB")
-    p = None
-    try:
-        watch = ContainerSum(name)
-        t0 = time.monotonic()
-        p = run_in(enf, name, f"{limit}MiB", f"for i in 1 2 3 4; do {sys.executable} {job} & done; wait")
-        out, err = p.communicate(timeout=180)
-        took = time.monotonic() - t0
-        most = watch.stop()
-        record(f"4 cupy processes under {limit} MiB", took=took, nvml_peak=most, samples=watch.n,
-               over=most - limit * MiB)
-        print(f"\n4 CuPy processes under {limit} MiB: finished in {took:.1f} s, NVML per-container peak "
-              f"{most / MiB:.0f} MiB ({watch.n} samples of 50 ms)")
-        assert p.returncode == 0 and out.split() == ["done"] * 4, (out, err)
-        enf.close(f"4 cupy processes {limit}")   # the whole log
-        assert not any("above its limit" in line for line in enf.log), enf.log
-        assert most <= limit * MiB + 2 * MiB, most / MiB
-    finally:
-        if p and p.poll() is None:
-            p.kill()
-        enf.close(f"4 cupy processes {limit}")
+    _run_checked(tmp_path, f"par{limit}", limit, lambda job: f"for i in 1 2 3 4; do {job} & done; wait",
+                 4, 180, f"4 cupy processes under {limit} MiB")
 
 
 def test_eight_cupy_threads_take_turns(root, tmp_path):
@@ -144,3 +127,50 @@ def test_eight_cupy_threads_take_turns(root, tmp_path):
         if p and p.poll() is None:
             p.kill()
         enf.close("8 cupy threads")
+
+
+def _run_checked(tmp_path, name, limit_mib, script_of, n_done, timeout, scenario):
+    """script_of(job path) runs in container `name` under limit_mib: every job prints done,
+    nobody is called over its limit or circular, NVML's per-container peak stays within."""
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    enf = GpuEnforcer("--gpu-memory", "20GiB")
+    p = None
+    try:
+        watch = ContainerSum(name)
+        t0 = time.monotonic()
+        p = run_in(enf, name, f"{limit_mib}MiB", script_of(f"{sys.executable} {job}"))
+        out, err = p.communicate(timeout=timeout)
+        took = time.monotonic() - t0
+        most = watch.stop()
+        record(scenario, took=took, nvml_peak=most, samples=watch.n, over=most - limit_mib * MiB)
+        print(f"\n{scenario}: finished in {took:.1f} s, NVML per-container peak {most / MiB:.0f} MiB "
+              f"under {limit_mib} MiB ({watch.n} samples of 50 ms)")
+        assert p.returncode == 0 and out.split() == ["done"] * n_done, (out, err)
+        enf.close(scenario)   # the whole log
+        assert not [line for line in enf.log if "above its limit" in line or "circular" in line], enf.log
+        assert most <= limit_mib * MiB + 2 * MiB, most / MiB
+        return enf.log
+    finally:
+        if p and p.poll() is None:
+            p.kill()
+        enf.close(scenario)
+
+
+def test_a_cupy_server_and_six_workers(root, tmp_path):
+    """Part 1, a server and its workers: the server holds a context and 512 MiB for the whole
+    run; six workers (a context, 0.3 s of start-up, then 2 x 256 MiB held 0.3 s) are started at
+    once beside it, and two fit at a time. On the stand-in, before Decisions._settling, three
+    got a context and the container waited on itself for good."""
+    limit = 3 * (544 + 512)
+    _run_checked(tmp_path, "srv", limit,
+                 lambda job: f"{job} 512 1 20 & sleep 3; for i in 1 2 3 4 5 6; do {job} 256 2 0.3 0.3 & done; wait",
+                 7, 180, "cupy server and six workers")
+
+
+def test_twelve_short_lived_cupy_processes_in_a_row(root, tmp_path):
+    """Part 1's third shape: one after another, each a context and 256 MiB held 0.2 s, in a
+    container that fits one (and the teardown of the one before: part 2)."""
+    _run_checked(tmp_path, "loop", 900,
+                 lambda job: f"for i in $(seq 12); do {job} 256 1 0.2 || exit 1; done",
+                 12, 240, "twelve cupy processes in a row")
