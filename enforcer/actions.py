@@ -45,7 +45,7 @@ class Actions:
     def _write_assign(self, box: Box, dev: int):
         t = self._t("assign")
         nbytes, nctx = box.adopted.get(dev, (0, 0))
-        t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=self._limit(box, dev), assigned=box.assigned[dev],
+        t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=self.books.limit(box, dev), assigned=box.assigned[dev],
                                                       extra_overhead=box.extra.get(dev, 0),
                                                       adopted=nbytes, adopted_contexts=nctx,
                                                       ctx_charge=self._ctx(dev), torn=box.torn.get(dev, 0))

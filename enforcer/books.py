@@ -1,14 +1,12 @@
 """The enforcer's books: per container and device, what it was assigned, holds, reserves and
 waits for (Box, Wait, and per stopped thread an Ask), and the sums the decisions read (room,
-free, claims). Reads only: the BPF counters through Actions._state, never a write."""
+free, claims). Reads only: the BPF counters through the reader it is given, never a write."""
 import logging
 import time
 from dataclasses import dataclass, field
 
 from ..units import format_size
 from . import policies
-from .failsafe.stall import SignalStopper
-from .failsafe.threadhold import _tids
 from .tenants.containers import Container
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
@@ -97,27 +95,35 @@ class Box:
 
 
 class Books:
-    """Part of Enforcer (enforcer/daemon.py): what the books say, per container and device."""
+    """The enforcer's books: what each container was assigned, holds, reserves and waits for
+    per device (Box, Wait, Ask, Exit: plain data), and the sums the decisions read (room,
+    free, claims). The Enforcer has one (Enforcer.books) and passes it its readers, so the
+    books can be built and decided on without an Enforcer or a kernel (tests/unit/test_books.py):
+    state_of(box, dev): BPF's counters for a container on a device (cgstate), or None;
+    ctx_of(dev): the bytes a context is charged until NVML measures it;
+    share_of(box, dev): its limit on that GPU (its own, or its pod's share: LimitRules.share);
+    whole(pid): a stop holds every thread of pid (ptrace refused, or one thread);
+    freezer: stops hold whole containers (the cgroup freezer), not threads.
+    Reads only: the BPF counters through state_of, never a write."""
 
-    def _limit(self, box: Box, dev: int) -> int:
+    def __init__(self, capacity: dict[int, int], physical: dict[int, int], state_of, ctx_of, share_of,
+                 whole=lambda pid: True, freezer: bool = False):
+        self.capacity, self.physical = capacity, physical
+        self.state_of, self.ctx_of, self.share_of, self.whole, self.freezer = state_of, ctx_of, share_of, whole, freezer
+        self.boxes: dict[str, Box] = {}
+        self.by_key: dict[int, Box] = {}
+        self.exits: dict[int, Exit] = {}   # pidfd -> an exited process the driver may still hold memory of
+
+    def limit(self, box: Box, dev: int) -> int:
         """L_c on one GPU: the container's limit, or where its pod's grant spans GPUs, the
         pod's share on this one (the Kubernetes agent's split, docs/KUBERNETES.md)."""
-        return self.rules.share(box.container, self._gpu_key(dev), box.limit, box.source)
+        return self.share_of(box, dev)
 
-    def _gpu_key(self, dev: int) -> str:
-        """The GPU's key as the Kubernetes agent names it: NVML's uuid, else gpu<index>."""
-        keys = getattr(self, "_gpu_keys", None)
-        if keys is None:
-            nvml = getattr(self, "nvml", None)
-            keys = self._gpu_keys = {g.index: g.uuid for g in nvml.gpus() if g.uuid} \
-                if nvml is not None and nvml.ok else {}
-        return keys.get(dev) or f"gpu{dev}"
-
-    def _usage(self, box: Box, dev: int) -> tuple[int, int, int]:
+    def usage(self, box: Box, dev: int) -> tuple[int, int, int]:
         """(live bytes, contexts, reserved) of a container on a device: BPF's counters plus
         what was adopted at placement (BPF's `used` may have wrapped below zero: see charged()
         in bpf/convgpu.bpf.c)."""
-        s = self._state(box, dev)
+        s = self.state_of(box, dev)
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         if s is None:
             return nbytes, nctx, 0
@@ -125,49 +131,49 @@ class Books:
         tearing = max(0, s.tearing - box.torn.get(dev, 0))
         return (s.used + nbytes + tearing) & MASK64, max(s.contexts + nctx, 0), s.reserved
 
-    def _demand(self, box: Box, dev: int) -> int:
+    def demand(self, box: Box, dev: int) -> int:
         """U_c plus what is pending: everything the container needs to run on (every stopped
         call: BPF holds no reservation for them)."""
         w = box.waiting.get(dev)
-        return self._taken(box, dev) + (w.unreserved + w.asked if w else 0)
+        return self.taken(box, dev) + (w.unreserved + w.asked if w else 0)
 
-    def _taken(self, box: Box, dev: int) -> int:
+    def taken(self, box: Box, dev: int) -> int:
         """What the container holds and its calls in flight have reserved: what a resume
         must fit beside (BPF's charged() + reserved), with the calls resumed that have not
         reserved yet (they do at their recheck: Box.going)."""
-        used, contexts, reserved = self._usage(box, dev)
-        return (self._ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
+        used, contexts, reserved = self.usage(box, dev)
+        return (self.ctx_held(box, dev, used, contexts) + reserved + box.shim_pending.get(dev, 0)
                 + sum(a.need for a in box.going.get(dev, {}).values()))
 
-    def _ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
+    def ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the
         measured ones by box.extra (never below zero, as charged() in bpf/convgpu.bpf.c)."""
-        return max(0, used + contexts * self._ctx(dev) + box.extra.get(dev, 0))
+        return max(0, used + contexts * self.ctx_of(dev) + box.extra.get(dev, 0))
 
-    def _held(self, box: Box, dev: int) -> int:
+    def held(self, box: Box, dev: int) -> int:
         """What the container holds now: its demand less the requests it is stopped at."""
-        used, contexts, _ = self._usage(box, dev)
-        return self._ctx_held(box, dev, used, contexts) + box.shim_pending.get(dev, 0)
+        used, contexts, _ = self.usage(box, dev)
+        return self.ctx_held(box, dev, used, contexts) + box.shim_pending.get(dev, 0)
 
-    def _tearing(self, dev: int) -> int:
+    def tearing(self, dev: int) -> int:
         """Bytes of exited processes that the driver has not freed yet, where no container
         holds them any more (its last process went: its assignment is back in the pool); a
         live container's are in its own usage (cgstate.tearing)."""
-        return sum(x.held.get(dev, 0) for x in self._exits.values() if x.box is None or x.box.key not in self.by_key)
+        return sum(x.held.get(dev, 0) for x in self.exits.values() if x.box is None or x.box.key not in self.by_key)
 
-    def _assigned(self, dev: int) -> int:
+    def assigned(self, dev: int) -> int:
         return sum(b.assigned.get(dev, 0) for b in self.boxes.values())
 
-    def _room(self, dev: int) -> int:
+    def room(self, dev: int) -> int:
         """The card's physical room once every container fills its assignment, with what
         exiting processes still hold: a resume needs it >= 0 (a grant, too, after it)."""
-        return self.physical.get(dev, 0) - self._assigned(dev) - self._tearing(dev)
+        return self.physical.get(dev, 0) - self.assigned(dev) - self.tearing(dev)
 
-    def _free(self, dev: int) -> int:
+    def free(self, dev: int) -> int:
         """What may be assigned on dev: the capacity's unassigned memory, within the room."""
-        return max(0, min(self.capacity.get(dev, 0) - self._assigned(dev), self._room(dev)))
+        return max(0, min(self.capacity.get(dev, 0) - self.assigned(dev), self.room(dev)))
 
-    def _claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
+    def claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
         """The banker's view of dev (policies.schedule says why): a running container holds its
         assignment (it allocates up to it without asking), a waiter what it uses (its unused
         assignment can be reclaimed), a waiter over its limit the same, for good (stuck)."""
@@ -175,14 +181,14 @@ class Books:
         for b in self.boxes.values():
             if dev not in b.assigned or b is but:
                 continue
-            held = self._held(b, dev)
-            w = b.waiting.get(dev) if self._paused(b, dev) else None
-            out.append(policies.Claim(b.container.id, self._limit(b, dev),
+            held = self.held(b, dev)
+            w = b.waiting.get(dev) if self.paused(b, dev) else None
+            out.append(policies.Claim(b.container.id, self.limit(b, dev),
                                       max(held, b.assigned[dev]) if w is None else held,
                                       stuck=w is not None and (w.over_limit or w.circular)))
         return out
 
-    def _paused(self, box: Box, dev: int, now: float | None = None) -> bool:
+    def paused(self, box: Box, dev: int, now: float | None = None) -> bool:
         """The container cannot go on by itself on dev: every process of it waits (a stopped
         call or a shim request) and none runs a thread that could free. A container with a
         process still running may allocate up to its assignment (issue 23: waits are per
@@ -194,16 +200,15 @@ class Books:
         w = box.waiting.get(dev)
         if w is None or not box.pids <= w.pids:
             return False
-        return self._stopped_whole(box, w) or (now or time.monotonic()) - w.freed_at >= CIRCULAR_S
+        return self.stopped_whole(box, w) or (now or time.monotonic()) - w.freed_at >= CIRCULAR_S
 
-    def _stopped_whole(self, box: Box, w: Wait) -> bool:
+    def stopped_whole(self, box: Box, w: Wait) -> bool:
         """Every process of the container is stopped with all its threads: the freezer, or
         each one at a call and held whole (ptrace refused, or a single thread)."""
-        if not isinstance(self.stopper, SignalStopper):
+        if self.freezer:
             return True
         asking = {a.pid for a in w.asks.values()}
-        return box.pids <= asking and all(self.holder is None or self.holder.mode(p) == "process"
-                                          or len(_tids(p)) <= 1 for p in box.pids)
+        return box.pids <= asking and all(self.whole(p) for p in box.pids)
 
     def find(self, container: str) -> Box:
         for box in self.boxes.values():
@@ -214,7 +219,7 @@ class Books:
                 return box
         raise KeyError(container)
 
-    def _capped(self, name: str, limit: int) -> int:
+    def capped(self, name: str, limit: int) -> int:
         cap = max(self.capacity.values())
         if limit > cap:
             log.warning("container %s: limit %s above capacity %s: capped", name,

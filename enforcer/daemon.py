@@ -25,7 +25,7 @@ from .failsafe import takeover, watchdog
 from .accounting import Accountant
 from .actions import VIEW_GRACE, Actions, held_seq
 from .failsafe.adopt import Adopt
-from .books import Books, Box, Exit, Wait  # noqa: F401 (Box, Wait: re-exported)
+from .books import Books, Box
 from .serving.broker import ShimBroker
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants.containers import container_of_pid
@@ -38,7 +38,7 @@ from .quotas import MapQuota, Quotas
 from .reporting import Reporting
 from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
-from .failsafe.threadhold import ThreadHolder
+from .failsafe.threadhold import ThreadHolder, _tids
 from .failsafe.watchdog import write_state
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,10 @@ MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured contex
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
-class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
-    """One enforcer: its state is set here, its methods come from the parts named above (each
-    reads and writes this one object: the books and the BPF maps are shared by all of them)."""
+class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
+    """One enforcer: its state is set here, its methods come from the parts named above. It
+    has its books (enforcer/books.py: plain data and the sums over them, given readers of the
+    BPF counters and the context estimate), which the decisions read."""
 
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
@@ -79,8 +80,9 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.nvml = nvml
         self.reload_config = reload   # () -> (LimitRules, settings dict); raises ConfigError
         self.container_of = container_of
-        self.boxes: dict[str, Box] = {}
-        self.by_key: dict[int, Box] = {}
+        self.books = Books(capacity, self.physical, self._state, self._ctx, self._share,
+                           whole=self._held_whole, freezer=not isinstance(self.stopper, SignalStopper))
+        self.boxes, self.by_key, self._exits = self.books.boxes, self.books.by_key, self.books.exits   # the same dicts
         self.pid_box: dict[int, Box] = {}
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
         self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
@@ -111,7 +113,6 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self._saved = None
         self.sel = selectors.DefaultSelector()
         self.servers: list[server.Server] = []
-        self._exits: dict[int, Exit] = {}   # pidfd -> an exited process the driver may still hold memory of
         self.holder = None                 # ThreadHolder: a stop holds the asking thread alone (ptrace)
         self.sampler = None                # NVML's per-process memory, sampled in a thread
         # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
@@ -122,6 +123,25 @@ class Enforcer(Events, Decisions, Actions, Books, ContextOverhead, RuntimeChange
         self.est = {d: self._choose(d) for d in self.devices}
         self._peak: dict[tuple[int, int], int] = {}    # (pid, dev) -> largest measured per context
         self._learn_saved = 0.0
+
+    # ---- the books' readers (enforcer/books.py) ----
+    def _share(self, box: Box, dev: int) -> int:
+        """Its limit on one GPU: its own, or where its pod's grant spans GPUs, the pod's share
+        on this one (the Kubernetes agent's split, docs/KUBERNETES.md)."""
+        return self.rules.share(box.container, self._gpu_key(dev), box.limit, box.source)
+
+    def _gpu_key(self, dev: int) -> str:
+        """The GPU's key as the Kubernetes agent names it: NVML's uuid, else gpu<index>."""
+        keys = getattr(self, "_gpu_keys", None)
+        if keys is None:
+            nvml = self.nvml
+            keys = self._gpu_keys = {g.index: g.uuid for g in nvml.gpus() if g.uuid} \
+                if nvml is not None and nvml.ok else {}
+        return keys.get(dev) or f"gpu{dev}"
+
+    def _held_whole(self, pid: int) -> bool:
+        """A stop holds every thread of pid: ptrace refused it (or no holder), or it has one."""
+        return self.holder is None or self.holder.mode(pid) == "process" or len(_tids(pid)) <= 1
 
     def start(self) -> "Enforcer":
         from .serving.control import ControlHandler

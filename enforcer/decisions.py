@@ -11,7 +11,6 @@ from ..units import format_size
 from . import policies, within
 from .actions import alive
 from .books import CIRCULAR_S, Box
-from .failsafe.stall import SignalStopper
 
 NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
@@ -27,26 +26,26 @@ class Decisions:
         now = time.monotonic()
         self._gone_through()
         for dev in sorted(self.capacity):
-            if self._room(dev) < 0:   # an exit's memory is still in the driver and the card is full
+            if self.books.room(dev) < 0:   # an exit's memory is still in the driver and the card is full
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
             self._held_back = set()
             waiting = [b for b in self.boxes.values() if dev in b.waiting]
             for box in waiting:
                 self._saw_frees(box, dev, now)
             for box in waiting:   # a free inside the container may be enough
-                demand = self._demand(box, dev)
-                if demand > box.assigned[dev] or demand > self._limit(box, dev):
+                demand = self.books.demand(box, dev)
+                if demand > box.assigned[dev] or demand > self.books.limit(box, dev):
                     self._serve(box, dev, now)   # not all of them: those that fit, one by one
                     continue
                 firsts = [a.pid for a in box.waiting[dev].asks.values() if a.first]
-                if (firsts and isinstance(self.stopper, SignalStopper)
-                        and min(box.assigned[dev], self._limit(box, dev)) - demand < self._ctx(dev)):
+                if (firsts and not self.books.freezer
+                        and min(box.assigned[dev], self.books.limit(box, dev)) - demand < self._ctx(dev)):
                     if not self._serve(box, dev, now):   # newcomers one at a time (_settling)
                         self._held_back.add(box.key)     # neither granted nor called deadlocked meanwhile
                     continue
                 # running, it may use all of its assignment: only as much as is safe
-                me = policies.Claim(box.container.id, self._limit(box, dev), self._held(box, dev))
-                top = policies.safe_assignment(me, self._claims(dev), self.capacity.get(dev, 0),
+                me = policies.Claim(box.container.id, self.books.limit(box, dev), self.books.held(box, dev))
+                top = policies.safe_assignment(me, self.books.claims(dev), self.capacity.get(dev, 0),
                                                demand, box.assigned[dev])
                 if top is not None:
                     if top < box.assigned[dev]:
@@ -54,7 +53,7 @@ class Decisions:
                         self._write_assign(box, dev)
                     self._resume(box, dev, "fits its assignment")
                     box.placed.update((q, now) for q in firsts)
-            if (not self._grant(dev, now) and not self._held_back and not self._tearing(dev) and self._reclaim(dev, now)
+            if (not self._grant(dev, now) and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
                     and not self._grant(dev, now, fit_only=True)):
                 self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
 
@@ -66,14 +65,14 @@ class Decisions:
         w = box.waiting.get(dev)
         if w is None or not w.asks:
             return False
-        if not isinstance(self.stopper, SignalStopper):   # the freezer holds the container
+        if self.books.freezer:   # the freezer holds the container
             self._circular(box, dev, w, now)               # whole: it resumes whole (schedule)
             return False
         self._drop_dead_asks(box, dev, w)
         for a in list(w.asks.values()):
             if a.over_limit:
                 self._over_limit(box, dev, a.size, a)
-        taken = self._taken(box, dev)
+        taken = self.books.taken(box, dev)
         units = self._units(w)
         holds = self._process_holds(box, dev) if len(units) > 1 else {}
 
@@ -82,8 +81,8 @@ class Decisions:
                 return True
             box.placed[pid] = now    # the next newcomer of this pass waits on it
             return False
-        go = within.resumable(units, min(box.assigned[dev], self._limit(box, dev)) - taken - w.unreserved,
-                              self._limit(box, dev) - taken, holds, settling)
+        go = within.resumable(units, min(box.assigned[dev], self.books.limit(box, dev)) - taken - w.unreserved,
+                              self.books.limit(box, dev) - taken, holds, settling)
         if go:
             self._resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
             return True
@@ -101,13 +100,13 @@ class Decisions:
                 continue
             w = box.waiting[dev]
             cands.append(policies.Waiter(id=box.container.id, created=box.created,
-                                         suspended_at=w.since, limit=self._limit(box, dev),
+                                         suspended_at=w.since, limit=self.books.limit(box, dev),
                                          assigned=box.assigned[dev], used=want, request=0,
-                                         held=self._held(box, dev)))
-        free = self._free(dev)
+                                         held=self.books.held(box, dev)))
+        free = self.books.free(dev)
         resumed = False
         ids = {c.id for c in cands}
-        others = [c for c in self._claims(dev) if c.id not in ids]   # runners, and the stuck
+        others = [c for c in self.books.claims(dev) if c.id not in ids]   # runners, and the stuck
         for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only,
                                    others, self.capacity.get(dev, 0)):
             box = self.boxes[g.id]
@@ -117,7 +116,7 @@ class Decisions:
             log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
                      dev, format_size(box.assigned[dev]))
             if g.resume:
-                if self._demand(box, dev) <= box.assigned[dev]:
+                if self.books.demand(box, dev) <= box.assigned[dev]:
                     self._resume(box, dev, f"policy {self.policy}")
                     resumed = True
                 else:
@@ -128,7 +127,7 @@ class Decisions:
         """When a waiting container last gave memory back (its threads still running may free:
         Books._paused, _circular)."""
         w = box.waiting[dev]
-        taken = self._taken(box, dev) + w.unreserved
+        taken = self.books.taken(box, dev) + w.unreserved
         if taken < w.held_was:
             w.freed_at = now
         w.held_was = taken
@@ -136,8 +135,8 @@ class Decisions:
     def _reclaim(self, dev: int, now: float) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
         on = [b for b in self.boxes.values() if dev in b.assigned]
-        paused = [b for b in on if self._paused(b, dev, now)]
-        waiting = {b.container.id: (b.assigned[dev], self._held(b, dev)) for b in paused}
+        paused = [b for b in on if self.books.paused(b, dev, now)]
+        waiting = {b.container.id: (b.assigned[dev], self.books.held(b, dev)) for b in paused}
         within = any(not b.waiting[dev].over_limit for b in paused)
         back = policies.reclaim(waiting, len(paused) < len(on), within) if waiting else {}
         for cid, held in back.items():
@@ -157,7 +156,7 @@ class Decisions:
         if dev in self._stuck:
             return
         self._stuck.add(dev)
-        free = self._free(dev)
+        free = self.books.free(dev)
         log.warning("GPU%d deadlocked: every container waits, and none can run on the %s free (the "
                     "rest is held by the waiters themselves, their contexts): it ends when one of them "
                     "exits", dev, format_size(free))
@@ -167,8 +166,8 @@ class Decisions:
         and reserves, its shim requests, and its stopped calls in the order they stopped while
         they fit the limit together (at least the first). None: nothing a grant could help
         (every request above the limit)."""
-        taken = self._taken(box, dev)
-        if w.wakes and taken + w.unreserved > self._limit(box, dev):
+        taken = self.books.taken(box, dev)
+        if w.wakes and taken + w.unreserved > self.books.limit(box, dev):
             self._over_limit(box, dev, taken + w.unreserved)
         for a in list(w.asks.values()):
             if a.over_limit:
@@ -180,11 +179,11 @@ class Decisions:
         w.over_limit = not asks and not w.unreserved
         if w.over_limit:
             return None
-        if not isinstance(self.stopper, SignalStopper):
-            return self._demand(box, dev)   # the freezer resumes the container whole
+        if self.books.freezer:
+            return self.books.demand(box, dev)   # the freezer resumes the container whole
         want = taken + w.unreserved
         for i, a in enumerate(asks):
-            if i and want + a.need > self._limit(box, dev):
+            if i and want + a.need > self.books.limit(box, dev):
                 break
             want += a.need
         return want
@@ -257,13 +256,13 @@ class Decisions:
         for CIRCULAR_S. Said in the log and `status`, and --over-limit applies: stall keeps
         them (a free, an exit or a new limit still resumes them), kill ends the newest
         waiter's process."""
-        taken = self._taken(box, dev) + w.unreserved
+        taken = self.books.taken(box, dev) + w.unreserved
         units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
-        if not units or any(taken + sum(a.need for a in u) <= self._limit(box, dev) for u in units):
+        if not units or any(taken + sum(a.need for a in u) <= self.books.limit(box, dev) for u in units):
             w.circular = False
             return
         asking = {a.pid for a in w.asks.values()}
-        if w.circular or (not self._stopped_whole(box, w) and now - w.freed_at < CIRCULAR_S):
+        if w.circular or (not self.books.stopped_whole(box, w) and now - w.freed_at < CIRCULAR_S):
             return
         w.circular = True
         box.circulars += 1
@@ -272,7 +271,7 @@ class Decisions:
         log.warning("container %s GPU%d: circular wait: %d stopped calls (pids %s) each need at least %s more, "
                     "and only its own processes hold it (%s held of its limit %s): %s", box.name, dev,
                     len(w.asks), ", ".join(map(str, sorted(asking))), format_size(need), format_size(taken),
-                    format_size(self._limit(box, dev)),
+                    format_size(self.books.limit(box, dev)),
                     f"killing pid {newest.pid} (the newest waiter)" if self.over_limit == "kill"
                     else "stalled until one of them exits, frees, or its limit is raised")
         if self.over_limit == "kill" and alive(newest.pid):
@@ -285,7 +284,7 @@ class Decisions:
                 ask.said = True
                 box.over_limits += 1
                 log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
-                            format_size(demand), format_size(self._limit(box, dev)),
+                            format_size(demand), format_size(self.books.limit(box, dev)),
                             f"killing pid {ask.pid}" if self.over_limit == "kill" else "stalled until the limit is raised")
                 if self.over_limit == "kill" and alive(ask.pid):
                     os.kill(ask.pid, signal.SIGKILL)
@@ -294,11 +293,11 @@ class Decisions:
             w.over_limit = True
             box.over_limits += 1
             log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
-                        format_size(demand), format_size(self._limit(box, dev)),
+                        format_size(demand), format_size(self.books.limit(box, dev)),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
         if w.wakes:   # the shim can fail the call: a real out-of-memory error
             self.broker.granted(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
-                                                            f"above its limit {format_size(self._limit(box, dev))}"})
+                                                            f"above its limit {format_size(self.books.limit(box, dev))}"})
             for pid, size, _ in w.wakes:
                 w.unreserved -= size
                 w.pids.discard(pid)

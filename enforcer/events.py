@@ -80,7 +80,7 @@ class Events:
             name = meta.name if meta and meta.name else self.names.get(c.cgroup, c.short)
             labels = meta.labels if meta else None
             limit, source = self.rules.limit_for(c, name, labels)
-            box = Box(self._next_key, c, name, time.monotonic(), self._capped(name, limit), source,
+            box = Box(self._next_key, c, name, time.monotonic(), self.books.capped(name, limit), source,
                       labels=labels)
             self._next_key += 1
             self.boxes[c.id] = box
@@ -108,12 +108,12 @@ class Events:
         for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
             self._new_device(box, d)
         self._waiter(box, dev, pid, 0, count=False,
-                     ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self._limit(box, dev),
+                     ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self.books.limit(box, dev),
                              first=True))
-        if self._demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
+        if self.books.demand(box, dev) > box.assigned[dev]:   # placed, but nothing to run on yet
             box.stalls += 1
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
-                     dev, format_size(box.assigned[dev]), format_size(self._demand(box, dev)))
+                     dev, format_size(box.assigned[dev]), format_size(self.books.demand(box, dev)))
 
     def _join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None):
         """pid is in box from now on. What it allocated before (while no enforcer admitted, or
@@ -142,15 +142,15 @@ class Events:
         """First context of a container on a device: A_c = min(L_c, unassigned), cut to what
         keeps the device safe, 0 (it waits) where even the call it is stopped at (`request`,
         on top of what it already holds) is not (policies.assign_new)."""
-        free = self._free(dev)
-        held = self._held(box, dev)
-        box.assigned[dev] = policies.assign_new(self._limit(box, dev), free, self._claims(dev, but=box),
+        free = self.books.free(dev)
+        held = self.books.held(box, dev)
+        box.assigned[dev] = policies.assign_new(self.books.limit(box, dev), free, self.books.claims(dev, but=box),
                                                 self.capacity.get(dev, 0), held, held + request,
                                                 box.container.id)
         self._ensure_state(box, dev)
         self._write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
-                 format_size(box.assigned[dev]), format_size(self._limit(box, dev)))
+                 format_size(box.assigned[dev]), format_size(self.books.limit(box, dev)))
 
     def _waiter(self, box: Box, dev: int, pid: int, unreserved: int, count: bool = True,
                 ask: Ask | None = None):
@@ -159,7 +159,7 @@ class Events:
         w = box.waiting.get(dev)
         if w is None:
             now = time.monotonic()
-            w = box.waiting[dev] = Wait(now, set(), freed_at=now, held_was=self._taken(box, dev))
+            w = box.waiting[dev] = Wait(now, set(), freed_at=now, held_was=self.books.taken(box, dev))
             box.stalls += count
         if pid in self.shimmed:
             w.unreserved += unreserved

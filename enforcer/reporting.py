@@ -17,21 +17,21 @@ class Reporting:
         now = time.monotonic()
         gpus = {}
         for dev, cap in sorted(self.capacity.items()):
-            assigned = self._assigned(dev)
+            assigned = self.books.assigned(dev)
             est = self.est.get(dev) or ctxest.Estimate(self.ctx_overhead, "ctx-overhead", "--ctx-overhead")
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
                               "unassigned": cap - assigned,
-                              "physical": self.physical[dev], "tearing_down": self._tearing(dev),
+                              "physical": self.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json()}
         rows = []
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
-                used, contexts, reserved = self._usage(box, dev)
+                used, contexts, reserved = self.books.usage(box, dev)
                 w = box.waiting.get(dev)
                 per[str(dev)] = {
-                    "limit": self._limit(box, dev), "assigned": box.assigned[dev], "used": used,
-                    "context_overhead": self._ctx_held(box, dev, 0, contexts),
+                    "limit": self.books.limit(box, dev), "assigned": box.assigned[dev], "used": used,
+                    "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
                     "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "shim_credit": self.broker.unspent(box, dev),

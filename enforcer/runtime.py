@@ -13,9 +13,9 @@ class RuntimeChanges:
 
     def set_limit(self, container: str, limit: int) -> Box:
         """`convgpu limit set`: until the container exits, beats every other source."""
-        box = self.find(container)
+        box = self.books.find(container)
         self.rules.runtime[box.container.id] = limit
-        self._apply_limit(box, self._capped(box.name, limit), "convgpu limit set")
+        self._apply_limit(box, self.books.capped(box.name, limit), "convgpu limit set")
         return box
 
     def _apply_limit(self, box: Box, limit: int, source: str):
@@ -26,7 +26,7 @@ class RuntimeChanges:
         box.limit, box.source = limit, source
         for dev in box.assigned:
             self.broker.revoke(box, dev)
-            box.assigned[dev] = min(box.assigned[dev], max(self._limit(box, dev), self._demand(box, dev)))
+            box.assigned[dev] = min(box.assigned[dev], max(self.books.limit(box, dev), self.books.demand(box, dev)))
             self._write_assign(box, dev)
             if dev in box.waiting:   # its recheck tells again (with its contexts) if it still cannot fit
                 w = box.waiting[dev]
@@ -65,7 +65,7 @@ class RuntimeChanges:
         self.max_wait = settings.get("max_wait", self.max_wait)
         for box in list(self.boxes.values()):
             limit, source = rules.limit_for(box.container, box.name, box.labels)
-            self._apply_limit(box, self._capped(box.name, limit), source)
+            self._apply_limit(box, self.books.capped(box.name, limit), source)
         log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
                  format_size(rules.default))
         return True

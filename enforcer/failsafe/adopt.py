@@ -77,7 +77,7 @@ class Adopt:
                 name = old.get("name") or self.names.get(c.cgroup, c.short)
                 limit, source = self.rules.limit_for(c, name, old.get("labels"))
                 box = Box(k.container, c, name, time.monotonic() - (time.time() - old.get("created", time.time())),
-                          self._capped(name, limit), source, labels=old.get("labels"))
+                          self.books.capped(name, limit), source, labels=old.get("labels"))
                 for key in ("stalled_s", "stalls", "grants", "over_limits", "restalls"):
                     setattr(box, key, old.get(key, 0))
                 box.pids = pids[k.container]
@@ -94,7 +94,7 @@ class Adopt:
             for dev in box.assigned:
                 # its extra was relative to the old per-context charge (our estimate may differ,
                 # e.g. a median learned but not yet saved): keep the container's total as it was
-                _, contexts, _ = self._usage(box, dev)
+                _, contexts, _ = self.books.usage(box, dev)
                 box.extra[dev] += contexts * (charge.get((box.key, dev), self._ctx(dev)) - self._ctx(dev))
                 self._write_assign(box, dev)
         self._next_key = max(self.by_key, default=0) + 1

@@ -101,7 +101,7 @@ class ShimBroker:
         if page is None:
             page = self.pages[pid] = CreditPage(DEV_PAGE, SUBALLOC_MAX)
         return ({"limit": box.limit, "credit": page.id,
-                 "devices": {str(d): min(self.enf._limit(box, d), cap) for d, cap in sorted(self.enf.capacity.items())}},
+                 "devices": {str(d): min(self.enf.books.limit(box, d), cap) for d, cap in sorted(self.enf.capacity.items())}},
                 page.fd)
 
     def shim_ask(self, pid: int, dev: int, size: int, wake):
@@ -114,13 +114,13 @@ class ShimBroker:
         self.asks += 1
         self.revoke(box, dev)
         size = footprint(size)   # what it will be charged: whole device pages above 1 MiB
-        need = enf._demand(box, dev) + size
-        if need > enf._limit(box, dev):
+        need = enf.books.demand(box, dev) + size
+        if need > enf.books.limit(box, dev):
             box.over_limits += 1
             self.say(box.name, logging.WARNING, "deny %s pid %d on GPU%d: %s would bring it to %s, above its "
                      "limit %s", box.name, pid, dev, format_size(size), format_size(need),
-                     format_size(enf._limit(box, dev)))
-            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(enf._limit(box, dev))}"}
+                     format_size(enf.books.limit(box, dev)))
+            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(enf.books.limit(box, dev))}"}
         if need <= box.assigned[dev]:
             self._hold(box, pid, dev, size)
             self._credit(box, pid, dev)
@@ -140,7 +140,7 @@ class ShimBroker:
     def _credit(self, box, pid: int, dev: int):
         """After a grant: half of what the container has left on dev, for the next allocations."""
         page = self.pages.get(pid)
-        extra = (box.assigned[dev] - self.enf._demand(box, dev)) // 2
+        extra = (box.assigned[dev] - self.enf.books.demand(box, dev)) // 2
         if page is not None and dev not in box.waiting and extra > 0:
             self._hold(box, pid, dev, extra)
             page.give(dev, extra)
@@ -191,7 +191,7 @@ class ShimBroker:
         context; used, what the container holds besides it (unspent credit is not held)."""
         enf = self.enf
         box = self._box(pid)
-        used, nctx, reserved = enf._usage(box, dev)
+        used, nctx, reserved = enf.books.usage(box, dev)
         used -= (used >> 63) << 64           # BPF's counter may have wrapped below zero
         w = box.waiting.get(dev)
         allocated = (used + reserved + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0)
@@ -201,7 +201,7 @@ class ShimBroker:
         else:                    # a walk of BPF's usage map: only where there are others to tell apart
             contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
         procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), enf.excess.get((q, dev))) for q in box.pids}
-        return memview.view(min(enf._limit(box, dev), enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
+        return memview.view(min(enf.books.limit(box, dev), enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
 
     def ceiling(self, dev: int) -> ctxest.Estimate:
         """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""

@@ -54,7 +54,7 @@ class ControlHandler(Handler):
             raise ConvgpuError(f"invalid cgroup {cgroup!r}", "give a cgroup path starting with /")
         limit = parse_size(msg.get("limit"), "--limit")
         name = msg.get("name")
-        self.enf.register_run(cgroup, self.enf._capped(name or cgroup, limit),
+        self.enf.register_run(cgroup, self.enf.books.capped(name or cgroup, limit),
                               str(name) if name else None)
         return {}
 

@@ -41,7 +41,7 @@ def apply(enf, raw) -> dict:
     changed = 0
     for box in list(enf.boxes.values()):
         limit, source = enf.rules.limit_for(box.container, box.name, box.labels)
-        capped = enf._capped(box.name, limit)
+        capped = enf.books.capped(box.name, limit)
         if (capped, source) != (box.limit, box.source):
             enf._apply_limit(box, capped, source)
             changed += 1

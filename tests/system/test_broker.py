@@ -56,7 +56,7 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         assert hello == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}, "credit": b.pages[p.pid].id}
         assert page == b.pages[p.pid].fd
         box = enf.pid_box[p.pid]
-        run_until(enf, lambda: enf._usage(box, 0)[0] == 3 * GiB)   # placed at its first (direct) call
+        run_until(enf, lambda: enf.books.usage(box, 0)[0] == 3 * GiB)   # placed at its first (direct) call
         read_until(p, "ready")
         assert p.pid not in enf.shimmed and not box.waiting   # BPF stopped it: "caught", a plain process now
         # above the limit: a real "no" (the shim returns out-of-memory)
@@ -69,7 +69,7 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         p.stdin.write("\n")                                   # frees everything and exits
         p.stdin.flush()
         read_until(p, "freed")
-        run_until(enf, lambda: enf._usage(box, 0)[0] == 0 and p.pid not in enf.pid_box)
+        run_until(enf, lambda: enf.books.usage(box, 0)[0] == 0 and p.pid not in enf.pid_box)
         assert enf.pid_box[s.pid] is box
         # within the assignment: granted and held as pending until the shim reports it, with
         # half of what is left as credit (pending too, but not "used" to the memory query)
@@ -118,12 +118,12 @@ def test_an_exit_whose_pidfd_never_fires_is_given_up(enforcer, cgroups, monkeypa
         assert joined(s.pid, cg)
         enf._join(enf._box_for(s.pid), s.pid, 0)      # placed: a member of its container on GPU0
         enf._exiting(s.pid, GiB)                      # alive (as a reused pid would be): held
-        assert s.pid not in enf.pid_box and enf._tearing(0) == GiB
+        assert s.pid not in enf.pid_box and enf.books.tearing(0) == GiB
         enf.step()
-        assert enf._tearing(0) == GiB
+        assert enf.books.tearing(0) == GiB
         time.sleep(0.3)
         enf.step()
-        assert enf._tearing(0) == 0 and not enf._exits
+        assert enf.books.tearing(0) == 0 and not enf._exits
     finally:
         s.kill()
         s.wait()

@@ -54,8 +54,8 @@ def test_a_first_context_on_a_second_gpu_does_not_count_the_first_twice(root, bu
             assert [x.strip() for x in out] == ["GPU0 +600", "GPU1 +100", "GPU0 +300", "ready"]
             assert proc_state(p.pid) != "T"
             box = next(b for b in enf.boxes.values() if b.name == "two")
-            until(lambda: enf._usage(box, 0)[:2] == (900 * MiB, 1), 5, "GPU0's usage settled")
-            assert enf._usage(box, 0)[:2] == (900 * MiB, 1) and enf._usage(box, 1)[:2] == (100 * MiB, 1)
+            until(lambda: enf.books.usage(box, 0)[:2] == (900 * MiB, 1), 5, "GPU0's usage settled")
+            assert enf.books.usage(box, 0)[:2] == (900 * MiB, 1) and enf.books.usage(box, 1)[:2] == (100 * MiB, 1)
             assert box.adopted == {} and box.stalls == 0
         finally:
             p.kill()
@@ -138,7 +138,7 @@ def test_freezer_thaws_a_container_stalled_on_two_gpus_once_both_are_granted(roo
             assert box.restalls == 0
             assert not [r.getMessage() for r in caplog.records if "resumed without a grant" in r.getMessage()]
             assert box.waiting == {} and (v1 / "freezer.state").read_text().strip() == "THAWED"
-            assert [enf._usage(box, d)[:2] for d in (0, 1)] == [(1280 * MiB, 1), (1280 * MiB, 1)]
+            assert [enf.books.usage(box, d)[:2] for d in (0, 1)] == [(1280 * MiB, 1), (1280 * MiB, 1)]
             assert [box.assigned[d] for d in (0, 1)] == [2 * GiB, 2 * GiB]
     finally:
         for p in procs:

@@ -127,7 +127,7 @@ def test_enforced_on_gpu_1_and_gpu_0_untouched(build, two, cgroups):
         try:
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
             box = box_of(enf, "cvd1")
-            until(lambda: enf._usage(box, 1)[:2] == (600 * MiB, 1), 5, "GPU1's usage")
+            until(lambda: enf.books.usage(box, 1)[:2] == (600 * MiB, 1), 5, "GPU1's usage")
             assert set(box.assigned) == {1}            # GPU 0: no assignment, no state
             m = mapping_of(enf, p.pid)
             assert (m["hosts"], m["certain"], m["also"]) == ([1], True, [])
@@ -137,7 +137,7 @@ def test_enforced_on_gpu_1_and_gpu_0_untouched(build, two, cgroups):
             wait_state(p.pid, "T")   # stopped by BPF; the enforcer's loop records it just after
             until(lambda: box.waiting.keys() == {1}, 5, "the stall recorded on GPU1")
             until(lambda: box.waiting[1].over_limit, 5, "the wait called over the limit (the next pass)")
-            assert enf._usage(box, 1)[:2] == (600 * MiB, 1) and 0 not in box.assigned
+            assert enf.books.usage(box, 1)[:2] == (600 * MiB, 1) and 0 not in box.assigned
         finally:
             p.kill()
             p.wait()
@@ -150,8 +150,8 @@ def test_reversed_list_charges_each_ordinal_to_its_host_gpu(build, two, cgroups)
         try:
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
             box = box_of(enf, "rev")
-            until(lambda: enf._usage(box, 0)[:2] == (200 * MiB, 1), 5, "GPU0's usage")
-            assert enf._usage(box, 1)[:2] == (100 * MiB, 1)
+            until(lambda: enf.books.usage(box, 0)[:2] == (200 * MiB, 1), 5, "GPU0's usage")
+            assert enf.books.usage(box, 1)[:2] == (100 * MiB, 1)
             assert {u.dev: u.live for u in enf.tracer.usage() if u.pid == p.pid} == {0: 200 * MiB, 1: 100 * MiB}
             assert mapping_of(enf, p.pid)["hosts"] == [1, 0]
         finally:
@@ -192,7 +192,7 @@ def test_a_rewritten_environment_does_not_move_its_charges(build, two, cgroups):
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
             assert b"CUDA_VISIBLE_DEVICES=0" in open(f"/proc/{p.pid}/environ", "rb").read()
             box = box_of(enf, "lie")
-            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            until(lambda: enf.books.usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
             assert set(box.assigned) == {1}
             m = mapping_of(enf, p.pid)
             assert (m["hosts"], m["certain"]) == ([1], True) and "not believed" in m["how"]
@@ -213,12 +213,12 @@ def test_unmappable_is_said_and_charged_to_every_gpu_it_may_use(build, two, cgro
         try:
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
             box = box_of(enf, f"un{charge}")
-            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            until(lambda: enf.books.usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
             m = mapping_of(enf, p.pid)
             assert (m["hosts"], m["certain"], m["also"]) == ([1], False, [0, 1])
             assert enf.status()["unmapped_charge"] == charge
             if charge == "all":
-                assert set(box.assigned) == {0, 1} and enf._usage(box, 0)[:2] == (300 * MiB, 1)
+                assert set(box.assigned) == {0, 1} and enf.books.usage(box, 0)[:2] == (300 * MiB, 1)
             else:
                 assert set(box.assigned) == {1}
             assert any(f"pid {p.pid}: CUDA devices [0] are host GPUs [1]: no GPU device node open" in r.message
@@ -226,7 +226,7 @@ def test_unmappable_is_said_and_charged_to_every_gpu_it_may_use(build, two, cgro
         finally:
             p.kill()
             p.wait()
-        until(lambda: enf._usage(box, 0)[:2] == (0, 0) and enf._usage(box, 1)[:2] == (0, 0), 5, "its exit")
+        until(lambda: enf.books.usage(box, 0)[:2] == (0, 0) and enf.books.usage(box, 1)[:2] == (0, 0), 5, "its exit")
 
 
 # A context on device 0 of the driver at `lib`, and 300 MiB there (in the scripts below).
@@ -288,8 +288,8 @@ def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
             lines_until(p.stdout, lambda line: line.startswith("{"), out, 20, "the process")
             view = json.loads(out[-1])
             box = box_of(enf, "shimmap")
-            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
-            assert enf._usage(box, 0)[:2] == (0, 0)
+            until(lambda: enf.books.usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            assert enf.books.usage(box, 0)[:2] == (0, 0)
             (t0, used0), (t1, used1) = view["nvml"]
             assert (used0, used1) == (0, 300 * MiB)           # NVML: GPU 1 holds its 300 MiB
             assert view["cuda"][0] == t1 and view["cuda"][0] - view["cuda"][1] == 300 * MiB
@@ -313,12 +313,12 @@ def test_unmappable_vmm_bytes_leave_every_gpu_they_counted_on(build, two, cgroup
         try:
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "cgcaller")
             box = box_of(enf, "unvmm")
-            until(lambda: [enf._usage(box, d)[0] for d in (0, 1)] == [8 * MiB] * 2, 5, "both GPUs charged")
+            until(lambda: [enf.books.usage(box, d)[0] for d in (0, 1)] == [8 * MiB] * 2, 5, "both GPUs charged")
             assert mapping_of(enf, p.pid)["also"] == [0, 1]
             p.stdin.write("\n")
             p.stdin.flush()
             lines_until(p.stdout, lambda line: line.startswith("freed"), [], 20, "cgcaller")
-            until(lambda: [enf._usage(box, d)[0] for d in (0, 1)] == [0, 0], 5, "both GPUs given back")
+            until(lambda: [enf.books.usage(box, d)[0] for d in (0, 1)] == [0, 0], 5, "both GPUs given back")
             assert p.poll() is None
         finally:
             p.kill()
@@ -353,12 +353,12 @@ def test_hello_then_the_driver_is_charged_on_its_host_gpu(build, two, cgroups):
         try:
             lines_until(sib.stdout, lambda line: line.strip() == "ready", [], 20, "the sibling")
             box = box_of(enf, "hello1")
-            until(lambda: enf._usage(box, 0)[:2] == (100 * MiB, 1), 5, "GPU0's usage")
+            until(lambda: enf.books.usage(box, 0)[:2] == (100 * MiB, 1), 5, "GPU0's usage")
             p = popen_in(cg, sys.executable, "-c", HELLO_THEN_DRIVER, f"{enf.run_dir}/shim/shim.sock",
                          build / "standin" / "libcuda.so.1", env=dict(two, CUDA_VISIBLE_DEVICES="1"))
             lines_until(p.stdout, lambda line: line.strip() == "ready", [], 20, "the process")
-            until(lambda: enf._usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
-            assert enf._usage(box, 0)[:2] == (100 * MiB, 1) and mapping_of(enf, p.pid)["hosts"] == [1]
+            until(lambda: enf.books.usage(box, 1)[:2] == (300 * MiB, 1), 5, "GPU1's usage")
+            assert enf.books.usage(box, 0)[:2] == (100 * MiB, 1) and mapping_of(enf, p.pid)["hosts"] == [1]
         finally:
             for q in (sib, p):
                 if q is not None:

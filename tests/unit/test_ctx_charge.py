@@ -34,7 +34,7 @@ def enforcer(tmp_path, box_of=None):
 
 def charged(enf, box, dev):
     a = enf._t("assign")[enf._t("assign").Key(container=box.key, dev=dev)]
-    used, contexts, _ = enf._usage(box, dev)
+    used, contexts, _ = enf.books.usage(box, dev)
     return max(0, used + contexts * a.ctx_charge + a.extra_overhead)
 
 
@@ -58,7 +58,7 @@ def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
     assert st["a"]["context_source"] == "measured+architecture" and st["b"]["context_source"] == "measured"
     assert st["a"]["context_overhead"] == 518 * MiB + 550 * MiB
     assert enf.status()["gpus"]["0"]["ctx_estimate"]["source"] == "architecture"
-    assert enf._demand(b, 0) == 600 * MiB and enf._held(a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
+    assert enf.books.demand(b, 0) == 600 * MiB and enf.books.held(a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
 
 
 def test_a_process_that_leaves_teaches_its_device(tmp_path):
