@@ -10,7 +10,7 @@ import time
 from ..units import format_size
 from . import policies, within
 from .actions import alive
-from .books import CIRCULAR_S, Box
+from .books import Box
 
 NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
@@ -250,11 +250,14 @@ class Decisions:
 
     def _circular(self, box: Box, dev: int, w, now: float):
         """Waits that only the container's own processes could end: no stopped call fits even
-        in its whole limit beside what it holds, so no grant helps, only a free of its own.
-        Certain at once where every process of it is stopped whole (the freezer, ptrace
-        refused, one thread); where threads of it still run, once none of them freed anything
-        for CIRCULAR_S. Said in the log and `status`, and --over-limit applies: stall keeps
-        them (a free, an exit or a new limit still resumes them), kill ends the newest
+        in its whole limit beside what it holds, so no grant helps, only a free of its own;
+        and the container is paused (Books.paused): every process of it waits, so none is left
+        running to free or exit. Certain at once where each is stopped whole (the freezer,
+        ptrace refused, one thread); where threads of a waiting process still run, once none
+        of them freed anything for CIRCULAR_S. A process with no call stopped runs: its siblings'
+        wait is an ordinary one (the H100's four CuPy jobs, two holding memory for 4 s, were
+        called circular at 3 s). Said in the log and `status`, and --over-limit applies: stall
+        keeps them (a free, an exit or a new limit still resumes them), kill ends the newest
         waiter's process."""
         taken = self.books.taken(box, dev) + w.unreserved
         units = [u for u in self._units(w) if not any(a.over_limit for a in u)]
@@ -262,7 +265,7 @@ class Decisions:
             w.circular = False
             return
         asking = {a.pid for a in w.asks.values()}
-        if w.circular or (not self.books.stopped_whole(box, w) and now - w.freed_at < CIRCULAR_S):
+        if w.circular or not (self.books.freezer or self.books.paused(box, dev, now)):
             return
         w.circular = True
         box.circulars += 1

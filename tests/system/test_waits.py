@@ -90,23 +90,26 @@ def check_peak(env, sampler, limit, enf, exact=True):
 
 
 def test_four_workers_at_once_each_waits_for_itself(cgroups, build, env):
-    """Part 1: four processes, each a context and 256 MiB held 1 s, under 2 GiB: two run at
+    """Part 1: four processes, each a context and 256 MiB held 4 s, under 2 GiB: two run at
     once. Before: the books added every waiter's request into one demand, called the container
-    over its limit, and the others stayed stopped for good. Now each process waits for itself."""
+    over its limit, and the others stayed stopped for good. Now each process waits for itself.
+    And not circularly: the two running hold for longer than CIRCULAR_S without a free, but
+    they run, so they will free (the H100 run of 2026-11-25f called it circular after 3 s;
+    with --over-limit kill that would have killed a waiter)."""
     enf = enforcer(build, "--limit", "par=2GiB")
     cg, procs = cgroups("par"), []
     try:
         sampler = Sampler(env)
         started = time.monotonic()
-        procs = [turns(build, cg, env, "-t", 1, "-r", 1, "-s", "256M", "-h", 1000, "-w", 300) for _ in range(4)]
+        procs = [turns(build, cg, env, "-t", 1, "-r", 1, "-s", "256M", "-h", 4000, "-w", 300) for _ in range(4)]
         done = finish(procs, 60, enf)
         took = time.monotonic() - started
         print(f"4 workers finished in {took:.2f} s")
 
         assert done == [f"done 1 {256 * MiB} pid={p.pid}" for p in procs]
-        assert not any("above its limit" in line for line in enf.log), enf.log
         check_peak(env, sampler, 2 * GiB, enf)
         assert enf.stop() == 0
+        assert not [line for line in enf.log if "above its limit" in line or "circular" in line], enf.log
     finally:
         for p in procs:
             p.kill()
@@ -237,12 +240,12 @@ def test_a_stopped_thread_does_not_stop_its_siblings(cgroups, build, env):
         out, err = p.communicate(timeout=60)
         print(f"8 threads x 3 turns finished {time.monotonic() - started:.2f} s after the first stall")
         assert p.returncode == 0 and out.strip() == f"done 24 {24 * 256 * MiB} pid={p.pid}", (out, err)
-        assert not any("above its limit" in line for line in enf.log), enf.log
         assert holds["threads"] == "ptrace" and holds["whole_process"] == {}, holds
         check_peak(env, sampler, limit, enf)
         assert enf.stop() == 0
         # its siblings ran and freed all along: nothing was reclaimed, no deadlock was said
-        assert not [line for line in enf.log if "reclaim" in line or "deadlocked" in line], enf.log
+        assert not [line for line in enf.log if any(w in line for w in ("reclaim", "deadlocked", "above its limit",
+                                                                          "circular"))], enf.log
     finally:
         p.kill()
         enf.close()
