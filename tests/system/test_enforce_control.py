@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from conftest import Enforcing, GiB, MiB, need, proc_state, prom_samples, read_until, remove_cgroup, start_in, stop_all, wait_state
+from conftest import (Enforcing, GiB, MiB, need, prom_samples, read_until, remove_cgroup, start_in, stop_all,
+                      until, wait_state)
 
 pytestmark = pytest.mark.system
 
@@ -62,6 +63,9 @@ def test_sibling_sigcont_is_stopped_again_before_the_allocation(cgroups, build, 
         a, b = two_and_a_waiter(enf, cgroups, build, env5)
         before = usage(build, env5)["used"]
         assert before == 2 * GiB
+        # its threads are seized a moment after the stop (the holder's thread): a SIGCONT before
+        # that lets the call run to its recheck, which stops it again (a restall, not this case)
+        until(lambda: b.pid in enf.ctl(cmd="status")["status"]["holds"]["seized"], 10, "b's threads seized")
         sib = subprocess.run(["/bin/sh", "-c", f"echo $$ > {cgroups('b')}/cgroup.procs && kill -CONT {b.pid}"],
                              timeout=10)
         assert sib.returncode == 0
