@@ -42,7 +42,7 @@ class Actions:
     def _quiet(self) -> bool:
         return time.monotonic() - self._viewed > VIEW_GRACE
 
-    def _write_assign(self, box: Box, dev: int):
+    def write_assign(self, box: Box, dev: int):
         t = self._t("assign")
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=self.books.limit(box, dev), assigned=box.assigned[dev],
@@ -82,19 +82,19 @@ class Actions:
             self._exempt = 0
             self._control(enforcing)
 
-    def _resume_asks(self, box: Box, dev: int, asks, why: str):
+    def resume_asks(self, box: Box, dev: int, asks, why: str):
         """Some of the container's stopped calls may run (each fits: decisions._serve); the
         others go on waiting. The whole wait, when they were all."""
         w = box.waiting.get(dev)
         if w is None:
             return
         if {a.tid for a in asks} >= set(w.asks) and not w.wakes:
-            return self._resume(box, dev, why)
+            return self.resume(box, dev, why)
         for a in asks:
             w.asks.pop(a.tid, None)
             self._send_on(box, dev, a)
         w.pids = {a.pid for a in w.asks.values()} | {p for p, _, _ in w.wakes}
-        self._stuck.discard(dev)
+        self.decider.stuck.discard(dev)
         now = time.monotonic()
         log.info("resume %s on GPU%d after %.3f s (%s): %s; %d still waiting", box.name, dev,
                  now - min(a.since for a in asks), why,
@@ -117,12 +117,12 @@ class Actions:
         else:
             self.stopper.resume(Target((pid,)))
 
-    def _resume(self, box: Box, dev: int, why: str):
+    def resume(self, box: Box, dev: int, why: str):
         w = box.waiting.pop(dev, None)
         if w is None:
             return
         box.stalled_s += time.monotonic() - w.since
-        self._stuck.discard(dev)
+        self.decider.stuck.discard(dev)
         self.broker.granted(box, dev, w.wakes, {"grant": True})
         if isinstance(self.stopper, SignalStopper):
             for a in w.asks.values():

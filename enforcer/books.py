@@ -26,7 +26,7 @@ class Ask:
     seq: int = 0              # BPF's stall number (held map): a release names the stop it ends
     over_limit: bool = False  # can never fit: size + what its thread holds + its contexts > the limit (BPF)
     said: bool = False        # logged as over the limit
-    first: bool = False       # its process's first context: it was just placed (Decisions._settling)
+    first: bool = False       # its process's first context: it was just placed (Decider._settling)
     reserved: bool = False    # stopped again at its recheck, its reservation kept (BPF): in _taken already
 
     @property

@@ -4,12 +4,14 @@ BPF admits or stops each call before it runs (bpf/convgpu.bpf.c, "enforce"); thi
 places new processes in containers, assigns memory, and resumes waiters as the policy grants
 memory. Every decision is one log line. The BPF side fails open when the heartbeat stops.
 
-The Enforcer is one object (its state: the books, the BPF maps, the sockets) whose methods
-follow the data's way through it, one module each: events in (enforcer/events.py: placement,
-stalls, exits), the books (books.py), decisions (decisions.py, over the pure policies.py),
-actions out (actions.py: BPF maps, resumes), reporting (reporting.py: status, snapshot, state
-file); beside them the context overhead (overhead.py), run-time changes (runtime.py) and the
-take-over from a previous enforcer (adopt.py). This module holds its life cycle and the loop."""
+The Enforcer has its books (books.py: plain data and the sums over them) and its decider
+(decisions.py, over the pure policies.py and within.py), which it passes the books and acts
+for. Its own methods follow the data's way, one module each: events in (enforcer/events.py:
+placement, stalls, exits), actions out (actions.py: BPF maps, resumes), reporting
+(reporting.py: status, snapshot, state file); beside them the context overhead (overhead.py),
+run-time changes (runtime.py) and the take-over from a previous enforcer (adopt.py). This
+module holds its life cycle, the loop, and the readers and actions the books and the decider
+are given."""
 import logging
 import os
 import random
@@ -23,13 +25,13 @@ from . import ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
-from .actions import VIEW_GRACE, Actions, held_seq
+from .actions import VIEW_GRACE, Actions, alive, held_seq
 from .failsafe.adopt import Adopt
 from .books import Books, Box
 from .serving.broker import ShimBroker
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants.containers import container_of_pid
-from .decisions import Decisions
+from .decisions import Decider
 from .events import Events
 from .failsafe.heartbeat import Heartbeat
 from .tenants.limits import LimitRules
@@ -49,10 +51,17 @@ MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured contex
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
-class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
+class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
     """One enforcer: its state is set here, its methods come from the parts named above. It
     has its books (enforcer/books.py: plain data and the sums over them, given readers of the
-    BPF counters and the context estimate), which the decisions read."""
+    BPF counters and the context estimate) and its decider (enforcer/decisions.py), which it
+    passes the books and acts for (write_assign, resume, resume_asks, answer_shim, kill)."""
+
+    # the decider's settings, changed by a reload (enforcer/runtime.py) and shown by status
+    policy = property(lambda self: self.decider.policy, lambda self, v: setattr(self.decider, "policy", v))
+    max_wait = property(lambda self: self.decider.max_wait, lambda self, v: setattr(self.decider, "max_wait", v))
+    over_limit = property(lambda self: self.decider.over_limit,
+                          lambda self, v: setattr(self.decider, "over_limit", v))
 
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
@@ -61,13 +70,12 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
                  state_dir: str | None = None, quota: MapQuota | None = None,
                  unmapped_charge: str = "all"):
-        policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
-        self.tracer, self.policy, self.capacity, self.rules = tracer, policy, capacity, rules
+        self.tracer, self.capacity, self.rules = tracer, capacity, rules
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
         # capacity: then an exit's memory returns to the pool only once the driver freed it
         self.physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
         self.stopper = stopper or SignalStopper()
-        self.over_limit, self.ctx_overhead, self.max_wait = over_limit, ctx_overhead, max_wait
+        self.ctx_overhead = ctx_overhead
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
         self.unmapped_charge = unmapped_charge   # a process whose GPUs are not established: all|guess
         self.contradicted: dict[int, str] = {}   # pid -> what NVML's lists say against its mapping
@@ -75,7 +83,6 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
             tracer.gpumap.gpus = nvml.gpus()     # ordinals to host GPUs (probes/gpumap.py)
         self.quota = quota or MapQuota()   # entries per container in the BPF maps (enforcer/quotas.py)
         self.quota_held: dict[int, int] = {}   # pid -> container key: stopped at a quota
-        self.rng = random.Random(seed)
         self.engines = engines
         self.nvml = nvml
         self.reload_config = reload   # () -> (LimitRules, settings dict); raises ConfigError
@@ -83,6 +90,8 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
         self.books = Books(capacity, self.physical, self._state, self._ctx, self._share,
                            whole=self._held_whole, freezer=not isinstance(self.stopper, SignalStopper))
         self.boxes, self.by_key, self._exits = self.books.boxes, self.books.by_key, self.books.exits   # the same dicts
+        self.decider = Decider(self.books, self, policy, random.Random(seed), max_wait, over_limit,
+                               process_holds=self._process_holds, holder=lambda: self.holder)
         self.pid_box: dict[int, Box] = {}
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
         self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
@@ -93,7 +102,6 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
         self._control_lock = threading.Lock()   # the loop and the heartbeat thread write control
         self._leaf: dict = {}                   # control's fields but the heartbeat
         self._exempt = 0    # a self-test child's pid, which admission skips
-        self._stuck: set[int] = set()     # devices where every container waits and none can run
         self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
         self._told = 0                     # the waiters count last written to BPF
         self._reload_asked = False
@@ -139,9 +147,32 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
                 if nvml is not None and nvml.ok else {}
         return keys.get(dev) or f"gpu{dev}"
 
+    def _process_holds(self, box: Box, dev: int) -> dict[int, tuple[int, int]]:
+        """pid -> (what it holds on dev, of that its contexts), from BPF's per-process usage
+        and NVML's measured contexts (the decider reads it only when there are several
+        stopped units to order)."""
+        out = {}
+        for u in self.tracer.usage():
+            if u.dev != dev or u.pid not in box.pids:
+                continue
+            ctx = self.excess[(u.pid, dev)][0] if (u.pid, dev) in self.excess else max(u.contexts, 0) * self._ctx(dev)
+            out[u.pid] = (u.live + ctx, ctx)
+        return out
+
     def _held_whole(self, pid: int) -> bool:
         """A stop holds every thread of pid: ptrace refused it (or no holder), or it has one."""
         return self.holder is None or self.holder.mode(pid) == "process" or len(_tids(pid)) <= 1
+
+    def schedule(self):
+        self.decider.schedule()
+
+    # ---- the decider's actuator (write_assign, resume, resume_asks: enforcer/actions.py) ----
+    def answer_shim(self, box: Box, dev: int, wakes, answer: dict):
+        self.broker.granted(box, dev, wakes, answer)
+
+    def kill(self, pid: int):
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
     def start(self) -> "Enforcer":
         from .serving.control import ControlHandler
@@ -214,7 +245,7 @@ class Enforcer(Events, Decisions, Actions, ContextOverhead, RuntimeChanges, Repo
             self._control(False)
         for box in self.boxes.values():
             for dev in list(box.waiting):
-                self._resume(box, dev, "enforcer stopping")
+                self.resume(box, dev, "enforcer stopping")
         if self.holder is not None:   # after the releases above: it lets go of every thread
             self.holder.close()
             self.holder = None

@@ -1,35 +1,49 @@
-"""Decisions: which waiter resumes, who is granted what, what is reclaimed when every
+"""The decider: which waiter resumes, who is granted what, what is reclaimed when every
 container waits. The policies themselves are pure (enforcer/policies.py, shared with the
-simulator in bench/sched); this is the glue that feeds them the books and carries out the
-answer through Actions."""
+simulator in bench/sched; enforcer/within.py within a container); the decider feeds them the
+books (enforcer/books.py) and carries out the answer through an actuator. The Enforcer has one
+(Enforcer.decider) and is its actuator; tests/unit/test_decider.py drives one with plain books
+and a recording actuator, without an Enforcer or a kernel.
+
+The actuator (`act`): write_assign(box, dev) (a new assignment to BPF), resume(box, dev, why)
+(the whole wait), resume_asks(box, dev, asks, why) (some stopped calls), answer_shim(box, dev,
+wakes, answer) (shim waiters), kill(pid) (--over-limit kill)."""
 import logging
 import os
-import signal
 import time
 
 from ..units import format_size
 from . import policies, within
-from .actions import alive
-from .books import Box
+from .books import Books, Box
 
 NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
 
-class Decisions:
-    """Part of Enforcer (enforcer/daemon.py): schedule() and what it decides."""
+class Decider:
+    """schedule() and what it decides. Its own state: which devices were said deadlocked
+    (`stuck`, until someone runs again) and which containers' newcomers wait this pass.
+    process_holds(box, dev): pid -> (what it holds on dev, of that its contexts);
+    holder(): the ThreadHolder, or None (stops hold whole processes)."""
 
-    _held_back: set = frozenset()   # keys of containers whose newcomer waits this pass (_settling)
+    def __init__(self, books: Books, act, policy: str, rng, max_wait: float, over_limit: str = "stall",
+                 process_holds=lambda box, dev: {}, holder=lambda: None):
+        policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
+        self.books, self.act, self.policy, self.rng = books, act, policy, rng
+        self.max_wait, self.over_limit = max_wait, over_limit
+        self.process_holds, self.holder = process_holds, holder
+        self.stuck: set[int] = set()     # devices where every container waits and none can run
+        self._held_back: set = frozenset()   # keys of containers whose newcomer waits this pass (_settling)
 
     def schedule(self):
         now = time.monotonic()
         self._gone_through()
-        for dev in sorted(self.capacity):
+        for dev in sorted(self.books.capacity):
             if self.books.room(dev) < 0:   # an exit's memory is still in the driver and the card is full
                 continue              # of assignments: any resume could fail there; its pidfd wakes us
             self._held_back = set()
-            waiting = [b for b in self.boxes.values() if dev in b.waiting]
+            waiting = [b for b in self.books.boxes.values() if dev in b.waiting]
             for box in waiting:
                 self._saw_frees(box, dev, now)
             for box in waiting:   # a free inside the container may be enough
@@ -39,19 +53,19 @@ class Decisions:
                     continue
                 firsts = [a.pid for a in box.waiting[dev].asks.values() if a.first]
                 if (firsts and not self.books.freezer
-                        and min(box.assigned[dev], self.books.limit(box, dev)) - demand < self._ctx(dev)):
+                        and min(box.assigned[dev], self.books.limit(box, dev)) - demand < self.books.ctx_of(dev)):
                     if not self._serve(box, dev, now):   # newcomers one at a time (_settling)
                         self._held_back.add(box.key)     # neither granted nor called deadlocked meanwhile
                     continue
                 # running, it may use all of its assignment: only as much as is safe
                 me = policies.Claim(box.container.id, self.books.limit(box, dev), self.books.held(box, dev))
-                top = policies.safe_assignment(me, self.books.claims(dev), self.capacity.get(dev, 0),
+                top = policies.safe_assignment(me, self.books.claims(dev), self.books.capacity.get(dev, 0),
                                                demand, box.assigned[dev])
                 if top is not None:
                     if top < box.assigned[dev]:
                         box.assigned[dev] = top
-                        self._write_assign(box, dev)
-                    self._resume(box, dev, "fits its assignment")
+                        self.act.write_assign(box, dev)
+                    self.act.resume(box, dev, "fits its assignment")
                     box.placed.update((q, now) for q in firsts)
             if (not self._grant(dev, now) and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
                     and not self._grant(dev, now, fit_only=True)):
@@ -74,7 +88,7 @@ class Decisions:
                 self._over_limit(box, dev, a.size, a)
         taken = self.books.taken(box, dev)
         units = self._units(w)
-        holds = self._process_holds(box, dev) if len(units) > 1 else {}
+        holds = self.process_holds(box, dev) if len(units) > 1 else {}
 
         def settling(pid: int, room_after: int) -> bool:
             if self._settling(box, dev, pid, room_after, now, holds):
@@ -84,7 +98,7 @@ class Decisions:
         go = within.resumable(units, min(box.assigned[dev], self.books.limit(box, dev)) - taken - w.unreserved,
                               self.books.limit(box, dev) - taken, holds, settling)
         if go:
-            self._resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
+            self.act.resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
             return True
         self._circular(box, dev, w, now)
         return False
@@ -92,7 +106,7 @@ class Decisions:
     def _grant(self, dev: int, now: float, fit_only: bool = False) -> bool:
         """One pass of the policy over the waiters on dev; True if it resumed one."""
         cands = []
-        for box in self.boxes.values():
+        for box in self.books.boxes.values():
             if dev not in box.waiting or box.key in self._held_back:
                 continue
             want = self._want(box, dev, box.waiting[dev])
@@ -108,16 +122,16 @@ class Decisions:
         ids = {c.id for c in cands}
         others = [c for c in self.books.claims(dev) if c.id not in ids]   # runners, and the stuck
         for g in policies.schedule(self.policy, cands, free, now, self.rng, self.max_wait, fit_only,
-                                   others, self.capacity.get(dev, 0)):
-            box = self.boxes[g.id]
+                                   others, self.books.capacity.get(dev, 0)):
+            box = self.books.boxes[g.id]
             box.assigned[dev] += g.amount
             box.grants += 1
-            self._write_assign(box, dev)
+            self.act.write_assign(box, dev)
             log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
                      dev, format_size(box.assigned[dev]))
             if g.resume:
                 if self.books.demand(box, dev) <= box.assigned[dev]:
-                    self._resume(box, dev, f"policy {self.policy}")
+                    self.act.resume(box, dev, f"policy {self.policy}")
                     resumed = True
                 else:
                     resumed = self._serve(box, dev, now) or resumed
@@ -134,17 +148,17 @@ class Decisions:
 
     def _reclaim(self, dev: int, now: float) -> bool:
         """Every container on dev paused, nobody resumed: see policies.reclaim."""
-        on = [b for b in self.boxes.values() if dev in b.assigned]
+        on = [b for b in self.books.boxes.values() if dev in b.assigned]
         paused = [b for b in on if self.books.paused(b, dev, now)]
         waiting = {b.container.id: (b.assigned[dev], self.books.held(b, dev)) for b in paused}
         within = any(not b.waiting[dev].over_limit for b in paused)
         back = policies.reclaim(waiting, len(paused) < len(on), within) if waiting else {}
         for cid, held in back.items():
-            box = self.boxes[cid]
+            box = self.books.boxes[cid]
             log.warning("reclaim %s from %s on GPU%d: every container waits, none can run on what "
                         "it was given", format_size(box.assigned[dev] - held), box.name, dev)
             box.assigned[dev] = held
-            self._write_assign(box, dev)
+            self.act.write_assign(box, dev)
         return bool(back)
 
     def _deadlock(self, dev: int):
@@ -153,9 +167,9 @@ class Decisions:
         placement safe (policies.schedule) the policies never lead here; a state made unsafe
         from outside can (a waiter over its limit holding memory, a limit raised at run time,
         a context measured larger than charged)."""
-        if dev in self._stuck:
+        if dev in self.stuck:
             return
-        self._stuck.add(dev)
+        self.stuck.add(dev)
         free = self.books.free(dev)
         log.warning("GPU%d deadlocked: every container waits, and none can run on the %s free (the "
                     "rest is held by the waiters themselves, their contexts): it ends when one of them "
@@ -191,24 +205,13 @@ class Decisions:
     def _units(self, w) -> list[list]:
         """Who resumes together: a thread alone, or every stopped thread of a process held
         whole (ptrace refused: one SIGCONT resumes them all)."""
-        out, whole = [], {}
+        out, whole, holder = [], {}, self.holder()
         for a in w.asks.values():
-            if self.holder is None or self.holder.mode(a.pid) == "process":
+            if holder is None or holder.mode(a.pid) == "process":
                 whole.setdefault(a.pid, []).append(a)
             else:
                 out.append([a])
         return out + list(whole.values())
-
-    def _process_holds(self, box: Box, dev: int) -> dict[int, tuple[int, int]]:
-        """pid -> (what it holds on dev, of that its contexts), from BPF's per-process usage
-        and NVML's measured contexts (read only when there are several units to order)."""
-        out = {}
-        for u in self.tracer.usage():
-            if u.dev != dev or u.pid not in box.pids:
-                continue
-            ctx = self.excess[(u.pid, dev)][0] if (u.pid, dev) in self.excess else max(u.contexts, 0) * self._ctx(dev)
-            out[u.pid] = (u.live + ctx, ctx)
-        return out
 
     def _settling(self, box: Box, dev: int, pid: int, room_after: int, now: float, holds=None) -> bool:
         """A process's first context waits while it would leave its container less room than
@@ -218,12 +221,12 @@ class Decisions:
         room for its first 256 MiB: a circular wait, for good.) Decided again within a second
         (the loop's pass while anyone waits), by which time the other has allocated or its
         time is up."""
-        if room_after >= self._ctx(dev):
+        if room_after >= self.books.ctx_of(dev):
             return False
         fresh = [q for q, t in box.placed.items() if q != pid and now - t < NEWCOMER_S]
         if not fresh:
             return False
-        holds = holds or self._process_holds(box, dev)
+        holds = holds or self.process_holds(box, dev)
         waits = [q for q in fresh if holds.get(q, (0, 0))[0] <= holds.get(q, (0, 0))[1]]
         if waits and pid not in box.placed:
             box.placed[pid] = 0.0   # said once: it is not fresh itself
@@ -234,12 +237,13 @@ class Decisions:
     def _gone_through(self):
         """Resumed calls (Box.going) whose thread passed its recheck (BPF reserved them: its
         `held` entry for that stop is gone), stopped again (a new stop: a new ask) or died."""
-        if self.holder is None:
+        holder = self.holder()
+        if holder is None:
             return
-        for box in self.boxes.values():
+        for box in self.books.boxes.values():
             for dev, going in box.going.items():
                 for tid, a in list(going.items()):
-                    if self.holder.held_seq(a.pid, tid) != a.seq:
+                    if holder.held_seq(a.pid, tid) != a.seq:
                         del going[tid]
 
     def _drop_dead_asks(self, box: Box, dev: int, w):
@@ -277,8 +281,8 @@ class Decisions:
                     format_size(self.books.limit(box, dev)),
                     f"killing pid {newest.pid} (the newest waiter)" if self.over_limit == "kill"
                     else "stalled until one of them exits, frees, or its limit is raised")
-        if self.over_limit == "kill" and alive(newest.pid):
-            os.kill(newest.pid, signal.SIGKILL)
+        if self.over_limit == "kill":
+            self.act.kill(newest.pid)
 
     def _over_limit(self, box: Box, dev: int, demand: int, ask=None):
         w = box.waiting[dev]
@@ -289,8 +293,8 @@ class Decisions:
                 log.warning("container %s GPU%d: needs %s, above its limit %s: %s", box.name, dev,
                             format_size(demand), format_size(self.books.limit(box, dev)),
                             f"killing pid {ask.pid}" if self.over_limit == "kill" else "stalled until the limit is raised")
-                if self.over_limit == "kill" and alive(ask.pid):
-                    os.kill(ask.pid, signal.SIGKILL)
+                if self.over_limit == "kill":
+                    self.act.kill(ask.pid)
             return
         if not w.over_limit:
             w.over_limit = True
@@ -299,7 +303,7 @@ class Decisions:
                         format_size(demand), format_size(self.books.limit(box, dev)),
                         "killing it" if self.over_limit == "kill" else "stalled until the limit is raised")
         if w.wakes:   # the shim can fail the call: a real out-of-memory error
-            self.broker.granted(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
+            self.act.answer_shim(box, dev, w.wakes, {"deny": f"{box.name} needs {format_size(demand)}, "
                                                             f"above its limit {format_size(self.books.limit(box, dev))}"})
             for pid, size, _ in w.wakes:
                 w.unreserved -= size
@@ -310,4 +314,4 @@ class Decisions:
             return
         if self.over_limit == "kill":
             for p in list(w.pids):
-                os.kill(p, signal.SIGKILL) if alive(p) else None
+                self.act.kill(p)

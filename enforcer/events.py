@@ -134,7 +134,7 @@ class Events:
         for d, (nbytes, nctx) in held.items():
             b0, c0 = box.adopted.get(d, (0, 0))
             box.adopted[d] = (b0 + nbytes, c0 + nctx)
-            self._write_assign(box, d)
+            self.write_assign(box, d)
             log.info("container %s GPU%d: pid %d already held %s in %d contexts: adopted", box.name,
                      d, pid, format_size(nbytes), nctx)
 
@@ -148,7 +148,7 @@ class Events:
                                                 self.capacity.get(dev, 0), held, held + request,
                                                 box.container.id)
         self._ensure_state(box, dev)
-        self._write_assign(box, dev)
+        self.write_assign(box, dev)
         log.info("container %s GPU%d: assigned %s (limit %s)", box.name, dev,
                  format_size(box.assigned[dev]), format_size(self.books.limit(box, dev)))
 
@@ -296,7 +296,7 @@ class Events:
         for d, c in x.charge.items():
             box.torn[d] = box.torn.get(d, 0) + c
             if d in box.assigned:
-                self._write_assign(box, d)
+                self.write_assign(box, d)
 
     def _unprobed(self, pid: int, lib, reason: str) -> str:
         """probes/discovery.py asks: pid opened a driver file that cannot be probed. Its calls

@@ -78,7 +78,7 @@ class ContextOverhead:
                             (self.excess[(pid, dev)] for pid in box.pids if (pid, dev) in self.excess))
                 if extra != box.extra.get(dev, 0) or devs is not None:
                     box.extra[dev] = extra
-                    self._write_assign(box, dev)
+                    self.write_assign(box, dev)
                     changed = True
         return changed
 

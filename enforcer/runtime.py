@@ -27,7 +27,7 @@ class RuntimeChanges:
         for dev in box.assigned:
             self.broker.revoke(box, dev)
             box.assigned[dev] = min(box.assigned[dev], max(self.books.limit(box, dev), self.books.demand(box, dev)))
-            self._write_assign(box, dev)
+            self.write_assign(box, dev)
             if dev in box.waiting:   # its recheck tells again (with its contexts) if it still cannot fit
                 w = box.waiting[dev]
                 w.over_limit = w.circular = False

@@ -1,6 +1,6 @@
 """Within one container: which of its stopped calls resume now. Pure, as policies.py is: the
 books come in as plain values (each unit's asks, the room, what each process holds), so the
-choice is tested without a kernel or an Enforcer (tests/unit/test_within.py); Decisions._serve
+choice is tested without a kernel or an Enforcer (tests/unit/test_within.py); Decider._serve
 feeds it and carries the answer out.
 
 A unit is what resumes together: one thread's call, or every stopped call of a process held
@@ -26,7 +26,7 @@ def resumable(units: Sequence[list], room: int, spare: int, holds: Holds,
     assignment less what the container has taken) after the ones before it. A unit of a
     newcomer goes only where every waiting holder can still finish after it (newcomer_safe,
     on `spare`: its limit less what it has taken). A process's first context asks
-    settling(pid, room it would leave) before it goes (Decisions._settling: it may wait for
+    settling(pid, room it would leave) before it goes (Decider._settling: it may wait for
     the newcomer before it). holds is empty where there is one unit: no order to keep."""
     go: list[list] = []
     for unit in sorted(units, key=lambda u: (newcomer(u[0].pid, holds), min(a.since for a in u))):

@@ -96,7 +96,7 @@ class Adopt:
                 # e.g. a median learned but not yet saved): keep the container's total as it was
                 _, contexts, _ = self.books.usage(box, dev)
                 box.extra[dev] += contexts * (charge.get((box.key, dev), self._ctx(dev)) - self._ctx(dev))
-                self._write_assign(box, dev)
+                self.write_assign(box, dev)
         self._next_key = max(self.by_key, default=0) + 1
         log.info("took over from enforcer %s: %d containers, %s assigned", 
                  ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(self.boxes),

@@ -160,7 +160,7 @@ def _run_checked(tmp_path, name, limit_mib, script_of, n_done, timeout, scenario
 def test_a_cupy_server_and_six_workers(root, tmp_path):
     """Part 1, a server and its workers: the server holds a context and 512 MiB for the whole
     run; six workers (a context, 0.3 s of start-up, then 2 x 256 MiB held 0.3 s) are started at
-    once beside it, and two fit at a time. On the stand-in, before Decisions._settling, three
+    once beside it, and two fit at a time. On the stand-in, before Decider._settling, three
     got a context and the container waited on itself for good."""
     limit = 3 * (544 + 512)
     _run_checked(tmp_path, "srv", limit,

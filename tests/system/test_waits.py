@@ -172,7 +172,7 @@ def test_a_server_and_its_workers(cgroups, build, env):
     """A server holds a context and 512 MiB for the whole run; six workers (a context and
     2 x 256 MiB each) come and go beside it, two at a time fit. Started together, a third
     worker's context would fit but leave none of the three room for its second 256 MiB: it
-    waits for the two before it to allocate (Decisions._settling). Before: three got a context
+    waits for the two before it to allocate (Decider._settling). Before: three got a context
     and the container waited on itself for good, said as a circular wait."""
     env = dict(env, CONVGPU_STANDIN_EXIT_MB="128")
     limit = CTX + 512 * MiB + 2 * (CTX + 512 * MiB)

@@ -57,6 +57,11 @@ def test_registers_and_lists_units_of_each_gpu(node):
     # 1 GiB / 256 MiB = 4 units on GPU0; 512 MiB + 100 B = 2 whole units on GPU1
     assert first == [(i, "Healthy") for i in ids(A, 4) + ids(B, 2)]
     assert k.options.get_preferred_allocation_available
+    # the plugin counts a registration once its Register call returns, which may be after the
+    # kubelet answered ListAndWatch (1 run in ~20 read 0 here)
+    deadline = time.monotonic() + 10
+    while plugin.registered < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert k.registrations.empty() and plugin.registered == 1
 
 
@@ -289,7 +294,10 @@ def test_a_refused_registration_is_retried(tmp_path):
         stale.close()
         os.unlink(d / "kubelet.sock")
         k = Kubelet(str(d)).start()
-        assert plugin.check() and plugin.registered == 1
+        deadline = time.monotonic() + 10    # a kubelet just started may refuse one connection too
+        while not plugin.check() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plugin.registered == 1
         assert plugin.check() and plugin.registered == 1      # same kubelet: not again
         got(k.registrations)
         assert len(got(k.lists)) == 6
