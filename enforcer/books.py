@@ -88,6 +88,7 @@ class Box:
     shim_pending: dict[int, int] = field(default_factory=dict)  # device -> granted to the shim, not yet allocated
     torn: dict[int, int] = field(default_factory=dict)   # device -> cgstate.tearing the driver has freed
     placed: dict[int, float] = field(default_factory=dict)   # pid -> when its first context was admitted
+    settling: set[int] = field(default_factory=set)   # pids whose first context was said to wait (Decider._settling)
     # device -> tid -> an Ask resumed alone whose thread has not passed its recheck yet (where
     # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
     # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)

@@ -228,8 +228,8 @@ class Decider:
             return False
         holds = holds or self.process_holds(box, dev)
         waits = [q for q in fresh if holds.get(q, (0, 0))[0] <= holds.get(q, (0, 0))[1]]
-        if waits and pid not in box.placed:
-            box.placed[pid] = 0.0   # said once: it is not fresh itself
+        if waits and pid not in box.settling:   # said once
+            box.settling.add(pid)
             log.info("container %s GPU%d: pid %d's first context waits for pid %s to allocate: it would leave "
                      "less than a context's room", box.name, dev, pid, ", ".join(map(str, waits)))
         return bool(waits)

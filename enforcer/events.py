@@ -201,6 +201,7 @@ class Events:
             return
         box.pids.discard(pid)
         box.placed.pop(pid, None)
+        box.settling.discard(pid)
         settled = False
         if self.holder is not None:
             self.holder.forget(pid)
