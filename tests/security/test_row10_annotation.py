@@ -7,7 +7,7 @@ stopped at its third allocation (512 MiB, the rule), as is a second pod that has
 same annotation. A third pod lowers itself to 256 MiB by annotation: that holds."""
 import pytest
 
-from conftest import GiB, MiB, inprocess_enforcer, read_until, serving, start_in, until, wait_state
+from conftest import GiB, MiB, inprocess_enforcer, serving, start_in, until, wait_state
 from convgpu.enforcer.tenants.config import Rule
 from convgpu.kube import api
 from convgpu.kube.pods import ANNOTATION, PodMeta, PodSync

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from conftest import need, stop_all
-from shim_attack import enforcer, expect, say, shim_sock
+from shim_attack import enforcer, expect, shim_sock
 
 pytestmark = pytest.mark.system
 

@@ -4,7 +4,6 @@ without bound; every bad request was a log line; one container's flood of reques
 loop to itself. Now: a peer with more than 256 KiB of unread replies is dropped, objects are
 capped per process, log lines are budgeted per container and requests rate-limited per
 container (its connections are not read until it is back under: nothing is lost)."""
-import os
 import socket
 import subprocess
 import sys

@@ -3,7 +3,6 @@ pid is reused; before, its `hello` and `ask` then acted for the new owner of the
 victim was marked a shim user (BPF stopped admitting it) and the attacker's requests were held
 against the victim's container. Now a peer is its process (a pidfd from SO_PEERPIDFD, taken at
 connect): once that process has exited, its connection is closed before any request acts."""
-import json
 import subprocess
 import sys
 import textwrap

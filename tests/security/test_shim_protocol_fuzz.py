@@ -8,7 +8,6 @@ fuzzing process has exited its container holds exactly nothing. Shim-only mode (
 there the reports are the books, the most a message can touch."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time

@@ -199,7 +199,7 @@ def test_enforce_stalls_the_first_over_limit_call_of_a_fresh_driver_copy(root, b
     p = None
     try:
         p = eager(private_copy, 40, env5, cgroups("fresh"))
-        enf.wait_for(f"above its limit")
+        enf.wait_for("above its limit")
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
         row = next(c for c in st["containers"] if c["name"] == "fresh")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import (GiB, MiB, StandinNvml, inprocess_enforcer, kill_if_running, lines_until, popen_in,
-                      proc_state, serving, until, wait_state)
+                      serving, until, wait_state)
 
 pytestmark = pytest.mark.system
 UUID = ["GPU-5ca1ab1e-0000-4000-8000-000000000000", "GPU-5ca1ab1e-0000-4000-8000-000000000001"]

@@ -4,7 +4,6 @@ limit, a request above the assignment waits in the calling thread (never SIGSTOP
 policy grants it, no enforcer means pass-through (or failure with fail-closed), and bad input
 on the shim socket never hurts anyone else."""
 import json
-import os
 import socket
 import subprocess
 import sys

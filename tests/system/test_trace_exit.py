@@ -3,7 +3,6 @@ probes are detached by a child in the background (probes/detach.py), not between
 and the prompt (6-30 s here, past 20 s on the two-GPU host). Real uprobes, the CLI as a
 subprocess."""
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """The scheduling simulator (bench/sched): hand-computed schedules per policy, determinism per
 seed, and invariants over many seeded workloads. No kernel, no root."""
-import math
 import random
 import sys
 from pathlib import Path
