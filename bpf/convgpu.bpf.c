@@ -638,7 +638,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (lapsed(ctl))
         return;
     u32 tgid = id >> 32;
-    if (tgid == ctl->exempt)
+    if (tgid == ctl->exempt || tgid == ctl->measuring)
         return;
     // A process under the preload shim asks the enforcer before each allocation and waits in
     // the shim (or gets an out-of-memory error): a call made from inside a shim wrapper is

@@ -231,7 +231,8 @@ struct cg_control {
     __u32 max_objs;        /* per container (cg_quota); 0: no quota */
     __u32 max_threads;
     __u32 max_procs;
-    __u32 pad;
+    __u32 measuring;       /* the enforcer's context-measurement child (enforcer/ctxmeasure.py):
+                            * admission skips it too, while a self-test child has `exempt` */
 };
 
 /* Per start, one per loaded program (never pinned): written by the tracer before any probe is

@@ -27,7 +27,7 @@ from . import common
 log = logging.getLogger("convgpu.cli.enforce")
 DEFAULT_CONFIG = "/etc/convgpu/config.toml"
 DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None,
-            "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": 0,
+            "reserve": 512 << 20, "stall": "signal", "over_limit": "stall", "ctx_overhead": None,
             "max_wait": policies.MAX_WAIT, "seed": None, "metrics_port": 0, "metrics_address": "127.0.0.1",
             "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
@@ -134,7 +134,7 @@ def enforce(
     over_limit: OverLimit = typer.Option(None, "--over-limit", help="A request above the limit: stall until the limit is raised (default), or kill."),
     unprobed: Unprobed = typer.Option(None, "--unprobed", help="A process that opens a driver file which cannot be probed (its calls would go unchecked): stall it until it is killed (default; `convgpu status` says why), kill it, or allow it to run unchecked."),
     unmapped_charge: UnmappedCharge = typer.Option(None, "--unmapped-charge", help="A process whose CUDA devices cannot be told apart as host GPUs (it opened several GPUs' device nodes and its CUDA_VISIBLE_DEVICES does not name them all): charge its memory to every GPU it may use (default; `convgpu status` lists it), or only to the GPU its environment suggests."),
-    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where neither a median learned on this GPU nor a measured default for its architecture exists (default 0)."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Bytes charged per CUDA context before NVML measures it, where no median was learned on this GPU: the operator's figure, used as given. Default: none; the enforcer measures a context once per GPU model and driver (kept in --state-dir), else charges its table's figure or a conservative 1 GiB."),
     max_wait: float = typer.Option(None, "--max-wait", min=0.0, help="bfa: seconds of waiting after which a container goes first (default 180)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the rand policy."),
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 (repeatable)."),
@@ -145,7 +145,7 @@ def enforce(
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
     metrics_tls: str = typer.Option(None, "--metrics-tls", help="CERT,KEY[,CLIENT_CA]: serve metrics over HTTPS; with CLIENT_CA only clients with a certificate it signed (mutual TLS; docs/SECURITY.md row 11)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
-    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU (default {ctxest.DEFAULT_STATE_DIR})."),
+    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU, and the context measured per GPU model (default {ctxest.DEFAULT_STATE_DIR})."),
     max_objects: int = typer.Option(None, "--max-objects", min=1, help=f"Device objects (allocations, VMM handles and mappings, arrays, contexts) one container may hold in the BPF maps; at it, its next call is stalled or killed as --over-limit says (default {MapQuota.objects})."),
     max_threads: int = typer.Option(None, "--max-threads", min=1, help=f"Threads calling CUDA one container may have tracked at once (default {MapQuota.threads})."),
     max_processes: int = typer.Option(None, "--max-processes", min=1, help=f"Processes using CUDA one container may have tracked at once (default {MapQuota.processes})."),

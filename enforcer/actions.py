@@ -24,8 +24,12 @@ class Actions:
     def _control(self, enforcing: bool) -> int:
         """Writes the control map; returns the waiters count BPF knew before."""
         told, self._told = self._told, sum(len(b.waiting) for b in self.boxes.values())
-        # a context call of a process not placed yet reserves this (placed: its device's estimate)
-        self._leaf = dict(ctx_overhead=max((e.bytes for e in self.est.values()), default=self.ctx_overhead),
+        # a context call of a process not placed yet reserves this (placed: its device's estimate);
+        # not a GPU's whose context is being measured: its newcomers wait, and are placed asking
+        # for the figure measured (overhead.py _release_held), and its stand-in figure until then
+        # is the conservative one, which would hold a small container's first context for good
+        self._leaf = dict(ctx_overhead=max((e.bytes for d, e in self.est.items() if d not in self._measure_wait),
+                                           default=0),
                           enforcing=int(enforcing), exempt=self._exempt,
                           over_limit_kill=int(self.over_limit == "kill"), waiters=self._told,
                           owner=self.owner, quiet=int(enforcing and self._quiet()), **self.quota.leaf())
@@ -37,7 +41,7 @@ class Actions:
         thread never writes back fields older than the loop's last write."""
         with self._control_lock:
             t = self._t("control")
-            t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), **self._leaf)
+            t[ct.c_int(0)] = t.Leaf(heartbeat_ns=time.monotonic_ns(), measuring=self._measuring, **self._leaf)
 
     def _quiet(self) -> bool:
         return time.monotonic() - self._viewed > VIEW_GRACE

@@ -1,4 +1,4 @@
-"""What a CUDA context costs on each GPU before NVML has measured it (issue 14, part 2).
+"""What a CUDA context costs on each GPU before NVML has measured it (issues 14 and 31).
 
 A context takes half a gigabyte on an H100 the moment it exists (FACTS.md: 518-550 MiB per
 process), and no allocation call shows it; NVML shows it about a sample later. A container
@@ -7,9 +7,16 @@ given, and on a full card that is someone else's out-of-memory error. So every c
 charged an estimate from its first moment, chosen per device, best first:
 
 1. learned: the median of what NVML measured for earlier processes on this device (this GPU
-   model and driver), kept across restarts in the state directory;
-2. architecture: the table below, measured on real cards;
-3. --ctx-overhead.
+   and driver), kept across restarts in the state directory;
+2. operator: an explicit --ctx-overhead (the operator's word, where nothing was learned);
+3. measured at start: a bare context the enforcer made itself on this GPU model and driver
+   (enforcer/ctxmeasure.py), once per model and driver, kept in the state directory. Newcomers
+   on a GPU whose measurement runs wait for it (Enforcer._measure_hold);
+4. table hint: the table below, where nothing could be measured (no NVML, MIG, a child that
+   failed) and the model and driver are in it;
+5. conservative: CONSERVATIVE, where nothing could be measured or is known.
+Before issue 31 the last fallback was --ctx-overhead, default 0: a model missing from the
+table (two H200s) let a process hold its 518 MiB context + 1,536 MiB under a 1,536 MiB limit.
 
 Once NVML has measured a process, its measured overhead replaces the estimate for it (the
 enforcer charges the difference, enforcer/overhead.py _measure_overhead). The choice is a pure
@@ -20,6 +27,7 @@ total it reports for each unmeasured context (issue 18, enforcer/serving/memview
 charge the median and correct it a second later; a framework reads the total once, early,
 and sizes itself from it for good, so that figure must cover a context larger than the median
 (PyTorch with cuBLAS: 612 MiB against a 518-550 MiB median on the H100)."""
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +52,18 @@ ARCH_DEFAULTS = (
      "PyTorch with cuBLAS loaded (docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB "
      "PyTorch (FACTS.md, 2026-11-23)"),
 )
+# The last fallback, where nothing was measured or is known: above every per-process context
+# measured on these machines (FACTS.md: 518-550 MiB driver API, CuPy, JAX; 612 MiB PyTorch with
+# cuBLAS; ~700 MiB PyTorch's cudaMallocAsync; ~966 MiB an NCCL rank on the H200). Too high
+# holds memory back until NVML measures the process (a second); too low lets a container past
+# its limit, so it errs high.
+CONSERVATIVE = 1024 * MiB
+# A context measured at start is a bare driver-API one; a framework's is larger (CuPy and JAX
+# 518-550 MiB where the bare one is 518 MiB on the H100: 1/16 covers it, and 518 + 1/16 is the
+# table's 550 MiB). The ceiling's 1/8 on top reaches 1.195 x bare: PyTorch with cuBLAS was 1.18.
+MEASURED_MARGIN = 16         # the charge adds 1/MEASURED_MARGIN to the bare context
+PAGE = 2 * MiB               # the device's allocation granularity: charges in whole pages
+TABLE_ENV = "CONVGPU_CTX_TABLE"   # "off": the table is empty (tests of a model never seen)
 # The ceiling's margin over the largest figure known: a context grows as a framework loads more
 # kernels (CUDA's lazy loading), and PyTorch with cuBLAS measured 11 % above the architecture
 # estimate, 18 % above a bare context. 1/8 of the largest figure, in whole device pages.
@@ -64,11 +84,20 @@ class Device:
         ident = self.uuid or f"GPU{self.index}" + (f" {self.name}" if self.name else "")
         return f"{ident} driver {self.driver}" if self.driver else ident
 
+    @property
+    def model_key(self) -> str:
+        """A measurement at start belongs to the model and driver (every card of it shares it)."""
+        return f"{self.name} driver {self.driver}" if self.name else self.key
+
+    def __str__(self):
+        return f"GPU{self.index}" + (f" ({self.name}{' driver ' + self.driver if self.driver else ''})"
+                                     if self.name else "")
+
 
 @dataclass(frozen=True)
 class Estimate:
     bytes: int
-    source: str      # "learned" | "architecture" | "ctx-overhead"
+    source: str      # "learned" | "operator" | "measured-at-start" | "table-hint" | "conservative"
     detail: str
 
     def to_json(self) -> dict:
@@ -82,9 +111,15 @@ def driver_major(driver: str) -> int | None:
         return None
 
 
+def table() -> tuple:
+    """ARCH_DEFAULTS, or nothing with CONVGPU_CTX_TABLE=off (a hidden switch for tests: every
+    model is then one never seen, the case of a new host's first day)."""
+    return () if os.environ.get(TABLE_ENV) == "off" else ARCH_DEFAULTS
+
+
 def _arch_row(name: str, driver: str) -> tuple | None:
     major = driver_major(driver)
-    return next((row for row in ARCH_DEFAULTS if row[0] in name and row[1] == major), None)
+    return next((row for row in table() if row[0] in name and row[1] == major), None)
 
 
 def arch_default(name: str, driver: str) -> tuple[int, str] | None:
@@ -98,26 +133,40 @@ def arch_top(name: str, driver: str) -> int | None:
     return row[3] if row else None
 
 
-def choose(learned: list[int], dev: Device, ctx_overhead: int) -> Estimate:
-    """The estimate in force for a device's next context."""
+def measured_charge(bare: int) -> int:
+    """What a context is charged where a bare one measured `bare` bytes: 1/16 more, in pages."""
+    return -(-(bare + bare // MEASURED_MARGIN) // PAGE) * PAGE
+
+
+def choose(learned: list[int], dev: Device, operator: int | None = None, measured: int | None = None,
+           why: str = "") -> Estimate:
+    """The estimate in force for a device's next context. operator: --ctx-overhead if given;
+    measured: the bare context measured at start on this model and driver; why: why nothing
+    is measured (yet), said with the fallback."""
     if learned:
         med = int(statistics.median(learned))
         return Estimate(med, "learned", f"median of {len(learned)} measured on {dev.key}")
+    if operator is not None:
+        return Estimate(operator, "operator", f"--ctx-overhead (the operator's figure; nothing learned on {dev})")
+    if measured is not None:
+        return Estimate(measured_charge(measured), "measured-at-start",
+                        f"a bare context measured {measured} bytes on {dev.model_key}, + 1/{MEASURED_MARGIN}")
+    why = f" ({why})" if why else ""
     found = arch_default(dev.name, dev.driver)
     if found:
-        return Estimate(found[0], "architecture", found[1])
-    return Estimate(ctx_overhead, "ctx-overhead", "--ctx-overhead (nothing measured or known for "
-                    f"{dev.name or f'GPU{dev.index}'}{' driver ' + dev.driver if dev.driver else ''})")
+        return Estimate(found[0], "table-hint", f"nothing measured{why}: the table's {found[1]}")
+    return Estimate(CONSERVATIVE, "conservative", f"nothing measured{why} or known for {dev}: above every "
+                    "context measured (an NCCL rank ~966 MiB, FACTS.md)")
 
 
 def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estimate:
     """What the shim's reported total leaves for each context NVML has not measured (issue 18):
     the largest of the estimate in force, the learned values' 90th percentile (nearest rank)
     and the architecture table's largest context, plus 1/8, rounded up to whole pages (`page`).
-    Only --ctx-overhead alone is taken as it is: the operator's figure, nothing known beside it.
+    Only --ctx-overhead is taken as it is: the operator's figure, nothing known beside it.
     Never below the estimate, so a reported total never promises what admission would refuse."""
-    if est.source == "ctx-overhead":
-        return Estimate(est.bytes, "ctx-overhead", "--ctx-overhead (no margin: the operator's figure)")
+    if est.source == "operator":
+        return Estimate(est.bytes, "operator", "--ctx-overhead (no margin: the operator's figure)")
     figures = {"estimate": est.bytes}
     if learned:   # a percentile, not the maximum: one stray high reading (a free in flight read
         #           as context, docs/SCHEDULING.md) must not set it alone once 10 are kept
@@ -132,33 +181,38 @@ def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estima
 
 
 class LearnedStore:
-    """Measured per-context overheads per device key, in <state dir>/ctx-overhead.json:
-    {"version": 1, "devices": {key: [bytes, ...]}}. No directory: kept in memory only. A file
-    that cannot be read is one warning and a fresh start (and is replaced at the next save)."""
+    """Measured per-context overheads per device key, and the bare context measured at start
+    per model key, in <state dir>/ctx-overhead.json: {"version": 1, "devices": {key: [bytes,
+    ...]}, "measured": {model key: bytes}} (an older convgpu reads "devices" and ignores the
+    rest). No directory: kept in memory only. A file that cannot be read is one warning and a
+    fresh start (and is replaced at the next save)."""
 
     def __init__(self, state_dir: str | None):
         self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
         self.values: dict[str, list[int]] = {}
+        self.measured: dict[str, int] = {}
         self.dirty = False
         if self.path:
-            self.values = self._load()
+            self.values, self.measured = self._load()
 
-    def _load(self) -> dict[str, list[int]]:
+    def _load(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         try:
             with open(self.path) as f:
                 doc = json.load(f)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as e:
             log.warning("ignoring %s (%s): context estimates start from defaults", self.path, e)
-            return {}
+            return {}, {}
         devs = doc.get("devices") if isinstance(doc, dict) else None
+        measured = doc.get("measured", {}) if isinstance(doc, dict) else None
         if not isinstance(devs, dict) or not all(
-                isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v) for v in devs.values()):
+                isinstance(v, list) and all(_size(x) for x in v) for v in devs.values()) or not (
+                isinstance(measured, dict) and all(_size(v) for v in measured.values())):
             log.warning("ignoring %s (not a convgpu context file): context estimates start from "
                         "defaults", self.path)
-            return {}
-        return {k: v[-KEEP:] for k, v in devs.items()}
+            return {}, {}
+        return {k: v[-KEEP:] for k, v in devs.items()}, dict(measured)
 
     def get(self, key: str) -> list[int]:
         return self.values.get(key, [])
@@ -167,17 +221,35 @@ class LearnedStore:
         self.values[key] = (self.values.get(key, []) + [int(nbytes)])[-KEEP:]
         self.dirty = True
 
+    def measured_at_start(self, model_key: str) -> int | None:
+        return self.measured.get(model_key)
+
+    def set_measured(self, model_key: str, nbytes: int):
+        self.measured[model_key] = int(nbytes)
+        self.dirty = True
+
     def save(self):
-        """Atomically (write, then rename); a failure is one warning, the values stay in memory."""
+        """Atomically (write, fsync, then rename); a failure is one warning, the values stay in
+        memory (and are written again at the next change)."""
         if not self.path or not self.dirty:
             return
         self.dirty = False
-        d = os.path.dirname(self.path)
+        d, tmp = os.path.dirname(self.path), None
         try:
             os.makedirs(d, mode=0o755, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".ctx-", dir=d)
             with os.fdopen(fd, "w") as f:
-                json.dump({"version": 1, "devices": self.values}, f, indent=1, sort_keys=True)
+                json.dump({"version": 1, "devices": self.values, "measured": self.measured}, f, indent=1,
+                          sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.path)
-        except OSError as e:
+        except OSError as e:   # a full or read-only disk: no half-written file stays behind
             log.warning("cannot save context estimates to %s: %s", self.path, e)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+def _size(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

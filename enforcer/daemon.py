@@ -64,7 +64,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                           lambda self, v: setattr(self.decider, "over_limit", v))
 
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
-                 stopper=None, over_limit: str = "stall", ctx_overhead: int = 0,
+                 stopper=None, over_limit: str = "stall", ctx_overhead: int | None = None,
                  max_wait: float = policies.MAX_WAIT, seed: int | None = None, engines=None,
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
@@ -75,16 +75,17 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         # capacity: then an exit's memory returns to the pool only once the driver freed it
         self.physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
         self.stopper = stopper or SignalStopper()
-        self.ctx_overhead = ctx_overhead
+        self.ctx_overhead = ctx_overhead   # --ctx-overhead: None unless the operator gave it
+        self.nvml = nvml
+        self._gpu_infos = self._read_gpus()   # NVML's GPUs, read once (never from the loop)
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
         self.unmapped_charge = unmapped_charge   # a process whose GPUs are not established: all|guess
         self.contradicted: dict[int, str] = {}   # pid -> what NVML's lists say against its mapping
-        if nvml is not None and nvml.ok and hasattr(tracer, "gpumap"):
-            tracer.gpumap.gpus = nvml.gpus()     # ordinals to host GPUs (probes/gpumap.py)
+        if self._gpu_infos and hasattr(tracer, "gpumap"):
+            tracer.gpumap.gpus = list(self._gpu_infos.values())   # ordinals to host GPUs (probes/gpumap.py)
         self.quota = quota or MapQuota()   # entries per container in the BPF maps (enforcer/quotas.py)
         self.quota_held: dict[int, int] = {}   # pid -> container key: stopped at a quota
         self.engines = engines
-        self.nvml = nvml
         self.reload_config = reload   # () -> (LimitRules, settings dict); raises ConfigError
         self.container_of = container_of
         self.books = Books(capacity, self.physical, self._state, self._ctx, self._share,
@@ -128,7 +129,13 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         # what a context costs before NVML measures it, per device (enforcer/ctxest.py)
         self.learned = ctxest.LearnedStore(state_dir)
         self.devices = self._devices()
+        self._unmeasured: dict[str, str] = {}   # model key -> why no context is measured there (yet)
         self.est = {d: self._choose(d) for d in self.devices}
+        self._measure_queue: list[tuple[str, int]] = []   # (model key, GPU) to measure a context on
+        self._measure_wait: set[int] = set()     # GPUs whose newcomers wait for that measurement
+        self._measuring_now = None               # the ctxmeasure.Measurement running
+        self._measuring = 0                      # its child's pid: admission skips it (control.measuring)
+        self._held_new: dict = {}                # (pid, tid) -> (event, also): waiting for a measurement
         self._peak: dict[tuple[int, int], int] = {}    # (pid, dev) -> largest measured per context
         self._learn_saved = 0.0
 
@@ -139,13 +146,10 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         return self.rules.share(box.container, self._gpu_key(dev), box.limit, box.source)
 
     def _gpu_key(self, dev: int) -> str:
-        """The GPU's key as the Kubernetes agent names it: NVML's uuid, else gpu<index>."""
-        keys = getattr(self, "_gpu_keys", None)
-        if keys is None:
-            nvml = self.nvml
-            keys = self._gpu_keys = {g.index: g.uuid for g in nvml.gpus() if g.uuid} \
-                if nvml is not None and nvml.ok else {}
-        return keys.get(dev) or f"gpu{dev}"
+        """The GPU's key as the Kubernetes agent names it: NVML's uuid (read at start: this runs
+        in the loop, where an NVML call that hangs would hold admission), else gpu<index>."""
+        g = self._gpu_infos.get(dev)
+        return g.uuid if g is not None and g.uuid else f"gpu{dev}"
 
     def _process_holds(self, box: Box, dev: int) -> dict[int, tuple[int, int]]:
         """pid -> (what it holds on dev, of that its contexts), from BPF's per-process usage
@@ -211,6 +215,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
         signal.signal(signal.SIGHUP, self._on_hup)
         self._adopt(prev)
+        self._plan_measurements()   # a GPU model never seen: its newcomers wait for a measured context
         write_state(self.state_file, [], [])
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
             log.warning("no probes (--no-probes): only processes under the preload shim are limited")
@@ -258,6 +263,8 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self.metrics.close()
         if self.sampler is not None:
             self.sampler.close()
+        if self._measuring_now is not None:   # its child goes (newcomers it held: _resume_unplaced)
+            self._measuring_now.result(float("inf"))
         for (pid, dev), per_ctx in sorted(self._peak.items()):   # still running: learned too
             self.learned.add(self.devices[dev].key, per_ctx)
         self._peak.clear()
@@ -299,6 +306,8 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self._quota_resume()
         if dirty:   # a resume first: the periodic work below can wait for it
             self._changed()
+        if self._measuring_now is not None or self._measure_queue:
+            self._measure_step(now)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody

@@ -42,6 +42,8 @@ class Events:
                     e, also = e._replace(dev=m.host(e.dev)), m.also if self.unmapped_charge == "all" else ()
                 if e.restall:
                     self._restalled(e)
+                if self._measure_hold(e, also):   # a GPU never seen: its context is measured first
+                    continue
                 self._place(e.pid, max(e.dev, 0), e.size, e.tid, e.result, also)
                 dirty = True
             elif e.op in ("stall", "over_limit"):
@@ -249,7 +251,7 @@ class Events:
         measured = [self.excess[(pid, d)] for d in devs if (pid, d) in self.excess]
         unmeasured = max(0, contexts - sum(n for _, n in measured))
         held = (tracked + sum(over for over, _ in measured)
-                + unmeasured * max((self._ctx(d) for d in devs), default=self.ctx_overhead))
+                + unmeasured * max((self._ctx(d) for d in devs), default=0))
         log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
         charge = self._torn_at_exit(gen)
         self._gone(pid)

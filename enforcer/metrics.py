@@ -82,7 +82,8 @@ def families(status: dict, usage=(), excess=None, gpus=()) -> list:
         dev = str(u.dev)
         lab = [str(u.pid), c["name"] if c else "", c["id"] if c else "", dev]
         used.add_metric(lab, u.live)
-        ctx.add_metric(lab, max(u.contexts, 0) * status.get("ctx_overhead", 0) + excess.get((u.pid, u.dev), 0))
+        est = status["gpus"].get(dev, {}).get("ctx_estimate", {}).get("bytes", 0)   # the device's charge per context
+        ctx.add_metric(lab, max(u.contexts, 0) * est + excess.get((u.pid, u.dev), 0))
         stalled = bool(c) and u.pid in c["gpus"].get(dev, {}).get("waiting_pids", ())
         waiting.add_metric(lab, int(stalled))
         seen.add((u.pid, dev))

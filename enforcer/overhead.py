@@ -1,12 +1,20 @@
 """Context overhead: what a context is charged before NVML measures it (the device's
-estimate, learned from earlier processes: enforcer/ctxest.py), and the measurement that
-replaces it once NVML has one."""
+estimate, learned from earlier processes or measured at start: enforcer/ctxest.py), and the
+measurement that replaces it once NVML has one.
+
+On a GPU whose model and driver have nothing learned or measured, the enforcer measures a
+context at start (enforcer/ctxmeasure.py, once per model and driver) and holds newcomers on
+that GPU at their first context until it has (_measure_hold, at most ctxmeasure.TIMEOUT); a
+process placed with nothing known was charged 0 before (issue 31: 518 MiB over its limit)."""
 import logging
+import os
 import time
 
 from ..units import format_size
 from ..probes import gpumap
-from . import ctxest
+from ..probes.table import CUDA
+from . import ctxest, ctxmeasure
+from .actions import alive
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 LEARN_SAVE_EVERY = 10.0  # s at most between two writes of the learned context estimates
@@ -15,25 +23,156 @@ LEARN_SAVE_EVERY = 10.0  # s at most between two writes of the learned context e
 class ContextOverhead:
     """Part of Enforcer (enforcer/daemon.py): estimated from the first moment, measured once NVML can."""
 
+    def _read_gpus(self) -> dict:
+        """index -> probes.nvml.GpuInfo, read once at start: never again from the loop, where an
+        NVML call that hangs (a GPU fallen off the bus) would hold every stall and resume."""
+        if self.nvml is None or not getattr(self.nvml, "ok", False):
+            return {}
+        try:
+            return {g.index: g for g in self.nvml.gpus()}
+        except Exception as e:
+            log.warning("NVML cannot list the GPUs (%s): no context is measured, none learned", e)
+            return {}
+
     def _devices(self) -> dict[int, ctxest.Device]:
         """Each GPU's model and driver as NVML tells them (keys of what is learned)."""
-        gpus = {}
-        if self.nvml is not None and getattr(self.nvml, "ok", False):
-            try:
-                gpus = {g.index: g for g in self.nvml.gpus()}
-            except Exception as e:
-                log.warning("NVML cannot list the GPUs (%s): context estimates from --ctx-overhead", e)
+        gpus = self._gpu_infos
         driver = getattr(self.nvml, "driver", "") or ""
         return {d: ctxest.Device(d, gpus[d].name, gpus[d].uuid, driver) if d in gpus else ctxest.Device(d)
                 for d in self.capacity}
 
     def _choose(self, dev: int) -> ctxest.Estimate:
-        return ctxest.choose(self.learned.get(self.devices[dev].key), self.devices[dev], self.ctx_overhead)
+        d = self.devices[dev]
+        return ctxest.choose(self.learned.get(d.key), d, self.ctx_overhead,
+                             self.learned.measured_at_start(d.model_key), self._unmeasured.get(d.model_key, ""))
+
+    def _estimate(self, dev: int) -> ctxest.Estimate:
+        e = self.est.get(dev)
+        return e if e is not None else ctxest.choose([], ctxest.Device(dev), self.ctx_overhead)
 
     def _ctx(self, dev: int) -> int:
         """Bytes charged per context on dev until NVML measures it."""
-        e = self.est.get(dev)
-        return e.bytes if e is not None else self.ctx_overhead
+        return self._estimate(dev).bytes
+
+    # ---- a context measured at start, where nothing is known (enforcer/ctxmeasure.py) ----
+    def _plan_measurements(self):
+        """At start: each GPU model and driver with nothing learned on a card of it, no
+        measurement kept and no --ctx-overhead is measured once; newcomers on its GPUs wait."""
+        for dev, d in sorted(self.devices.items()):
+            if (self.learned.get(d.key) or self.ctx_overhead is not None
+                    or self.learned.measured_at_start(d.model_key) is not None):
+                continue
+            why = self._unmeasurable(dev)
+            if why:
+                self._unmeasured[d.model_key] = why
+                log.warning("GPU%d: a context cannot be measured here (%s): charged %s per context (%s)", dev,
+                            why, format_size(self._choose(dev).bytes), self._choose(dev).source)
+            else:
+                if all(m != d.model_key for m, _ in self._measure_queue):
+                    self._measure_queue.append((d.model_key, dev))
+                self._unmeasured[d.model_key] = "its measurement runs: newcomers wait for it"
+                self._measure_wait.add(dev)
+        for dev in self.devices:
+            self.est[dev] = self._choose(dev)
+        self._measure_step(time.monotonic())
+
+    def _unmeasurable(self, dev: int) -> str:
+        """Why no context can be measured on dev, or ""."""
+        if self.nvml is None or not getattr(self.nvml, "ok", False):
+            return "no NVML"
+        if self._gpu_infos.get(dev) is None:
+            return "NVML does not list it"
+        if self._gpu_infos[dev].migs:
+            return "MIG mode: NVML counts no process's memory on the whole GPU"
+        if self._host_driver() is None:
+            return "no host driver to measure with"
+        return ""
+
+    def _host_driver(self) -> str | None:
+        """The host's own libcuda, never a container's: one the tracer found and trusts, else
+        (no probes) one installed on the host that probes/untrusted.py would trust."""
+        for lib in self.tracer.libraries:
+            if lib.kind == CUDA and lib.trusted:
+                return lib.path
+        from ..probes import libs, untrusted
+        for path in libs.system_drivers():
+            try:
+                if untrusted.trusted(path, os.stat(path, follow_symlinks=False)):
+                    return path
+            except OSError:
+                continue
+        return None
+
+    def _measure_step(self, now: float):
+        """From the loop: the measurement's outcome once there is one (never waits for it),
+        then the next model's measurement."""
+        m = self._measuring_now
+        if m is not None:
+            out = m.result(now)
+            if out is None:
+                return
+            self._measuring_now = None
+            self._measured_at_start(m, out)
+        if self._measuring_now is None and self._measure_queue:
+            model, dev = self._measure_queue.pop(0)
+            g = self._gpu_infos[dev]
+            self._measuring_now = ctxmeasure.Measurement(model, dev, g.uuid or str(dev), self._host_driver(), self.nvml,
+                                                         self._measure_exempt).start()
+            log.info("GPU%d: measuring what a context costs on %s (nothing learned or measured; newcomers "
+                     "there wait for it, at most %g s)", dev, model, ctxmeasure.TIMEOUT)
+
+    def _measure_exempt(self, pid: int, on: bool):
+        """Admission skips the measuring child (cg_control.measuring), from its thread."""
+        with self._control_lock:
+            if not on and self._measuring != pid:
+                return     # a late thread: another child is exempt by now
+            self._measuring = pid if on else 0
+        if self.tracer.b is not None:
+            self._write_control()
+
+    def _measured_at_start(self, m: "ctxmeasure.Measurement", out: "ctxmeasure.Outcome"):
+        devs = sorted(d for d in self._measure_wait if self.devices[d].model_key == m.model_key)
+        if out.nbytes:
+            self.learned.set_measured(m.model_key, out.nbytes)
+            self._unmeasured.pop(m.model_key, None)
+            self._save_learned(force=True)
+            log.info("GPU%d: a context measured %s on %s (%s)", m.dev, format_size(out.nbytes), m.model_key, out.why)
+        else:
+            self._unmeasured[m.model_key] = f"its measurement failed: {out.why}"
+            log.warning("GPU%d: the context could not be measured (%s): newcomers go on, charged %s per "
+                        "context (%s)", m.dev, out.why, format_size(self._choose(m.dev).bytes), self._choose(m.dev).source)
+        self._measure_wait.difference_update(devs)
+        for dev in devs:
+            self._reestimate(dev)
+        self._release_held()
+
+    def _measure_hold(self, e, also) -> bool:
+        """A newcomer's first call on a GPU whose context is being measured waits (stopped by
+        BPF as unplaced) until the measurement is in; True if it does."""
+        devs = ({max(e.dev, 0)} | set(also)) & self._measure_wait
+        if not devs:
+            return False
+        if not any(p == e.pid for p, _ in self._held_new):
+            log.info("pid %d waits on GPU%s until a context is measured there", e.pid,
+                     ", GPU".join(map(str, sorted(devs))))
+        self._held_new[(e.pid, e.tid)] = (e, also)
+        return True
+
+    def _release_held(self):
+        """Newcomers whose GPUs are measured now are placed, their context call asking for
+        the device's estimate (BPF reserved the smaller figure in force when it stopped them:
+        pending GPUs are left out of control.ctx_overhead, Actions._control)."""
+        for key, (e, also) in list(self._held_new.items()):
+            dev = max(e.dev, 0)
+            if ({dev} | set(also)) & self._measure_wait:
+                continue
+            del self._held_new[key]
+            if not alive(e.pid):
+                continue
+            size = max(e.size, self._ctx(dev)) if e.api.startswith(("cuDevicePrimaryCtxRetain", "cuCtxCreate")) \
+                else e.size
+            self._place(e.pid, dev, size, e.tid, e.result, also)
+        self._changed()
 
     def _measure_overhead(self) -> bool:
         """NVML's per-process memory beyond the bytes the probes track is each process's real

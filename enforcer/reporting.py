@@ -4,7 +4,6 @@ import os
 import time
 
 from ..units import format_size
-from . import ctxest
 from .books import Box
 from .failsafe.stall import SignalStopper
 from .failsafe.watchdog import write_state
@@ -18,11 +17,11 @@ class Reporting:
         gpus = {}
         for dev, cap in sorted(self.capacity.items()):
             assigned = self.books.assigned(dev)
-            est = self.est.get(dev) or ctxest.Estimate(self.ctx_overhead, "ctx-overhead", "--ctx-overhead")
+            est = self._estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
                               "unassigned": cap - assigned,
                               "physical": self.physical[dev], "tearing_down": self.books.tearing(dev),
-                              "ctx_estimate": est.to_json()}
+                              "ctx_estimate": est.to_json(), "ctx_measuring": dev in self._measure_wait}
         rows = []
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}
@@ -109,8 +108,8 @@ class Reporting:
             return "none"
         measured = sum(self.excess[(p, dev)][1] for p in box.pids if (p, dev) in self.excess)
         if not measured:
-            return self.est[dev].source if dev in self.est else "ctx-overhead"
-        return "measured" if measured >= contexts else "measured+" + (self.est[dev].source if dev in self.est else "ctx-overhead")
+            return self._estimate(dev).source
+        return "measured" if measured >= contexts else "measured+" + self._estimate(dev).source
 
     def snapshot(self, pids=None, container=None) -> dict:
         """`convgpu trace`'s view, with our state in it. A view turns alloc/free events on (from

@@ -381,6 +381,7 @@ def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, 
     from convgpu.probes.tracer import Tracer
     run_dir = run_dir_for(tag)
     kw.setdefault("state_dir", run_dir)     # learned context estimates: this test's own
+    kw.setdefault("ctx_overhead", 0)        # the stand-in's contexts cost 0 (STANDIN_CTX_OVERHEAD unset)
     return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", capacity or {0: 4 * GiB},
                     LimitRules({}, limit), run_dir=run_dir, **kw)
 
@@ -427,7 +428,8 @@ class StandinNvml:
         if not self.name:
             return []       # totals come from --gpu-memory here
         from convgpu.probes.nvml import GpuInfo
-        return [GpuInfo(d, self.name, 80 * GiB, 0, f"GPU-standin-{d}") for d in range(self.devices)]
+        return [GpuInfo(d, self.name, 80 * GiB, 0, f"GPU-5ca1ab1e-0000-4000-8000-0000000000{d:02x}")   # the stand-in's
+                for d in range(self.devices)]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -439,10 +441,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 class Enforcing:
     """`convgpu enforce` as a subprocess on the stand-in driver, with a run dir of its own;
-    no_bpf: with --no-probes and without the capabilities eBPF needs."""
+    no_bpf: with --no-probes and without the capabilities eBPF needs. --ctx-overhead 0 unless
+    given: the stand-in's contexts cost 0 unless CONVGPU_STANDIN_CTX_OVERHEAD says otherwise, and
+    with no NVML here the enforcer would charge each its conservative 1 GiB (enforcer/ctxest.py)."""
 
     def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None, start_timeout=30):
         self.run_dir = run_dir or run_dir_for("run")
+        if "--ctx-overhead" not in args:
+            args = (*args, "--ctx-overhead", "0")
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],

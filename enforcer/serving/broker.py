@@ -206,7 +206,7 @@ class ShimBroker:
     def ceiling(self, dev: int) -> ctxest.Estimate:
         """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""
         enf = self.enf
-        est = enf.est.get(dev) or ctxest.Estimate(enf.ctx_overhead, "ctx-overhead", "--ctx-overhead")
+        est = enf._estimate(dev)
         if dev not in enf.devices:
             return ctxest.ceiling([], ctxest.Device(dev), est, DEV_PAGE)
         return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)

@@ -24,9 +24,11 @@ class Nvml:
 
 
 def enforcer(tmp_path, box_of=None):
+    """No --ctx-overhead, and never started (nothing measured at start): GPU0 is charged the
+    table's hint, GPU1 (a model the table lacks) the conservative 1 GiB."""
     led = Ledger().start()
     box_of = box_of or {10: "a", 11: "a", 20: "b"}
-    enf = Enforcer(led, "fifo", {0: 8 * GiB, 1: 8 * GiB}, LimitRules({}, 4 * GiB), ctx_overhead=100 * MiB,
+    enf = Enforcer(led, "fifo", {0: 8 * GiB, 1: 8 * GiB}, LimitRules({}, 4 * GiB),
                    container_of=lambda pid: Container("cgroup", box_of[pid], "/" + box_of[pid]),
                    run_dir=str(tmp_path / "run"), nvml=Nvml(), state_dir=str(tmp_path))
     return enf, led
@@ -40,9 +42,9 @@ def charged(enf, box, dev):
 
 def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
     enf, led = enforcer(tmp_path)
-    assert {d: (e.source, e.bytes) for d, e in enf.est.items()} == {0: ("architecture", 550 * MiB),
-                                                                    1: ("ctx-overhead", 100 * MiB)}
-    assert enf._leaf == {} and enf._control(True) == 0 and enf._leaf["ctx_overhead"] == 550 * MiB
+    assert {d: (e.source, e.bytes) for d, e in enf.est.items()} == {0: ("table-hint", 550 * MiB),
+                                                                    1: ("conservative", 1024 * MiB)}
+    assert enf._leaf == {} and enf._control(True) == 0 and enf._leaf["ctx_overhead"] == 1024 * MiB
     for pid in (10, 11, 20):
         led.context(pid, 0, True)
         enf._place(pid, 0, 0)
@@ -55,9 +57,9 @@ def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
     assert charged(enf, a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
     assert charged(enf, b, 0) == 600 * MiB
     st = {c["id"]: c["gpus"]["0"] for c in enf.status()["containers"]}
-    assert st["a"]["context_source"] == "measured+architecture" and st["b"]["context_source"] == "measured"
+    assert st["a"]["context_source"] == "measured+table-hint" and st["b"]["context_source"] == "measured"
     assert st["a"]["context_overhead"] == 518 * MiB + 550 * MiB
-    assert enf.status()["gpus"]["0"]["ctx_estimate"]["source"] == "architecture"
+    assert enf.status()["gpus"]["0"]["ctx_estimate"]["source"] == "table-hint"
     assert enf.books.demand(b, 0) == 600 * MiB and enf.books.held(a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
 
 
@@ -73,7 +75,7 @@ def test_a_process_that_leaves_teaches_its_device(tmp_path):
     enf._measure_overhead()                         # grew: the largest reading is what is learned
     enf._gone(10)
     e = enf.est[0]
-    assert (e.source, e.bytes) == ("learned", 540 * MiB) and enf._leaf["ctx_overhead"] == 540 * MiB
+    assert (e.source, e.bytes) == ("learned", 540 * MiB) and enf._leaf["ctx_overhead"] == 1024 * MiB   # GPU1's
     b = enf.boxes["b"]
     assert charged(enf, b, 0) == 520 * MiB          # still its measurement, relative to the new estimate
     assert enf._t("assign")[enf._t("assign").Key(container=b.key, dev=0)].ctx_charge == 540 * MiB
@@ -82,7 +84,7 @@ def test_a_process_that_leaves_teaches_its_device(tmp_path):
     assert os.path.exists(tmp_path / STATE_FILE)
     # a new enforcer on the same state dir starts from it
     enf2, _ = enforcer(tmp_path)
-    assert (enf2.est[0].source, enf2.est[0].bytes, enf2.est[1].source) == ("learned", 540 * MiB, "ctx-overhead")
+    assert (enf2.est[0].source, enf2.est[0].bytes, enf2.est[1].source) == ("learned", 540 * MiB, "conservative")
 
 
 def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):

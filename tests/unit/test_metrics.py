@@ -25,8 +25,8 @@ def row(pid, dev, live, contexts):
 
 
 def status(name=NASTY):
-    return {"ctx_overhead": 300 * MiB, "unchecked_calls": 4,
-            "gpus": {"0": {"capacity": 5 * GiB, "assigned": 3 * GiB}},
+    return {"ctx_overhead": None, "unchecked_calls": 4,   # the per-GPU estimate counts, not the flag
+            "gpus": {"0": {"capacity": 5 * GiB, "assigned": 3 * GiB, "ctx_estimate": {"bytes": 300 * MiB}}},
             "containers": [{"name": name, "id": "abc", "limit": 2 * GiB, "stalled_s": 1.5, "stalls": 3, "grants": 2,
                             "over_limit_events": 1, "pids": [41, 42, 43],
                             "gpus": {"0": {"assigned": GiB, "used": 512, "context_overhead": 7, "waiting": True,
