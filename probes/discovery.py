@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import untrusted
+from . import loader, reading, untrusted
 from .libs import Library
 from .table import CUDA
 
@@ -94,10 +94,12 @@ def container_of(pid: int) -> str:
 
 @dataclass
 class Pending:
-    """A new driver copy some process opened: read and attached by a later loop pass, while
-    its openers wait (held)."""
+    """A new driver copy some process opened: read (off the loop, probes/reading.py) and
+    attached by later loop passes, while its openers wait (held)."""
     lib: Library
     keys: list          # pid_tgid of each thread stopped at its open
+    read: object = None       # the Future of its reading, once submitted
+    container: str | None = None
 
 
 class Discovery:
@@ -117,6 +119,8 @@ class Discovery:
         self._sentinel = None
         self._stop = threading.Event()
         self._exempt = 0
+        self.reader = reading.Reader()          # files are read there, never on the loop
+        self.spent = reading.Spent()            # and each container's reading is budgeted
 
     def _map(self, name: str):
         return self.tracer.b[name.encode()]
@@ -262,27 +266,56 @@ class Discovery:
         self.pending.setdefault(lib.inode, Pending(lib, []))
 
     def work(self) -> int:
-        """From the loop, after the pass's events: attach queued copies, at most ATTACH_PER_PASS
-        and PASS_BUDGET_S worth; the rest wait for the next pass, their openers held. Returns
-        how many were taken."""
+        """From the loop, after the pass's events: queued copies are read on the reader thread
+        (at most ATTACH_PER_PASS at a time, in arrival order) and attached here once read, at
+        most ATTACH_PER_PASS and PASS_BUDGET_S worth a pass; their openers wait meanwhile.
+        Every copy read counts toward its container's COPIES_PER_CONTAINER, whatever the
+        reading found (issue 33 row 4: failed attaches did not, so one container could make
+        the loop read without end). Returns how many were settled."""
         t0 = time.monotonic()
-        n = 0
-        for n in range(1, ATTACH_PER_PASS + 1):
-            if not self.pending or time.monotonic() - t0 > PASS_BUDGET_S:
-                return n - 1
-            inode = next(iter(self.pending))
-            p = self.pending.pop(inode)
-            self.tracer.finder.known[inode] = p.lib
-            container = container_of(p.keys[0] >> 32) if p.keys else None
-            if container is not None and sum(c == container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
-                why = f"its container has {COPIES_PER_CONTAINER} driver copies probed already, the most one may have"
+        n = reading_now = 0
+        for inode in list(self.pending):
+            if n >= ATTACH_PER_PASS or time.monotonic() - t0 > PASS_BUDGET_S:
+                break
+            p = self.pending[inode]
+            if p.read is None:
+                if reading_now >= ATTACH_PER_PASS:
+                    continue
+                why = self._refuse(p)
+                if why is None:
+                    p.read = self.reader.submit(loader.symbols_of, p.lib)
+                    reading_now += 1
+                    continue
+                del self.pending[inode]
+                self.tracer.finder.known[inode] = p.lib
                 self.tracer.failed.append((self.tracer.let_go(p.lib), why))
+            elif not p.read.done():
+                reading_now += 1
+                continue
             else:
-                if self.tracer.attach(p.lib, container) is not None and container is not None:
-                    self.owner[inode] = container
+                del self.pending[inode]
+                self.tracer.finder.known[inode] = p.lib
+                if p.container is not None:
+                    self.spent.add(p.container, getattr(p.read, "took", 0.0))
+                self.tracer.attach(p.lib, p.container, syms=p.read.exception() or p.read.result())
                 self.beat(force=True)    # progress: BPF keeps stopping at opens
+            n += 1
             self._settle(inode, p.keys)
         return n
+
+    def _refuse(self, p: Pending) -> str | None:
+        """Why p's container may not have it read now, or None (it then counts toward its
+        copies, read or failed, until no process of it uses the copy: forget())."""
+        p.container = container_of(p.keys[0] >> 32) if p.keys else None
+        if p.container is None:
+            return None
+        if sum(c == p.container for c in self.owner.values()) >= COPIES_PER_CONTAINER:
+            return f"its container has {COPIES_PER_CONTAINER} driver copies probed already, the most one may have"
+        if self.spent.over(p.container):
+            return (f"its container's driver files took {reading.READ_S:g} s of reading in the last "
+                    f"{reading.WINDOW_S:g} s, the most one may cause")
+        self.owner[p.lib.inode] = p.container
+        return None
 
     def _settle(self, inode, keys):
         failed = self.tracer.failure(inode)

@@ -163,16 +163,25 @@ def preload(b, recheck: bool = False) -> None:
         b.preload(names, bcc.BPF.KPROBE, links.BPF_TRACE_UPROBE_MULTI if as_links else -1)
 
 
-def attach_library(b, lib: Library, recheck: bool = False) -> LibraryProbes:
+def symbols_of(lib: Library) -> dict[str, untrusted.Symbol]:
+    """What the probes of lib.kind need from lib's file, read within untrusted.Budget (the
+    enforcer runs this on its reader thread, probes/reading.py, never on its loop)."""
+    return untrusted.read_symbols(lib.fd, [p.symbol for p in PROBES if p.library == lib.kind],
+                                  prologue.PROLOGUE_BYTES)
+
+
+def attach_library(b, lib: Library, recheck: bool = False, syms=None) -> LibraryProbes:
     """Attach every table entry for lib.kind. Optional symbols may be absent (older drivers).
     recheck: also probe admitted calls (enforce, table.ADMITTED) inside their prologue, on the
-    first emulated instruction after the entry (probes/prologue.py), else the second one."""
+    first emulated instruction after the entry (probes/prologue.py), else the second one.
+    syms: symbols_of(lib) read already (or the exception reading it raised); None: read now."""
     out = LibraryProbes(lib)
     if lib.fd < 0:
         raise ProbeError(f"cannot attach probes in {lib}: it was not opened", "run `convgpu doctor`")
     try:
-        syms = untrusted.read_symbols(lib.fd, [p.symbol for p in PROBES if p.library == lib.kind],
-                                      prologue.PROLOGUE_BYTES)
+        if isinstance(syms, BaseException):
+            raise syms
+        syms = symbols_of(lib) if syms is None else syms
     except (untrusted.Refused, OSError) as e:
         raise ProbeError(f"not a driver file: {e}", "a driver file is a 64-bit ELF shared object") from e
     path = f"/proc/self/fd/{lib.fd}".encode()   # the inode we read, whatever its name is now

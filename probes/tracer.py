@@ -156,15 +156,16 @@ class Tracer:
                 added.append(lp)
         return added
 
-    def attach(self, lib: Library, container: str | None = None) -> loader.LibraryProbes | None:
+    def attach(self, lib: Library, container: str | None = None, syms=None) -> loader.LibraryProbes | None:
         """Probes on lib, verified by reading it (and self-tested if it is the host's own: a
         required probe that never fired is then a failure too); a failure is recorded in
         `failed` (one bad library must not stop tracing the others). container: whose open
         found it (discovery): its log lines are then one per container and kind, as a container
-        can bring copies by the hundred (issue 24 row 7)."""
+        can bring copies by the hundred (issue 24 row 7). syms: loader.symbols_of(lib), read off
+        the loop (probes/reading.py), or the exception that reading raised."""
         try:
             with phases.timed("attach"):
-                lp = loader.attach_library(self.b, lib, recheck=self.recheck)
+                lp = loader.attach_library(self.b, lib, recheck=self.recheck, syms=syms)
         except Exception as e:
             self.failed.append((self.let_go(lib), str(e)))
             if container is None:   # else discovery says it, with the opener and what it does to it

@@ -8,10 +8,14 @@ symlink out of the container's root, or a file of gigabytes. So a library is
     a container's root, RESOLVE_NO_MAGICLINKS), and kept open: the probes go on that inode
     through /proc/self/fd/N, a path nobody else can swap between the check and the attach;
   - fstat-ed: a regular file of at most MAX_FILE bytes, else refused with one reason;
-  - read, not loaded: its ELF headers, section headers and symbol tables (each capped, within
-    BUDGET_S seconds) give each probed symbol's file offset, as bcc computes it (through the
-    executable PT_LOAD segment that holds its address), and the first bytes there
-    (probes/prologue.py classifies them).
+  - read, not loaded: its ELF headers, section headers and symbol tables give each probed
+    symbol's file offset, as bcc computes it (through the executable PT_LOAD segment that holds
+    its address), and the first bytes there (probes/prologue.py classifies them);
+  - read on a Budget the file cannot dodge (issue 33 row 4: a deadline checked only inside the
+    symbol loop let 16,383 empty .dynsym sections each re-read one 64 MiB string table, minutes
+    on the enforcer's loop): time and bytes are checked before every read, each table is read
+    once, at most MAX_SYMTABS symbol tables are looked at, and a file on a FUSE mount (whose
+    reads a user-space server answers, or never does) is refused.
 A call-based self-test stays only for `trusted` files: owned by root, on a host path (not
 through /proc), no component writable by anyone else (probes/loader.py)."""
 import ctypes as ct
@@ -25,7 +29,10 @@ from dataclasses import dataclass
 MAX_FILE = 1 << 30          # libcuda 580 is ~100 MiB; a copy above 1 GiB is not a driver
 MAX_TABLE = 64 << 20        # one symbol or string table (libcuda's .dynsym + .dynstr: < 1 MiB)
 MAX_SECTIONS = 1 << 14
-BUDGET_S = 2.0              # reading one library (the stand-in: < 5 ms; libcuda: ~50 ms)
+MAX_SYMTABS = 4             # .dynsym and .symtab: a real ELF has at most these two
+BUDGET_S = 1.0              # reading one library (the stand-in: < 5 ms; libcuda 580: ~50 ms)
+READ_BUDGET = 64 << 20      # bytes read from one library in all (libcuda 580: < 2 MiB)
+FUSE_SUPER_MAGIC = 0x65735546
 SYS_OPENAT2 = 437           # x86_64
 RESOLVE_NO_MAGICLINKS, RESOLVE_IN_ROOT = 0x02, 0x10
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
@@ -35,6 +42,28 @@ _libc.syscall.restype = ct.c_long
 
 class Refused(Exception):
     """This file cannot be a driver we probe; str(): why, in a few words."""
+
+
+class Budget:
+    """What reading one file may cost, taken before each read: an input cannot make a read
+    happen after its time or bytes are spent (a check inside a loop over what was read can be
+    dodged by making that loop empty)."""
+
+    def __init__(self, seconds: float = BUDGET_S, nbytes: int = READ_BUDGET):
+        self.seconds, self.nbytes = seconds, nbytes
+        self.deadline = time.monotonic() + seconds
+        self.left = nbytes
+
+    def take(self, n: int, what: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise Refused(f"reading it took over {self.seconds:g} s")
+        if n > self.left:
+            raise Refused(f"{what} of {n} bytes would take its reading past {self.nbytes >> 20} MiB")
+        self.left -= n
+
+
+class _Statfs(ct.Structure):
+    _fields_ = [("f_type", ct.c_long), ("rest", ct.c_byte * 112)]
 
 
 class _OpenHow(ct.Structure):
@@ -78,6 +107,9 @@ def check(fd: int) -> os.stat_result:
         raise Refused(f"{kind}, not a regular file")
     if st.st_size > MAX_FILE:
         raise Refused(f"{st.st_size} bytes, above the {MAX_FILE >> 20} MiB a driver file may have")
+    sfs = _Statfs()
+    if _libc.fstatfs(fd, ct.byref(sfs)) == 0 and sfs.f_type & 0xFFFFFFFF == FUSE_SUPER_MAGIC:
+        raise Refused("on a FUSE mount, whose reads a user-space server answers (or never does)")
     return st
 
 
@@ -112,21 +144,22 @@ class Symbol:
     prologue: bytes     # the first bytes there (probes/prologue.py)
 
 
-def _pread(fd: int, n: int, off: int, what: str) -> bytes:
+def _pread(fd: int, n: int, off: int, what: str, budget: Budget) -> bytes:
     if n < 0 or off < 0 or n > MAX_TABLE:
         raise Refused(f"{what} of {n} bytes is out of bounds")
+    budget.take(n, what)
     b = os.pread(fd, n, off)
     if len(b) != n:
         raise Refused(f"{what} runs past the end of the file")
     return b
 
 
-def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: float = BUDGET_S) -> dict[str, Symbol]:
+def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: Budget | None = None) -> dict[str, Symbol]:
     """{name: Symbol} of each of `names` the file exports as a defined function in an
     executable segment; Refused if the file is not a 64-bit little-endian ELF shared object or
-    reading it goes past a cap or the time budget."""
-    deadline = time.monotonic() + budget
-    h = _pread(fd, 64, 0, "ELF header")
+    reading it goes past a cap or its budget (default: Budget())."""
+    budget = budget or Budget()
+    h = _pread(fd, 64, 0, "ELF header", budget)
     if h[:4] != b"\x7fELF" or h[4] != 2 or h[5] != 1:
         raise Refused("not a 64-bit little-endian ELF file")
     e_type, = struct.unpack_from("<H", h, 16)
@@ -137,32 +170,37 @@ def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: float = BUDGE
     if phentsize != 56 or shentsize != 64 or not 0 < shnum <= MAX_SECTIONS or phnum > 256:
         raise Refused("ELF headers out of bounds")
     exe = []   # (vaddr, filesz, offset) of executable PT_LOAD segments
-    ph = _pread(fd, phnum * 56, phoff, "program headers")
+    ph = _pread(fd, phnum * 56, phoff, "program headers", budget)
     for i in range(phnum):
         p_type, p_flags, p_off, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", ph, i * 56)
         if p_type == 1 and p_flags & 1:
             exe.append((p_vaddr, p_filesz, p_off))
-    sh = _pread(fd, shnum * 64, shoff, "section headers")
+    sh = _pread(fd, shnum * 64, shoff, "section headers", budget)
     secs = [struct.unpack_from("<IIQQQQIIQQ", sh, i * 64) for i in range(shnum)]
+    tables = [s for s in secs if s[1] in (2, 11) and s[9] == 24 and s[6] < shnum]   # SHT_SYMTAB, SHT_DYNSYM
+    if len(tables) > MAX_SYMTABS:
+        raise Refused(f"{len(tables)} symbol tables, more than the {MAX_SYMTABS} an ELF file may have")
     want = {n.encode() for n in names}
-    out: dict[str, Symbol] = {}
-    for sec in secs:
-        if sec[1] not in (2, 11) or sec[9] != 24 or sec[6] >= shnum:   # SHT_SYMTAB, SHT_DYNSYM
-            continue
-        strsec = secs[sec[6]]
-        strtab = _pread(fd, strsec[5], strsec[4], "string table")
-        syms = _pread(fd, sec[5] - sec[5] % 24, sec[4], "symbol table")
+    longest = max(map(len, want), default=0) + 1   # a name is looked at this far, never to a NUL
+    out: dict[str, Symbol] = {}                    # that a crafted table may leave out
+    strtabs: dict[int, bytes] = {}     # each string table read once, whoever links to it
+    for sec in tables:
+        if sec[6] not in strtabs:
+            strsec = secs[sec[6]]
+            strtabs[sec[6]] = _pread(fd, strsec[5], strsec[4], "string table", budget)
+        strtab = strtabs[sec[6]]
+        syms = _pread(fd, sec[5] - sec[5] % 24, sec[4], "symbol table", budget)
         for k, (st_name, st_info, _, shndx, value, _) in enumerate(struct.iter_unpack("<IBBHQQ", syms)):
-            if k & 0xFFF == 0 and time.monotonic() > deadline:
-                raise Refused(f"reading its symbols took over {budget:g} s")
+            if k & 0xFFF == 0:
+                budget.take(0, "its symbols")
             if st_info & 0xF != 2 or shndx == 0 or not value:   # STT_FUNC, defined
                 continue
-            end = strtab.find(b"\0", st_name)
-            name = strtab[st_name:end]
+            name = strtab[st_name:st_name + longest].split(b"\0", 1)[0]
             if name not in want or name.decode() in out:
                 continue
             off = next((value - v + o for v, n, o in exe if v <= value < v + n), None)
             if off is not None:
+                budget.take(prologue_bytes, "a prologue")
                 out[name.decode()] = Symbol(off, os.pread(fd, prologue_bytes, off))
     return out
 

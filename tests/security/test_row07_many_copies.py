@@ -3,7 +3,8 @@ stand-in and 40 files named libcuda.so.1 that are not ELF), one process each. Be
 copy cost an attach and a self-test child inside one loop pass (the loop did nothing else for
 tens of seconds), link descriptors and the known/attached/failed lists never shrank, and every
 open of a bad copy logged its own lines. Now: at most ATTACH_PER_PASS copies (PASS_BUDGET_S) a
-pass, COPIES_PER_CONTAINER probed for one container, one log line per kind, and when the
+pass, COPIES_PER_CONTAINER read for one container (a copy that fails its reading counts too,
+issue 33 row 4), one log line per kind, and when the
 openers exit, their copies' links, descriptors and entries go."""
 import logging
 import os
@@ -17,7 +18,7 @@ import pytest
 from attack import NOBODY, as_nobody, scratch  # noqa: F401
 from conftest import until
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.exclusive]   # discovery reaches every driver file on the host
 GOOD, BAD = 160, 40
 
 
@@ -63,9 +64,9 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         per_pass, took = [], []
         real_attach = t.attach
 
-        def counted(lib, *how):
+        def counted(lib, *how, **kw):
             per_pass[-1] += 1
-            return real_attach(lib, *how)
+            return real_attach(lib, *how, **kw)
         t.attach = counted
         attacker = subprocess.Popen(as_nobody("sh", script, *paths), stdout=subprocess.PIPE, text=True,
                                     start_new_session=True, cwd="/")
@@ -89,12 +90,16 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         container = discovery.container_of(os.getpid())
         owned = [i for i, c in t.discovery.owner.items() if c == container]
         assert len(owned) == discovery.COPIES_PER_CONTAINER
-        assert len(attached) == len(set(owned) & my_inodes) and len(attached) + len(failed) == GOOD + BAD
+        # a copy that failed its reading counts toward the cap like a probed one (issue 33 row 4)
+        capped = [lib for lib, err in failed if "driver copies probed already" in err]
+        assert len(attached) + len(failed) - len(capped) == len(set(owned) & my_inodes)
+        assert len(attached) + len(failed) == GOOD + BAD
         assert all(a.fired is None for lp in attached for a in lp.probes)    # read, never loaded
         # one log line per kind of copy (this one container), not one per copy or open
         said = [r.getMessage() for r in caplog.records if str(base) in r.getMessage()]
         # ("attached" may have been said for another copy of this cgroup just before: at most 1)
-        kinds = {"probes attached to": (0, 1), "not a 64-bit": (1, 1), "driver copies probed already": (1, 1)}
+        # (the bad copies may all have come after the cap was reached: their line is then the cap's)
+        kinds = {"probes attached to": (0, 1), "not a 64-bit": (0, 1), "driver copies probed already": (1, 1)}
         for text, (lo, hi) in kinds.items():
             assert lo <= len([m for m in said if text in m]) <= hi, [m for m in said if text in m][:5]
         assert len(said) == len([m for m in said if any(k in m for k in kinds)]), said[:10]

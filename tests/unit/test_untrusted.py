@@ -165,3 +165,87 @@ def test_said_once_per_key_then_counts(caplog):
     for i in range(10):
         small(logging.INFO, i, "k")
     assert len(small.last) == 3
+
+
+# --- budgets (issue 33 row 4): what a file makes us read is bounded before each read ---
+
+def _tables(tmp_path, sections, tail=0):
+    """An ELF of the given section headers (tuples of 10 fields), sparse to `tail` bytes."""
+    h = _elf(shoff=64, shnum=len(sections))
+    sh = b"".join(struct.pack("<IIQQQQIIQQ", *s) for s in sections)
+    p = tmp_path / "libcuda.so.1"
+    with open(p, "wb") as f:
+        f.write(h + sh)
+        f.truncate(max(tail, len(h) + len(sh)))
+    return _open(p)
+
+
+def test_empty_symbol_tables_by_the_thousand_are_refused_unread(tmp_path):
+    """16,383 empty .dynsym sections linked to one 64 MiB string table: the old reader read the
+    table once per section (minutes); now the count alone refuses the file."""
+    n = untrusted.MAX_SECTIONS
+    big = untrusted.MAX_TABLE
+    secs = [(0, 11, 0, 0, 0, 0, n - 1, 0, 8, 24)] * (n - 1) + [(0, 3, 0, 0, 2 << 20, big, 0, 0, 1, 0)]
+    fd = _tables(tmp_path, secs, (2 << 20) + big)
+    try:
+        with pytest.raises(untrusted.Refused, match=f"{n - 1} symbol tables, more than the 4"):
+            untrusted.read_symbols(fd, ["cuMemAlloc_v2"])
+    finally:
+        os.close(fd)
+
+
+def test_bytes_are_budgeted_per_file_before_each_read(tmp_path):
+    """Two symbol tables, each linked to a string table of its own, 40 MiB each: the second
+    string table would take the file past READ_BUDGET, and is not read."""
+    t = 40 << 20
+    secs = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+            (0, 11, 0, 0, 4096, 0, 3, 0, 8, 24), (0, 11, 0, 0, 4096, 0, 4, 0, 8, 24),
+            (0, 3, 0, 0, 1 << 20, t, 0, 0, 1, 0), (0, 3, 0, 0, (1 << 20) + t, t, 0, 0, 1, 0)]
+    fd = _tables(tmp_path, secs, (1 << 20) + 2 * t)
+    try:
+        with pytest.raises(untrusted.Refused, match="string table of 41943040 bytes would take its reading past 64 MiB"):
+            untrusted.read_symbols(fd, ["cuMemAlloc_v2"])
+        b = untrusted.Budget(seconds=0.0)
+        with pytest.raises(untrusted.Refused, match="reading it took over 0 s"):
+            untrusted.read_symbols(fd, ["cuMemAlloc_v2"], budget=b)   # time: before the first read
+    finally:
+        os.close(fd)
+
+
+def test_a_string_table_without_a_nul_costs_each_symbol_only_its_name(tmp_path):
+    """200,000 defined functions whose names all start at offset 0 of a 16 MiB string table
+    with no NUL: the old reader searched the whole table for each (20 s between two deadline
+    checks); now each name is looked at no further than the longest name wanted."""
+    import time
+    n, t = 200_000, 16 << 20
+    symoff, stroff = 1 << 20, 8 << 20
+    secs = [(0, 0, 0, 0, 0, 0, 0, 0, 0, 0), (0, 11, 0, 0, symoff, n * 24, 2, 0, 8, 24),
+            (0, 3, 0, 0, stroff, t, 0, 0, 1, 0)]
+    os.close(_tables(tmp_path, secs, stroff + t))
+    with open(tmp_path / "libcuda.so.1", "r+b") as f:
+        f.seek(symoff)
+        f.write(struct.pack("<IBBHQQ", 0, 2, 0, 1, 0x1000, 0) * n)     # STT_FUNC, defined, name at 0
+        f.seek(stroff)
+        f.write(b"A" * t)
+    fd = _open(tmp_path / "libcuda.so.1")
+    try:
+        t0 = time.monotonic()
+        assert untrusted.read_symbols(fd, ["cuMemAlloc_v2"]) == {}
+        assert time.monotonic() - t0 < 0.5 * untrusted.BUDGET_S
+    finally:
+        os.close(fd)
+
+
+def test_the_reader_runs_jobs_off_the_caller_and_keeps_their_errors():
+    import threading
+    from convgpu.probes.reading import Reader, Spent
+    r = Reader()
+    ok = r.submit(lambda: threading.current_thread().name)
+    bad = r.submit(untrusted.read_symbols, -1, ["x"])
+    assert ok.result(timeout=5) == "convgpu-reader" and isinstance(bad.exception(timeout=5), OSError)
+    assert ok.took >= 0
+    s = Spent(limit=1.0, window=60)
+    s.add("a", 0.6)
+    assert not s.over("a")
+    s.add("a", 0.5)
+    assert s.over("a") and not s.over("b")
