@@ -42,6 +42,7 @@ from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
 from .failsafe.threadhold import ThreadHolder, _tids
 from .failsafe.watchdog import write_state
+from ..probes.nvml import Cached
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
@@ -116,7 +117,9 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         self.owner = random.SystemRandom().randrange(1, 1 << 31)   # control.owner: who admits
         self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
         # what `convgpu trace` shows while we run (it asks us rather than probing twice)
-        self.acct = Accountant(nvml=nvml, ctx_overhead=None if nvml is not None and nvml.ok else ctx_overhead,
+        self.acct = Accountant(nvml=Cached(list(self._gpu_infos.values()), lambda: self.sampler, nvml.driver)
+                               if nvml is not None and nvml.ok else None,   # never NVML itself from the loop
+                               ctx_overhead=None if nvml is not None and nvml.ok else ctx_overhead,
                                engines=engines, container_of_pid=container_of)
         self._published = 0.0
         self._saved = None
@@ -136,6 +139,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         self._measuring_now = None               # the ctxmeasure.Measurement running
         self._measuring = 0                      # its child's pid: admission skips it (control.measuring)
         self._held_new: dict = {}                # (pid, tid) -> (event, also): waiting for a measurement
+        self._nvml_failing = False               # said once: NVML stopped answering (overhead.py)
         self._peak: dict[tuple[int, int], int] = {}    # (pid, dev) -> largest measured per context
         self._learn_saved = 0.0
 

@@ -18,6 +18,7 @@ from .actions import alive
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 LEARN_SAVE_EVERY = 10.0  # s at most between two writes of the learned context estimates
+NVML_STALE = 3.0         # s without an NVML sample (one a second) that is said in the log
 
 
 class ContextOverhead:
@@ -181,6 +182,8 @@ class ContextOverhead:
         container's extra_overhead replaces that estimate with the measurement (measured less
         contexts x estimate, negative where the estimate was high), so no context is charged
         both ways."""
+        if self.sampler is not None:
+            self._nvml_health(time.monotonic())
         nv = self.sampler.take() if self.sampler is not None else None
         if nv is None:
             return False
@@ -193,6 +196,21 @@ class ContextOverhead:
             if n > 0 and dev in self.devices and pid in self.pid_box:
                 self._peak[(pid, dev)] = max(self._peak.get((pid, dev), 0), over // n)
         return self._recharge()
+
+    def _nvml_health(self, now: float):
+        """One line when NVML stops answering (an error, or a call that hangs in the sampler's
+        thread, never in this loop) and one when it answers again. Meanwhile every context
+        stays charged at its last measurement (Sampler keeps it), a new one at its estimate."""
+        s = self.sampler
+        late = now - s.ok_at
+        if late >= NVML_STALE and not self._nvml_failing:
+            self._nvml_failing = True
+            log.warning("NVML has not answered for %.0f s (%s): contexts stay charged at their last "
+                        "measurement, new ones at the estimate; enforcing goes on", late,
+                        s.error or "a call hangs")
+        elif late < NVML_STALE and self._nvml_failing:
+            self._nvml_failing = False
+            log.info("NVML answers again: contexts are measured again")
 
     def _check_mappings(self, pids: set[int], listed: set[tuple[int, int]]):
         """NVML lists each process under the host GPUs it uses: the check of the mapping made at

@@ -2,6 +2,7 @@
 which is what lets convgpu *measure* each process's context overhead instead of guessing it."""
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -76,19 +77,22 @@ class Nvml:
             return ()
 
     def process_memory(self) -> dict[tuple[int, int], int]:
-        """(pid, gpu index) -> bytes NVML says the process uses (allocations + context)."""
+        """(pid, gpu index) -> bytes NVML says the process uses (allocations + context). Raises
+        where the compute processes of a GPU cannot be read (GPU lost, unknown error): an
+        empty list there would read as "no process uses it", and every context measured on it
+        would fall back to its smaller estimate (issue 31). Graphics processes are optional
+        (NotSupported on datacenter cards)."""
         if not self.ok:
             return {}
         n = self._n
         out: dict[tuple[int, int], int] = {}
         for i in range(n.nvmlDeviceGetCount()):
             h = n.nvmlDeviceGetHandleByIndex(i)
-            procs = []
-            for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-                try:
-                    procs += getattr(n, fn)(h)
-                except Exception as e:
-                    log.debug("%s: %s", fn, e)
+            procs = list(n.nvmlDeviceGetComputeRunningProcesses(h))
+            try:
+                procs += n.nvmlDeviceGetGraphicsRunningProcesses(h)
+            except Exception as e:
+                log.debug("nvmlDeviceGetGraphicsRunningProcesses: %s", e)
             for p in procs:
                 used = p.usedGpuMemory
                 if used is not None and used < (1 << 62):   # N/A reads as a huge value
@@ -117,6 +121,9 @@ class Sampler:
     def __init__(self, nvml: "Nvml", every: float, tracked, busy=lambda: set(), contexts: bool = False):
         self.nvml, self.every, self.tracked, self.busy = nvml, every, tracked, busy
         self.contexts = contexts   # tracked() gives (bytes, contexts): see sample()
+        self.ok_at = time.monotonic()   # the last sample NVML answered (stale: Enforcer._nvml_health)
+        self.error = ""                 # why the last sample failed, "" if it did not
+        self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached)
         self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
@@ -131,7 +138,9 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 self._latest = self.sample()
-            except Exception as e:   # a driver hiccup: the next sample may do
+                self.ok_at, self.error = time.monotonic(), ""
+            except Exception as e:   # GPU lost, unknown error: the last sample stays in force
+                self.error = f"{type(e).__name__}: {e}"
                 log.debug("process_memory: %s", e)
             self._stop.wait(self.every)
 
@@ -146,6 +155,7 @@ class Sampler:
         before = self.tracked()
         moving = self.busy()
         used = self.nvml.process_memory()
+        self.raw = used
         moving |= self.busy()
         after = self.tracked()
         out, seen = {}, {}
@@ -178,3 +188,20 @@ class Sampler:
     def close(self):
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class Cached:
+    """NVML's answers as read at start (the GPUs) and by the sampler (per-process memory), for
+    readers in the enforcer's loop (`convgpu trace`'s snapshot): a call that hangs there would
+    hold every stall and resume behind it."""
+    ok = True
+
+    def __init__(self, gpus: list[GpuInfo], sampler, driver: str = ""):
+        self._gpus, self._sampler, self.driver = list(gpus), sampler, driver
+
+    def gpus(self) -> list[GpuInfo]:
+        return self._gpus
+
+    def process_memory(self) -> dict[tuple[int, int], int]:
+        s = self._sampler()
+        return dict(s.raw) if s is not None else {}

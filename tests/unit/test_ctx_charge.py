@@ -34,6 +34,12 @@ def enforcer(tmp_path, box_of=None):
     return enf, led
 
 
+def sampler(sample: dict):
+    """probes.nvml.Sampler's face: its next sample, and NVML answering (ok_at: now)."""
+    import time
+    return type("S", (), {"take": lambda self: sample, "ok_at": time.monotonic(), "error": ""})()
+
+
 def charged(enf, box, dev):
     a = enf._t("assign")[enf._t("assign").Key(container=box.key, dev=dev)]
     used, contexts, _ = enf.books.usage(box, dev)
@@ -69,9 +75,9 @@ def test_a_process_that_leaves_teaches_its_device(tmp_path):
     for pid in (10, 20):
         led.context(pid, 0, True)
         enf._place(pid, 0, 0)
-    enf.sampler = type("S", (), {"take": lambda self: {(10, 0): (530 * MiB, 1), (20, 0): (520 * MiB, 1)}})()
+    enf.sampler = sampler({(10, 0): (530 * MiB, 1), (20, 0): (520 * MiB, 1)})
     enf._measure_overhead()
-    enf.sampler = type("S", (), {"take": lambda self: {(10, 0): (540 * MiB, 1), (20, 0): (520 * MiB, 1)}})()
+    enf.sampler = sampler({(10, 0): (540 * MiB, 1), (20, 0): (520 * MiB, 1)})
     enf._measure_overhead()                         # grew: the largest reading is what is learned
     enf._gone(10)
     e = enf.est[0]
