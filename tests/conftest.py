@@ -270,16 +270,22 @@ def cgroups(root):
     lay = cgroup_layout()
     need(lay.v2_root is not None, "no cgroup2 hierarchy")
     base = Path(lay.v2_root) / f"convgpu-test-{os.getpid()}-{time.monotonic_ns()}"
-    made = []
 
     def make(name):
         d = base / name
         d.mkdir(parents=True, exist_ok=True)
-        made.append(d)
         return d
 
     yield make
-    for d in made + [base]:
+    # every directory under base, deepest first, and what a test left running in one killed (a
+    # clone3 child of a killed parent): else its rmdir was retried for 2 s, and it leaked (as
+    # did a nested one's parents, kubepods/pod<uid>/<id>)
+    for d in sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [base]:
+        try:
+            if (d / "cgroup.procs").read_text().strip():
+                (d / "cgroup.kill").write_text("1")
+        except OSError:
+            pass
         remove_cgroup(d)
 
 
