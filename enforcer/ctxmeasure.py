@@ -56,11 +56,11 @@ class Measurement:
     still does (a late thread must not end the exemption of the next measurement's child)."""
 
     def __init__(self, model_key: str, dev: int, visible: str, lib: str, nvml, exempt,
-                 timeout: float = TIMEOUT, env: dict | None = None):
+                 timeout: float | None = None, env: dict | None = None):
         self.model_key, self.dev, self.visible, self.lib = model_key, dev, visible, lib
         self.nvml, self.exempt = nvml, exempt
         self.started = time.monotonic()
-        self.deadline = self.started + timeout
+        self.deadline = self.started + (TIMEOUT if timeout is None else timeout)
         self.env = dict(os.environ if env is None else env)
         self.env.pop("LD_PRELOAD", None)       # the preload shim would ask the enforcer: not here
         self.env.update(CUDA_VISIBLE_DEVICES=visible, CUDA_DEVICE_ORDER="PCI_BUS_ID")

@@ -6,6 +6,7 @@ for each source the per-device estimate can come from. Before issue 14, the cont
 only once NVML had measured it (a second later); before issue 31, a GPU model missing from the
 table (the H200) was charged --ctx-overhead, default 0, until then: 518 MiB over each limit.
 In-process enforcer on the stand-in, real uprobes, real cgroups."""
+import dataclasses
 import json
 import logging
 import os
@@ -130,3 +131,95 @@ def test_a_full_card_of_fresh_contexts_stays_within_each_assignment(root, build,
             p.kill()
             p.wait()
         subprocess.run(usage_tool[:1] + ["--unlink"], env=env, capture_output=True)
+
+
+def stalls_at(enf, name: str, chunks: int, timeout: float = 20):
+    """Container `name` waits on GPU0 having allocated exactly `chunks` x CHUNK."""
+    def g():
+        return next((c["gpus"].get("0") for c in enf.status()["containers"] if c["name"] == name), None)
+    try:
+        until(lambda: g() is not None and g()["waiting"] and g()["used"] == chunks * CHUNK, timeout, "")
+    except AssertionError:
+        raise AssertionError(f"{name} did not stall at {chunks} chunks: {g()}") from None
+
+
+def test_without_nvml_a_context_is_charged_the_conservative_gigabyte(root, build, cgroups, caller_env):
+    """No NVML, no --ctx-overhead: nothing can measure a context, and the table needs a name.
+    Each context is charged 1 GiB from its first moment: under a 1.5 GiB limit a container
+    gets 8 chunks of 64 MiB, never the 24 a charge of 0 (before issue 31) let through."""
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin(caller_env, 0, "noctx")
+    p = None
+    try:
+        enf = inprocess_enforcer(lib, "ctx-nonvml", 3 * GiB // 2, capacity={0: 3 * GiB}, ctx_overhead=None)
+        with serving(enf):
+            est = enf.status()["gpus"]["0"]["ctx_estimate"]
+            assert (est["source"], est["bytes"]) == ("conservative", 1024 * MiB)
+            assert "(no NVML)" in est["detail"] and not enf.status()["gpus"]["0"]["ctx_measuring"]
+            p = start_in(cgroups("cons"), build, env, "alloc", "-n", 24, "-s", CHUNK, "--hold")
+            stalls_at(enf, "cons", (3 * GiB // 2 - 1024 * MiB) // CHUNK)
+            wait_state(p.pid, "T")
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+def test_a_measurement_is_kept_and_a_restart_does_not_measure_again(root, build, caller_env, monkeypatch, caplog):
+    """The first enforcer on a fresh state dir measures the H200's context (the stand-in's
+    518 MiB) and keeps it; a second one on the same state dir starts charging 552 MiB at once,
+    with no child and no newcomer held (restart to admission stays short)."""
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin(caller_env, 518 * MiB, "ctxkeep")
+    child_env(monkeypatch, env)
+    state = run_dir_for("ctx-keep")
+    try:
+        for n in (1, 2):
+            caplog.clear()
+            enf = inprocess_enforcer(lib, f"ctx-keep{n}", LIMIT, capacity={0: 3 * GiB}, ctx_overhead=None,
+                                     nvml=StandinNvml(env["CONVGPU_STANDIN_SHM"], *H200), state_dir=state)
+            with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+                if n == 2:
+                    gpu = enf.status()["gpus"]["0"]
+                    assert not gpu["ctx_measuring"] and enf._measuring_now is None
+                until(lambda: not enf.status()["gpus"]["0"]["ctx_measuring"], 20, "never measured")
+                est = enf.status()["gpus"]["0"]["ctx_estimate"]
+                assert (est["source"], est["bytes"]) == ("measured-at-start", 552 * MiB), est
+            assert ("measuring what a context costs" in caplog.text) == (n == 1), caplog.text
+            kept = json.load(open(os.path.join(state, ctxest.STATE_FILE)))
+            assert kept["measured"] == {"NVIDIA H200 driver 580.159.04": 518 * MiB}
+    finally:
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+class ForeignUuid(StandinNvml):
+    """NVML names a GPU the driver does not have (its UUID differs): the child cannot select it."""
+    def gpus(self):
+        return [dataclasses.replace(g, uuid="GPU-00000000-dead-beef-0000-000000000000") for g in super().gpus()]
+
+
+def test_a_child_that_fails_falls_back_to_the_conservative_charge(root, build, cgroups, caller_env, monkeypatch,
+                                                                   caplog):
+    """The measuring child cannot make its context (cuInit: no such device): one warning that
+    names why, the conservative 1 GiB for the H200 (the table lacks it), newcomers go on."""
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin(caller_env, 518 * MiB, "ctxfail")
+    child_env(monkeypatch, env)
+    p = None
+    try:
+        enf = inprocess_enforcer(lib, "ctx-fail", 3 * GiB // 2, capacity={0: 3 * GiB}, ctx_overhead=None,
+                                 nvml=ForeignUuid(env["CONVGPU_STANDIN_SHM"], *H200))
+        with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+            p = start_in(cgroups("after"), build, env, "alloc", "-n", 24, "-s", CHUNK, "--hold")
+            stalls_at(enf, "after", (3 * GiB // 2 - 1024 * MiB) // CHUNK)
+            est = enf.status()["gpus"]["0"]["ctx_estimate"]
+            assert (est["source"], est["bytes"]) == ("conservative", 1024 * MiB), est
+            assert "cuInit returned CUresult 100" in est["detail"]
+        lines = [r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()]
+        assert len(lines) == 1 and "cuInit returned CUresult 100" in lines[0], lines
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)

@@ -198,3 +198,51 @@ def test_an_nvml_call_that_hangs_never_holds_admission(root, build, cgroups, cal
             w.p.kill()
             w.p.wait()
         subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_long(root, build, cgroups, caller_env,
+                                                                                    caplog, monkeypatch):
+    """A GPU model never seen ("Stand-in GPU"): its context is measured at start, and NVML hangs
+    while the child waits to be read. A newcomer waits, the loop meanwhile answers `status`;
+    after ctxmeasure.TIMEOUT (3 s here) the child is killed, one warning says why, and the
+    newcomer runs, charged the conservative 1 GiB (of its 1.5 GiB limit: 8 chunks)."""
+    from convgpu.enforcer import ctxmeasure
+    from convgpu.enforcer.serving.server import request
+    monkeypatch.setattr(ctxmeasure, "TIMEOUT", 3.0)
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin_env(caller_env)
+    for k in ("CONVGPU_STANDIN_CAPACITY", "CONVGPU_STANDIN_CTX_OVERHEAD", "CONVGPU_STANDIN_SHM"):
+        monkeypatch.setenv(k, env[k])    # the child's environment: the enforcer's
+    nv, fake = faulty_nvml(env)
+    w = None
+    try:
+        enf = inprocess_enforcer(lib, "nvhang-start", 3 * GiB // 2, capacity={0: 3 * GiB}, ctx_overhead=None, nvml=nv)
+        fake.fault = "hang"
+        with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+            t0 = time.monotonic()
+            assert enf.status()["gpus"]["0"]["ctx_measuring"]
+            w = Worker(cgroups("newcomer"), lib, env)    # "up" only once it is placed
+            waited = time.monotonic() - t0
+            assert said(caplog, "until a context is measured there") == 1
+            assert said(caplog, "the context could not be measured") == 1 and 2.5 < waited < 10, waited
+            st = request(f"{enf.run_dir}/control.sock", {"cmd": "status"}, timeout=5)["status"]
+            est = st["gpus"]["0"]["ctx_estimate"]
+            assert (est["source"], est["bytes"], st["gpus"]["0"]["ctx_measuring"]) == ("conservative", GiB, False)
+            assert "no answer within 3 s" in est["detail"]
+            name = enf.pid_box[w.p.pid].name
+            for _ in range(8):
+                w.send(f"a {CHUNK}")
+                w.stamp()
+            w.send(f"a {CHUNK}")
+            w.wait_stopped()
+            until(lambda: row(enf, name)["waiting"] and row(enf, name)["used"] == 8 * CHUNK, 5, "no stall at 8")
+            assert enf._measuring == 0                   # its exemption ended with it
+            fake.fault = None
+            fake.release.set()
+        assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
+    finally:
+        fake.release.set()
+        if w is not None:
+            w.p.kill()
+            w.p.wait()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
