@@ -3,13 +3,16 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..enforcer import ctxest
 from ..enforcer.tenants.containers import cgroup_layout
 from ..probes import loader
 from ..probes.libs import LibraryFinder
 from ..probes.nvml import Nvml
+from ..units import format_size
 from . import common
 
 
@@ -36,7 +39,7 @@ def _kernel_config(option: str) -> bool | None:
     return None
 
 
-def run_checks() -> list[Check]:
+def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.RUN_DIR) -> list[Check]:
     checks = [Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run as root (sudo convgpu ...)")]
     checks.append(Check("BTF", os.path.exists("/sys/kernel/btf/vmlinux"), "/sys/kernel/btf/vmlinux",
                         "a kernel with CONFIG_DEBUG_INFO_BTF helps; not required by bcc", fatal=False))
@@ -76,7 +79,9 @@ def run_checks() -> list[Check]:
             checks.append(Check("libcudart", True, f"{lib} inode {lib.inode[1]}", fatal=False))
     nv = Nvml()
     checks.append(Check("NVML", nv.ok, f"driver {nv.driver}, {len(nv.gpus())} GPU(s)" if nv.ok else nv.error,
-                        "without NVML the context overhead is estimated (--ctx-overhead)", fatal=False))
+                        "without NVML no context is measured: each is charged the table's figure or a "
+                        "conservative 1 GiB (or --ctx-overhead)", fatal=False))
+    checks += context_checks(nv, cuda, state_dir, run_dir)
     nv.close()
     lay = cgroup_layout()
     checks.append(Check("cgroups", lay.mode in ("v2", "hybrid", "v1"), f"{lay.mode}; v2 at {lay.v2_root}", "mount cgroup2"))
@@ -89,6 +94,42 @@ def run_checks() -> list[Check]:
     from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
     checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks
+
+
+def context_checks(nv, cuda, state_dir: str, run_dir: str) -> list[Check]:
+    """Per GPU, what a CUDA context is charged before NVML measures it, and where that comes from:
+    the running enforcer's figure if one answers, else what a start would charge with the state
+    dir as it is (learned, measured-at-start, to be measured at start, table-hint, conservative;
+    enforcer/ctxest.py). Conservative is a warning: 1 GiB held per context until NVML measures it."""
+    from ..enforcer.serving.server import request
+    try:
+        st = request(f"{run_dir.rstrip('/')}/control.sock", {"cmd": "status"}, timeout=2)["status"]
+        running = {d: (g["ctx_estimate"], g.get("ctx_measuring", False)) for d, g in st["gpus"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        running = None
+    store = ctxest.LearnedStore(state_dir)
+    out = []
+    gpus = nv.gpus() if nv.ok else []
+    for g in gpus or [None]:
+        dev = ctxest.Device(g.index, g.name, g.uuid, nv.driver) if g else ctxest.Device(0)
+        if running is not None and str(dev.index) in running:
+            est, measuring = running[str(dev.index)]
+            est = ctxest.Estimate(est["bytes"], est["source"], est["detail"])
+            where = "the running enforcer" + (", being measured now" if measuring else "")
+            later = measuring
+        else:
+            why = ("no NVML" if not nv.ok else "MIG mode" if g.migs else "no host driver" if not cuda else "")
+            measured = store.measured_at_start(dev.model_key)
+            est = ctxest.choose(store.get(dev.key), dev, None, measured, why)
+            where = f"a start with {state_dir}"
+            later = not why and measured is None and not store.get(dev.key)
+            if later:
+                where += ": measured at start first (newcomers wait), till then"
+        out.append(Check(f"context GPU{dev.index}", est.source != "conservative" or later,
+                         f"{format_size(est.bytes)} per context ({est.source}; {where}): {est.detail}",
+                         "a context is held at 1 GiB until NVML measures its process: give the enforcer NVML "
+                         "and the host's driver to measure one, or --ctx-overhead", fatal=False))
+    return out
 
 
 def _recheck_check(lib) -> Check:
@@ -137,9 +178,11 @@ def _bpf_checks() -> list[Check]:
 
 
 @common.handle_errors
-def doctor():
+def doctor(state_dir: str = typer.Option(ctxest.DEFAULT_STATE_DIR, "--state-dir", help="The enforcer's state dir: "
+                                         "what a start would charge per CUDA context (learned or measured there)."),
+           run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
     """Check that this host can trace CUDA allocations; print the fix for every problem."""
-    checks = run_checks()
+    checks = run_checks(state_dir, run_dir)
     t = Table(show_header=True, box=None)
     for col in ("check", "", "detail", "fix"):
         t.add_column(col, overflow="fold")

@@ -13,8 +13,13 @@ def table(st: dict) -> Table:
     caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])} assigned"
                      for d, g in st["gpus"].items())
     unchecked = st.get("unchecked_calls", 0)
-    # per GPU: what a context is charged before NVML measures it, and where that comes from
-    est = "; ".join(f"GPU{d} context {format_size(g['ctx_estimate']['bytes'])} ({g['ctx_estimate']['source']})"
+    # per GPU: what a context is charged before NVML measures it, where that comes from
+    # (learned, operator, measured-at-start, table-hint, conservative), and what the shim's
+    # memory view leaves for one (ctxest.ceiling)
+    ceiling = st.get("shim_ctx_ceiling", {})
+    est = "; ".join(f"GPU{d} context {format_size(g['ctx_estimate']['bytes'])} ({g['ctx_estimate']['source']}"
+                    + (", being measured: newcomers wait" if g.get("ctx_measuring") else "") + ")"
+                    + (f", shim view {format_size(ceiling[d]['bytes'])}" if d in ceiling else "")
                     for d, g in st["gpus"].items() if "ctx_estimate" in g)
     notes = [est] if est else []
     if unchecked:

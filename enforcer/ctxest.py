@@ -177,7 +177,8 @@ def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estima
         figures["architecture top"] = top
     name, base = max(figures.items(), key=lambda kv: kv[1])
     nbytes = -(-(base + base // CEILING_MARGIN) // page) * page
-    return Estimate(nbytes, name, f"{name} {base} bytes + 1/{CEILING_MARGIN}, in {page}-byte pages")
+    return Estimate(nbytes, name, f"{name} {base} bytes + 1/{CEILING_MARGIN}, in {page}-byte pages "
+                    f"(the estimate: {est.source})")
 
 
 class LearnedStore:

@@ -130,3 +130,35 @@ def test_status_table_names_the_estimate_and_where_each_charge_comes_from():
     out = c.export_text()
     assert "GPU0 context 550.0 MiB (architecture)" in out and "measured" in out and "522.0 MiB" in out
     assert max(len(line) for line in out.splitlines()) <= 110
+    # a GPU never seen, its context being measured; the shim's view of a context beside it
+    st["gpus"]["0"].update(ctx_estimate={"bytes": GiB, "source": "conservative", "detail": "-"}, ctx_measuring=True)
+    st["shim_ctx_ceiling"] = {"0": {"bytes": 1152 * MiB, "source": "estimate", "detail": "-"}}
+    c = Console(width=120, record=True)
+    c.print(table(st))
+    assert "GPU0 context 1.0 GiB (conservative, being measured: newcomers wait), shim view 1.1 GiB" in c.export_text()
+
+
+def test_doctor_says_per_gpu_what_a_context_is_charged_and_why(tmp_path):
+    """No enforcer answers: what a start would charge with the state dir as it is."""
+    from convgpu.cli.doctor import context_checks
+    from convgpu.enforcer.ctxest import LearnedStore
+
+    class H200:
+        ok, driver = True, "580.159.04"
+
+        def gpus(self):
+            return [GpuInfo(0, "NVIDIA H200", 140 * GiB, 0, "GPU-h2"), GpuInfo(1, "NVIDIA H100 80GB HBM3", 80 * GiB, 0, "GPU-h1")]
+
+    def checks(nv, cuda=("libcuda",)):
+        return {c.name: c for c in context_checks(nv, list(cuda), str(tmp_path), str(tmp_path / "no-enforcer"))}
+    fresh = checks(H200())
+    assert fresh["context GPU0"].ok and "measured at start first" in fresh["context GPU0"].detail
+    assert "(conservative;" in fresh["context GPU0"].detail               # until it is measured
+    assert "(table-hint;" in checks(H200(), cuda=())["context GPU1"].detail   # no driver to measure with
+    store = LearnedStore(str(tmp_path))
+    store.set_measured("NVIDIA H200 driver 580.159.04", 518 * MiB)
+    store.save()
+    kept = checks(H200())["context GPU0"]
+    assert kept.ok and kept.detail.startswith("552.0 MiB per context (measured-at-start; a start with")
+    none = checks(type("NoNvml", (), {"ok": False, "driver": ""})())
+    assert list(none) == ["context GPU0"] and not none["context GPU0"].ok and "(no NVML)" in none["context GPU0"].detail
