@@ -1,10 +1,13 @@
-"""Issue 14, part 2, on the real driver: a card filled to its --gpu-memory by three containers,
-each a framework process (PyTorch or CuPy) that makes a context and at once allocates blocks
-until it is stopped (CuPy: 2 MiB blocks, so each ends within 2 MiB of what it is charged, and
-an estimate short by more than that shows). NVML's memory per container (one process each), sampled every few
-ms from the first context on, never exceeds its assignment by more than 2 MiB: the context is
-charged its device's estimate (the H100 table's 550 MiB on a fresh state dir) before NVML has
-measured it. A second enforcer on the same state dir starts from the learned median."""
+"""Issues 14 (part 2) and 31 (part 2), on the real driver: a card filled to its --gpu-memory by
+three containers, each a framework process (PyTorch or CuPy) that makes a context and at once
+allocates blocks until it is stopped (CuPy: 2 MiB blocks, so each ends within 2 MiB of what it
+is charged, and an estimate short by more than that shows). NVML's memory per container (one
+process each), sampled every few ms from the first context on, never exceeds its assignment by
+more than 2 MiB: the context is charged its device's estimate before NVML has measured it. On a
+fresh state dir that estimate is a context the enforcer measured at start (on any model: the
+H200 is not in the table, and was charged 0 before issue 31); a second enforcer on the same
+state dir starts from the learned median. The last test empties the table (CONVGPU_CTX_TABLE=off)
+and repeats the issue's case: 4 x 384 MiB under a 1,536 MiB limit, which held 2,054 MiB before."""
 import json
 import os
 import subprocess
@@ -61,7 +64,6 @@ def one_round(framework, base, run_dir, state_dir, log):
 
     try:
         lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 60, "enforcer log")
-        estimate = status()["gpus"]["0"]["ctx_estimate"]
         for i in range(N):
             cg = base / f"c{i}"
             cg.mkdir(parents=True, exist_ok=True)
@@ -87,6 +89,7 @@ def one_round(framework, base, run_dir, state_dir, log):
         stop.set()
         sampler.join()
         st = status()
+        estimate = st["gpus"]["0"]["ctx_estimate"]   # a fresh state dir: measured while the containers waited
         return estimate, st, peaks, pids
     finally:
         stop.set()
@@ -105,19 +108,15 @@ def test_fresh_contexts_on_a_full_card_stay_within_their_assignments(root, tmp_p
     need(lay.v2_root is not None, "no cgroup2")
     if framework == "cupy":
         pytest.importorskip("cupy")
-    from convgpu.enforcer.ctxest import arch_default
     from convgpu.probes.nvml import Nvml
     nv = Nvml()
     need(nv.ok and nv.gpus(), f"no NVML ({nv.error})")
-    name = nv.gpus()[0].name
-    need(arch_default(name, nv.driver) is not None,
-         f"no measured context default for {name} driver {nv.driver} (enforcer/ctxest.py ARCH_DEFAULTS)")
     nv.close()
     base = Path(lay.v2_root) / f"convgpu-gpu-ctx-{os.getpid()}"
     state_dir = str(tmp_path / "state")
     log, result = [], {"scenario": f"context at admission, {framework}"}
     try:
-        for rnd, source in ((1, "architecture"), (2, "learned")):
+        for rnd, source in ((1, "measured-at-start"), (2, "learned")):
             estimate, st, peaks, pids = one_round(framework, base, str(tmp_path / f"run{rnd}"), state_dir, log)
             rows = {c["pids"][0]: c["gpus"]["0"] for c in st["containers"]}
             result[f"round{rnd}"] = {"estimate": estimate, "nvml_peak_mib": {p: peaks.get(p, 0) / MiB for p in pids},
@@ -129,8 +128,10 @@ def test_fresh_contexts_on_a_full_card_stay_within_their_assignments(root, tmp_p
             for pid, g in rows.items():
                 assert g["assigned"] == LIMIT and g["context_source"] == "measured", g
                 assert peaks[pid] >= g["used"] + g["context_overhead"] - SLACK, (peaks, g)
-        learned = json.load(open(os.path.join(state_dir, "ctx-overhead.json")))["devices"]
+        kept = json.load(open(os.path.join(state_dir, "ctx-overhead.json")))
+        learned = kept["devices"]
         assert len(learned) == 1 and len(next(iter(learned.values()))) == 2 * N, learned
+        assert len(kept["measured"]) == 1 and 400 * MiB < next(iter(kept["measured"].values())) < 700 * MiB, kept
     finally:
         if os.environ.get("CONVGPU_GPU_LOG"):
             with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
@@ -144,3 +145,85 @@ def test_fresh_contexts_on_a_full_card_stay_within_their_assignments(root, tmp_p
             base.rmdir()
         except OSError:
             pass
+
+
+ISSUE_CASE = r"""
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+d, c, p = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(d), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0 and cu.cuCtxSetCurrent(c) == 0
+print("context", flush=True)
+for i in range(4):
+    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(384 << 20)) == 0
+    print("allocated", i + 1, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_model_never_seen_is_charged_its_context_from_the_first_allocation(root, tmp_path):
+    """Issue 31's case with the table emptied (CONVGPU_CTX_TABLE=off: every model is one never
+    seen) and an empty state dir: a container limited to 1,536 MiB, started the moment the
+    enforcer is, makes a context and four 384 MiB allocations. It waits until the enforcer has
+    measured a context on this GPU, then two allocations run (552 + 768 MiB charged) and the
+    third is stopped for good (552 + 1,152 > 1,536: over the limit). NVML never sees it above
+    1,536 MiB; before, nothing was charged for the context and it held 518 + 1,536 MiB."""
+    from convgpu.enforcer.serving.server import request
+    from convgpu.enforcer.tenants.containers import cgroup_layout
+    from convgpu.probes.nvml import Nvml
+    lay = cgroup_layout()
+    need(lay.v2_root is not None, "no cgroup2")
+    nv = Nvml()
+    need(nv.ok and nv.gpus(), f"no NVML ({nv.error})")
+    nv.close()
+    limit = 1536 * MiB
+    run_dir, state_dir = str(tmp_path / "run"), str(tmp_path / "state")
+    cg = Path(lay.v2_root) / f"convgpu-gpu-newmodel-{os.getpid()}"
+    cg.mkdir(parents=True, exist_ok=True)
+    enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "8GiB",
+                            "--default-limit", "1536MiB", "--run-dir", run_dir, "--state-dir", state_dir],
+                           stderr=subprocess.PIPE, text=True, cwd="/", env=dict(os.environ, CONVGPU_CTX_TABLE="off"))
+    log, peaks, stop, proc, result = [], {}, threading.Event(), None, {"scenario": "a model never seen"}
+    try:
+        lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 60, "enforcer log")
+        proc = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', sys.executable,
+                                 "-c", ISSUE_CASE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        sampler = threading.Thread(target=nvml_sampler, args=({proc.pid}, stop, peaks), daemon=True)
+        sampler.start()
+        out = []
+        lines_until(proc.stdout, lambda line: line.strip() == "allocated 2", out, 60, "the container's output")
+
+        def mine():
+            st = request(f"{run_dir}/control.sock", {"cmd": "status"})["status"]
+            return st, next((c["gpus"]["0"] for c in st["containers"] if proc.pid in c["pids"]), None)
+        deadline = time.monotonic() + 30
+        while not ((g := mine()[1]) and g["waiting"]):
+            assert time.monotonic() < deadline and proc.poll() is None, (mine(), out)
+            time.sleep(0.1)
+        time.sleep(2.0)                  # NVML measures it meanwhile: its third call still waits
+        st, g = mine()
+        stop.set()
+        sampler.join()
+        result.update(status_gpu=st["gpus"]["0"], row=g, nvml_peak_mib=peaks.get(proc.pid, 0) / MiB, out=out)
+        est = st["gpus"]["0"]["ctx_estimate"]
+        assert est["source"] == "measured-at-start", est
+        assert g["waiting"] and g["over_limit"] and g["used"] == 2 * 384 * MiB, g
+        assert 0 < peaks[proc.pid] <= limit + SLACK, result
+    finally:
+        stop.set()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        enf.terminate()
+        enf.wait(timeout=30)
+        log += enf.stderr.read().splitlines()
+        result["log"] = log[-40:]
+        if os.environ.get("CONVGPU_GPU_LOG"):
+            with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
+                f.write(json.dumps(result, default=str) + "\n")
+        try:
+            cg.rmdir()
+        except OSError:
+            pass
+    assert any("a context measured" in x for x in log), log[-40:]
