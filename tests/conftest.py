@@ -1,6 +1,7 @@
 """Shared fixtures. System tests need root, bcc and the built stand-in driver; when the README's
 test command runs them (CONVGPU_REQUIRE_SYSTEM=1, also in CI) a missing prerequisite FAILS
 instead of skipping, so a broken set-up cannot pass as 'skipped'."""
+import fcntl
 import json
 import os
 import queue
@@ -25,6 +26,17 @@ REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
 # the host's: the first tracer compiles, every later one, in-process or a CLI subprocess that
 # inherits this, replays that compile. CONVGPU_BPF_CACHE=off runs the suite compiled throughout.
 BPF_CACHE = os.environ.setdefault("CONVGPU_BPF_CACHE", tempfile.mkdtemp(prefix="convgpu-bpfcache-"))
+# pytest-xdist (the README's `pytest -n 2`): the workers are processes started by a controller
+# that imported this first, so they inherit its BPF cache and its lock directory (host_turn).
+# Uprobes are set on a file's inode: a worker's probes and enforcers would see, place and stall
+# the other worker's stand-in callers. So each worker but the first runs on a copy of the build
+# of its own (CONVGPU_BUILD: build_dir(), and every CLI subprocess, inherit it).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+LOCKS = os.environ.setdefault("CONVGPU_TEST_LOCKS", tempfile.mkdtemp(prefix="convgpu-suite-"))
+if WORKER not in ("", "gw0") and build_dir().is_dir():
+    _copy = tempfile.mkdtemp(prefix=f"convgpu-build-{WORKER}-")
+    shutil.copytree(build_dir(), _copy, symlinks=True, dirs_exist_ok=True)
+    os.environ["CONVGPU_BUILD"] = _copy
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -441,8 +453,43 @@ class StandinNvml:
 def pytest_sessionfinish(session, exitstatus):
     for d in _RUN_DIRS:     # tmpfs is memory: leave nothing behind
         shutil.rmtree(d, ignore_errors=True)
-    if os.path.basename(BPF_CACHE).startswith("convgpu-bpfcache-"):
-        shutil.rmtree(BPF_CACHE, ignore_errors=True)
+    if WORKER:              # the worker's own build copy; the cache and locks are the controller's
+        if os.path.basename(os.environ.get("CONVGPU_BUILD", "")).startswith(f"convgpu-build-{WORKER}-"):
+            shutil.rmtree(os.environ["CONVGPU_BUILD"], ignore_errors=True)
+        return
+    for d in (BPF_CACHE, LOCKS):
+        if os.path.basename(d).startswith(("convgpu-bpfcache-", "convgpu-suite-")):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def host_turn(exclusive: bool):
+    """A readers-writer lock of the host between xdist workers (flock(2) on LOCKS' files): a test
+    marked `exclusive` runs while no other test runs, every other test beside any but those. The
+    gate keeps a waiting exclusive test from being starved by the other worker's next tests."""
+    gate = os.open(f"{LOCKS}/gate", os.O_RDWR | os.O_CREAT, 0o600)
+    host = os.open(f"{LOCKS}/host", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(host, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(host)      # closing releases both
+        os.close(gate)
+
+
+@pytest.fixture(autouse=True)
+def _host_turn(request):
+    """Under xdist, each test takes its turn of the host (host_turn): `exclusive` marks tests
+    whose probes reach every driver file on the host (discovery stops and probes any process
+    that opens one, the other worker's too)."""
+    if not WORKER:
+        yield
+        return
+    with host_turn(request.node.get_closest_marker("exclusive") is not None):
+        yield
 
 
 class Enforcing:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import MiB, need
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.exclusive]   # discovery reaches every driver file on the host
 
 HOLDER = r"""
 import ctypes, sys
