@@ -117,6 +117,28 @@ static __always_inline u32 owner(void)           // the enforcer instance that m
     return c ? c->owner : 0;
 }
 
+// The pid of the process tracing the current thread, if that is not convgpu (whose ptrace
+// holder, enforcer/failsafe/threadhold.py, only ever keeps a stop); 0 if none. A tracer sees a
+// SIGSTOP before its tracee and may swallow it: issue 33, attack 2 (a PTRACE_SEIZE loop, no
+// privilege needed, dropped 30 stops and took 2,048 MiB under 256 MiB). Read from the task
+// itself (offsets from the kernel's BTF, probes/btf.py), only on the way to a stop.
+static __always_inline u32 foreign_tracer(void)
+{
+    u32 k = 0;
+    struct cg_config *c = config.lookup(&k);
+    if (!c || !c->task_ptrace)
+        return 0;
+    u64 task = bpf_get_current_task(), parent = 0;
+    u32 ptraced = 0;
+    s32 tgid = 0;
+    bpf_probe_read_kernel(&ptraced, sizeof(ptraced), (void *)(task + c->task_ptrace));
+    if (!ptraced)
+        return 0;
+    bpf_probe_read_kernel(&parent, sizeof(parent), (void *)(task + c->task_parent));  // the tracer
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)(parent + c->task_tgid));
+    return (u32)tgid == c->self_tgid ? 0 : tgid > 0 ? (u32)tgid : 1;
+}
+
 static __always_inline void stat_inc(u32 slot)
 {
     u64 *v = stats.lookup(&slot);
@@ -543,8 +565,15 @@ static __always_inline void release(struct cg_call *c)
 // another CPU, and a SIGCONT sent before the SIGSTOP is generated would be lost, leaving the
 // process stopped for good. Sent first, the SIGSTOP is pending or taken when the event can be
 // read, and the enforcer's SIGCONT discards or undoes it.
+// final: no later check sees this call before its body runs (the recheck's own stop, or a stop
+// at entry of a call without a recheck): there a thread traced by another process, which can
+// swallow the SIGSTOP, gets a SIGKILL, which no tracer can (EF_TRACED, the tracer's pid in the
+// event). UNTRACKED (a call with no `threads` entry: its thread past its container's thread
+// quota, or the map full, OP_FULL): nothing can check or account it later (resumed, it ran
+// unreserved and its bytes counted nowhere): killed, the event's result 0.
+#define UNTRACKED 2
 static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32 dev, u64 key,
-                                           u64 size, u64 total, struct cg_control *ctl)
+                                           u64 size, u64 total, struct cg_control *ctl, int final)
 {
     // To this thread: a SIGSTOP sent to the process merges with one already pending for it,
     // which may be another thread's to take, and this thread would then return to its call
@@ -553,9 +582,12 @@ static __always_inline void stop_then_tell(u64 id, u16 api, u8 op, u8 flags, s32
     // release names the stop it ends, so a late one never lets a later stop's call run
     // (enforcer/failsafe/threadhold.py holds the thread under ptrace).
     u64 why = (u32)bpf_ktime_get_ns() | 1;
+    u32 tracer = final ? foreign_tracer() : 0;
+    int kill = tracer || final == UNTRACKED || ((op == OP_OVER_LIMIT || op == OP_QUOTA) && ctl->over_limit_kill);
     held.update(&id, &why);         // listed before it stops: the watchdog always finds it
-    bpf_send_signal_thread((op == OP_OVER_LIMIT || op == OP_QUOTA) && ctl->over_limit_kill ? SIGKILL : SIGSTOP);
-    emit_flags(id, api, op, flags, dev, key, size, total, (u32)why, BPF_RB_FORCE_WAKEUP);
+    bpf_send_signal_thread(kill ? SIGKILL : SIGSTOP);
+    emit_flags(id, api, op, flags | (tracer ? EF_TRACED : 0), dev, key, size, total,
+               tracer ? tracer : final == UNTRACKED ? 0 : (u32)why, BPF_RB_FORCE_WAKEUP);
 }
 
 // Over the limit: the call can never run, even once every other process and thread of its
@@ -621,14 +653,14 @@ static __always_inline int quota_ok(u32 tgid, struct cg_thread *t, u64 key, stru
 }
 
 static __always_inline void quota_stop(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 key,
-                                       struct cg_control *ctl)
+                                       struct cg_control *ctl, int final)
 {
     if (t) {
         t->call.stalled = 1;        // recheck() lets it go once the container has room
         t->call.want = 0;
         t->call.wdev = dev;
     }
-    stop_then_tell(id, api, OP_QUOTA, 0, dev, key, 0, 0, ctl);
+    stop_then_tell(id, api, OP_QUOTA, 0, dev, key, 0, 0, ctl, t ? final : UNTRACKED);
 }
 
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
@@ -659,11 +691,11 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     if (!a) {                       // not placed yet: wait for the enforcer to place it
         t->call.stalled = 1;
         stop_then_tell(id, api, OP_UNKNOWN, t->call.ordinal ? EF_ORDINAL : 0, dev, key, size, 0,
-                       ctl);
+                       ctl, 0);
         return;
     }
     if (!quota_ok(tgid, t, key, ctl)) {
-        quota_stop(id, t, api, dev, key, ctl);
+        quota_stop(id, t, api, dev, key, ctl, 0);
         t->call.want = size;
         return;
     }
@@ -680,7 +712,7 @@ static __always_inline void admit(u64 id, struct cg_thread *t, u16 api, s32 dev,
     // sibling resumed first must pass its recheck. The recheck reserves again before it
     // compares, so racing threads still cannot pass together (the event carries the size).
     release(&t->call);
-    stop_then_tell(id, api, stall_op(tgid, dev, size, a, t), 0, dev, key, size, total, ctl);
+    stop_then_tell(id, api, stall_op(tgid, dev, size, a, t), 0, dev, key, size, total, ctl, 0);
 }
 
 // In the prologue of every admitted call, on the first emulated instruction after the entry
@@ -737,7 +769,7 @@ int recheck(struct pt_regs *ctx)
             release(&t->call);
     }
     stop_then_tell(id, t->call.api, op, EF_RESTALL | kept | (t->call.ordinal ? EF_ORDINAL : 0), dev,
-                   key, t->call.want, total, ctl);
+                   key, t->call.want, total, ctl, 1);
     return 0;
 }
 
@@ -916,10 +948,52 @@ static __always_inline u64 footprint(u64 size)
     return size > SUBALLOC_MAX ? (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) : size;
 }
 
+// What an array takes, from its descriptor (the driver pads rows: an estimate, EF_ESTIMATE).
+// CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc)
+// CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+// CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
+//                                 const CUDA_ARRAY3D_DESCRIPTOR *desc, unsigned levels)
+static __always_inline u64 array_bytes(u16 api, u64 desc, u32 levels)
+{
+    struct desc3d d = {};
+    u64 bytes = 0;
+    if (api != API_cuMipmappedArrayCreate)
+        levels = 1;
+    if (api == API_cuArrayCreate_v2) {     // {W, H, Format, NumChannels}: no depth
+        bpf_probe_read_user(&d, 16, (void *)desc);
+        bpf_probe_read_user(&d.fmt, 8, (void *)(desc + 16));
+    } else {
+        bpf_probe_read_user(&d, sizeof(d), (void *)desc);
+    }
+    u64 texel = elem_size(d.fmt) * max1(d.nch);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {      // each mip level halves every dimension
+        if (l < levels)
+            bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
+    }
+    return launder(bytes);
+}
+
+// Calls admitted at their entry (probes/table.py ADMITTED): each one that takes device memory
+// (issue 33: arrays were only accounted at their return, and 8 x 512 MiB arrays ran under a
+// 256 MiB limit). Resolved at compile time: on_enter is inlined with a constant api.
+static __always_inline int admitted(u16 api)
+{
+    switch (api) {
+    case API_cuMemAlloc_v2: case API_cuMemAllocPitch_v2: case API_cuMemAllocManaged:
+    case API_cuMemCreate: case API_cuMemAllocAsync: case API_cuMemAllocAsync_ptsz:
+    case API_cuMemAllocFromPoolAsync: case API_cuMemAllocFromPoolAsync_ptsz:
+    case API_cuArrayCreate_v2: case API_cuArray3DCreate_v2: case API_cuMipmappedArrayCreate:
+    case API_cuDevicePrimaryCtxRetain: case API_cuCtxCreate_v2: case API_cuCtxCreate_v3:
+    case API_cuCtxCreate_v4:
+        return 1;
+    }
+    return 0;
+}
+
 // ---- entry: save arguments; the thread-state calls need no return probe ----
 
-// Which calls take device memory, how much, and on which device, read at entry. Arrays are
-// left out: their size is only an estimate (their bytes still count once they exist).
+// Which calls take device memory, how much, and on which device, read at entry.
 static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_thread *t, u16 api,
                                        struct cg_control *ctl)
 {
@@ -935,6 +1009,9 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
         break;
     case API_cuMemAllocPitch_v2:    // the pitch is known only at return: width x height
         admit(id, t, api, dev, footprint(PT_REGS_PARM3(ctx) * PT_REGS_PARM4(ctx)), 0, ctl);
+        break;
+    case API_cuArrayCreate_v2: case API_cuArray3DCreate_v2: case API_cuMipmappedArrayCreate:
+        admit(id, t, api, dev, array_bytes(api, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx)), 0, ctl);
         break;
     case API_cuMemCreate:
         bpf_probe_read_user(loc, sizeof(loc), (void *)(PT_REGS_PARM3(ctx) + 8));
@@ -969,12 +1046,18 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
         *h += 1;
     if ((id >> 32) == self_tgid() || retired())
         return 0;
+    // A process the enforcer has not placed makes an entry only at an admitted call, which
+    // stops it until it is placed (and counted): before, any probed call made one counted
+    // nowhere, and threads that only called cuMemGetInfo_v2 filled the map (issue 33, attack 5).
     int denied = 0;
-    struct cg_thread *t = get_thread(id, 1, &denied);
+    struct cg_thread *t = get_thread(id, admitted(api), &denied);
     struct cg_control *ctl = enforcing();
-    if (!t) {                       // its container is at its thread quota: no call runs untracked
-        if (ctl && denied)
-            quota_stop(id, 0, api, 0, member_key(id >> 32), ctl);
+    if (!t) {                       // no call that needs an entry runs untracked
+        u64 key = ctl ? member_key(id >> 32) : 0;
+        if (ctl && denied)          // its container is at its thread quota
+            quota_stop(id, 0, api, 0, key, ctl, 1);
+        else if (ctl && (key || admitted(api)) && !lapsed(ctl))    // the map is full
+            stop_then_tell(id, api, OP_FULL, 0, 0, key, 0, 0, ctl, UNTRACKED);
         return 0;
     }
     if (t->call.stalled)            // its last call was stopped and is long over (no recheck probe)
@@ -991,7 +1074,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
         return 0;
     u64 key = t->quota ? 0 : member_key(id >> 32);  // a thread made before its process was placed
     if (key && !quota_ok(id >> 32, t, key, ctl))
-        quota_stop(id, t, api, dev_of(t, 0), key, ctl);
+        quota_stop(id, t, api, dev_of(t, 0), key, ctl, !admitted(api));
     else
         admit_call(ctx, id, t, api, ctl);
     return 0;
@@ -1320,23 +1403,8 @@ int exit_va(struct pt_regs *ctx)
 int exit_array(struct pt_regs *ctx)
 {
     SETTLE();
-    struct desc3d d = {};
-    u64 bytes = 0;
-    u32 levels = c.api == API_cuMipmappedArrayCreate ? (u32)c.a2 : 1;
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
-    if (c.api == API_cuArrayCreate_v2) {   // {W, H, Format, NumChannels}: no depth
-        bpf_probe_read_user(&d, 16, (void *)c.a1);
-        bpf_probe_read_user(&d.fmt, 8, (void *)(c.a1 + 16));
-    } else {
-        bpf_probe_read_user(&d, sizeof(d), (void *)c.a1);
-    }
-    u64 texel = elem_size(d.fmt) * max1(d.nch);
-#pragma unroll
-    for (int l = 0; l < 16; l++) {      // each mip level halves every dimension
-        if (l < levels)
-            bytes += max1(d.w >> l) * max1(d.h >> l) * max1(d.d >> l) * texel;
-    }
-    obj_add(id, p, c.api, NS_ARRAY, v, launder(bytes), dev, EF_ESTIMATE);
+    obj_add(id, p, c.api, NS_ARRAY, v, array_bytes(c.api, c.a1, (u32)c.a2), dev, EF_ESTIMATE);
     release(&c);
     return 0;
 }

@@ -75,6 +75,7 @@ enum cg_op {
     OP_UNKNOWN = 16,    /* enforce: a process (or device) the enforcer has not placed yet */
     OP_LIB_OPEN = 17,   /* a process opened a file named like the driver: stopped until it is probed */
     OP_QUOTA = 18,      /* enforce: its container is at a map quota (cg_quota): stopped or killed */
+    OP_FULL = 19,       /* enforce: the threads map is full: the call cannot be tracked, killed */
 };
 
 /* Event flags. */
@@ -85,6 +86,8 @@ enum cg_op {
 #define EF_UNRECORDED 0x10 /* the object found no room in the map: see obj_add() */
 #define EF_ORDINAL 0x20   /* enforce: dev is the process's CUDA ordinal, not yet mapped to a host GPU */
 #define EF_RESERVED 0x40  /* enforce: a restalled call that keeps its reservation (recheck()) */
+#define EF_TRACED 0x80    /* enforce: traced by another process, which can swallow a stop: killed
+                           * instead (result: the tracer's pid) */
 
 /* Ring-buffer record, 80 bytes. */
 struct cg_event {
@@ -242,6 +245,12 @@ struct cg_config {
     __u32 self_tgid;       /* convgpu itself: never accounted, never stopped at an open */
     __u32 owner;           /* the enforcer instance whose program this is: it admits while
                             * control.owner names it, and steps aside once another does */
+    /* offsets in the running kernel's task_struct, from its BTF (probes/btf.py); 0: unknown,
+     * and then BPF sees no tracer (foreign_tracer) */
+    __u32 task_ptrace;
+    __u32 task_parent;
+    __u32 task_tgid;
+    __u32 pad;
 };
 
 /* Discovery (bpf/convgpu.bpf.c, "discovery"): written by the tracer; zeroed by the watchdog

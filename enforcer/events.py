@@ -9,7 +9,7 @@ import selectors
 import signal
 import time
 
-from ..probes.events import EF_ORDINAL, EF_RESERVED
+from ..probes.events import EF_ORDINAL, EF_RESERVED, EF_TRACED
 from ..units import format_size
 from . import policies
 from .actions import alive
@@ -33,6 +33,9 @@ class Events:
                 self._reap(fd)
                 dirty = True
         for e in events:
+            if e.flags & EF_TRACED or e.op == "full":
+                self._killed_unchecked(e)   # BPF killed it before its call ran: nothing to hold
+                continue
             if e.pid in self.shimmed and e.op in ("unknown", "stall", "over_limit", "quota"):
                 self.broker.caught(e.pid)   # BPF stopped it: it is resumed as anyone from now on
             if e.op == "unknown":
@@ -48,7 +51,13 @@ class Events:
                 dirty = True
             elif e.op in ("stall", "over_limit"):
                 box = self.by_key.get(e.addr)
-                if box is not None:
+                if box is not None and e.op == "over_limit" and self.over_limit == "kill":
+                    # BPF killed it (stop_then_tell): nothing waits, and its exit may come in this batch
+                    box.over_limits += 1
+                    log.warning("container %s GPU%d: pid %d needs %s for its %s, above its limit %s: killed "
+                                "before it ran", box.name, max(e.dev, 0), e.pid, format_size(e.size), e.api,
+                                format_size(self.books.limit(box, max(e.dev, 0))))
+                elif box is not None:
                     if e.restall:
                         self._restalled(e, box)
                     else:
@@ -187,6 +196,21 @@ class Events:
             log.warning("container %s: freezer failed (%s); it stays signal-stopped", box.name, e)
         return w
 
+    def _killed_unchecked(self, e):
+        """BPF killed a thread at a call no stop could hold (bpf stop_then_tell, issue 33): one
+        traced by another process (which sees a SIGSTOP first and may drop it: attack 2), or one
+        the full `threads` map leaves no entry to check its call with."""
+        box = self.pid_box.get(e.pid)
+        who = f"pid {e.pid} thread {e.tid}" + (f" of {box.name}" if box else "")
+        if e.op == "full":
+            log.warning("%s: the BPF threads map is full, so its %s cannot be tracked: killed before it "
+                        "ran (more containers at their thread quotas than the maps hold; see --max-threads)",
+                        who, e.api)
+        else:
+            log.warning("%s: traced by pid %d, not convgpu, which can swallow a stop: %s before its %s ran",
+                        who, e.result, "stopped at entry, it ran on without a grant; killed" if e.restall
+                        else "killed", e.api)
+
     def _restalled(self, e, box: Box | None = None):
         if box is not None:
             box.restalls += 1
@@ -231,6 +255,23 @@ class Events:
             del self.by_key[box.key]
             log.info("container %s exited: %s back to the pool", box.name,
                      format_size(sum(box.assigned.values())))
+            if not isinstance(self.stopper, SignalStopper):
+                self._thaw_emptied(box)
+
+    def _thaw_emptied(self, box: Box):
+        """Freezer: the container's last CUDA process left (killed while it waited, say), and the
+        box goes. Its cgroup is thawed with it: dropped frozen, the next process to join it froze
+        with nobody to thaw it (issue 33, attack 6), and so did what else ran there."""
+        try:
+            was = self.stopper.state(Target((), box.container.cgroup))
+            self.stopper.resume(Target((), box.container.cgroup))   # idempotent: whatever state said
+            if was == "stopped":
+                log.info("container %s: its last process left while its cgroup %s was frozen: thawed",
+                         box.name, box.container.cgroup)
+        except Exception as e:   # StallError, or an OSError reading its state: one line, the loop goes on
+            log.warning("container %s: its last process left, and its cgroup %s could not be thawed (%s): "
+                        "thaw it by hand", box.name, box.container.cgroup, e)
+
 
     def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0, gen: int = 0):
         """The last thread of pid is in exit: it leaves its container now, but the driver frees

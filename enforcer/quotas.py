@@ -70,13 +70,17 @@ class Quotas:
         box.quota_hits += 1
         n = self._quota_counts(box)
         q = self.quota
-        what = "killed" if self.over_limit == "kill" else "stopped until its container frees entries"
-        if e.pid not in self.quota_held or self.over_limit == "kill":
+        # result 0: BPF killed it whatever --over-limit says: a thread past the thread quota has
+        # no entry, so its call could never be checked or accounted later (bpf stop_then_tell)
+        killed = self.over_limit == "kill" or e.result == 0
+        what = ("killed (a thread past its container's thread quota: its call cannot be tracked)" if e.result == 0
+                else "killed" if killed else "stopped until its container frees entries")
+        if e.pid not in self.quota_held or killed:
             log.warning("container %s pid %d at its quota in the BPF maps (objects %d/%d, threads %d/%d, "
                         "processes %d/%d): %s before its %s ran (--over-limit %s; the quotas: --max-objects, "
                         "--max-threads, --max-processes)", box.name, e.pid, n["objects"], q.objects, n["threads"],
                         q.threads, n["processes"], q.processes, what, e.api, self.over_limit)
-        if self.over_limit != "kill":
+        if not killed:
             self.quota_held[e.pid] = box.key
 
     def _process_quota_full(self, box: Box, pid: int) -> bool:

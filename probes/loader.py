@@ -122,9 +122,13 @@ def cache_state(pinned: bool, cache: str | None = None) -> tuple[str, str]:
 
 
 def configure(b, self_tgid: int, owner: int) -> None:
-    """The per-start values (struct cg_config), before any probe is attached."""
+    """The per-start values (struct cg_config), before any probe is attached: also where the
+    running kernel keeps a task's tracer (probes/btf.py), for BPF's foreign_tracer()."""
+    from .btf import task_offsets
+    task = task_offsets()
     t = b[b"config"]
-    t[t.Key(0)] = t.Leaf(self_tgid=self_tgid, owner=owner)
+    t[t.Key(0)] = t.Leaf(self_tgid=self_tgid, owner=owner, task_ptrace=task.ptrace,
+                         task_parent=task.parent, task_tgid=task.tgid)
 
 
 @dataclass

@@ -54,7 +54,7 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuMemAllocFromPoolAsync_ptsz", "exit_alloc", False, "memory pools, per-thread stream"),
     _p(CUDA, "cuMemFreeAsync", "exit_free", False, "stream-ordered frees (at return)"),
     _p(CUDA, "cuMemFreeAsync_ptsz", "exit_free", False, "stream-ordered frees, per-thread stream (at return)"),
-    _p(CUDA, "cuArrayCreate_v2", "exit_array", False, "CUDA arrays (size estimated from descriptor)"),
+    _p(CUDA, "cuArrayCreate_v2", "exit_array", False, "CUDA arrays (admitted at entry, size estimated from the descriptor)"),
     _p(CUDA, "cuArray3DCreate_v2", "exit_array", False, "3D arrays (estimated)"),
     _p(CUDA, "cuMipmappedArrayCreate", "exit_array", False, "mipmapped arrays (estimated)"),
     _p(CUDA, "cuArrayDestroy", "exit_array_destroy", False, "array frees"),
@@ -83,5 +83,6 @@ PROBES: tuple[Probe, ...] = (
 ADMITTED = frozenset({
     "cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemCreate", "cuMemAllocAsync",
     "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz",
+    "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuMipmappedArrayCreate",   # sized from their descriptor
     "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4",
 })

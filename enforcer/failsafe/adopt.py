@@ -27,7 +27,8 @@ class Adopt:
         if not prev:
             takeover.clear(self.pin_dir)   # no successor-to-be left them: stale
         os.makedirs(self.pin_dir, mode=0o700, exist_ok=True)
-        self.tracer.cflags = (f'-DPIN_DIR="{self.pin_dir}"',)
+        self.tracer.cflags = (*(f for f in self.tracer.cflags if not f.startswith("-DPIN_DIR=")),   # its own stay
+                              f'-DPIN_DIR="{self.pin_dir}"')
         try:
             self.tracer.start()
         except Exception as e:   # an older layout of the maps: start afresh

@@ -90,7 +90,7 @@ def refused(pid: int) -> str | None:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("TracerPid:") and line.split()[1] != "0":
-                    return f"traced by pid {line.split()[1]} (a debugger)"
+                    return f"traced by pid {line.split()[1]} (a debugger, or a tracer of its own)"
     except OSError:
         return "gone"
     return None
@@ -235,7 +235,9 @@ class ThreadHolder:
                 return
             self._undo(p)
         self.refused[pid] = why
-        log.warning("pid %d: %s: its waits stop the whole process (SIGCONT resumes it)", pid, why)
+        log.warning("pid %d: %s: its waits stop the whole process (SIGCONT resumes it)%s", pid, why,
+                    "; a thread its tracer lets run on without a grant is killed at its recheck (BPF)"
+                    if why.startswith("traced") else "")
 
     def _undo(self, p: _Proc):
         """Detach what a failed seize took: stop each (INTERRUPT), then DETACH it, passing on a

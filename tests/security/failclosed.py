@@ -1,0 +1,70 @@
+"""What issue 33's fail-closed tests (attacks 2, 3, 5, 6) share: an attacker run as nobody in a
+cgroup of its own, a neighbour that allocates meanwhile in another, the enforcer's log, and a
+private copy of the stand-in driver: an enforcer probes a library by inode, host-wide, so on the
+shared build/standin/libcuda.so.1 it would admit (and, traced by another session's enforcer,
+kill) other test sessions' processes, and theirs would admit ours."""
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from attack import as_nobody
+from conftest import cuda_prelude, popen_in, read_until
+
+LOGGER = "convgpu.enforcer.daemon"
+# A neighbour in a cgroup of its own: 4 rounds of 64 MiB alloc+free, then holds 64 MiB until told
+NEIGHBOUR = """
+p = ctypes.c_uint64()
+for i in range(4):
+    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(64 << 20)) == 0
+    assert cu.cuMemFree_v2(p) == 0
+assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(64 << 20)) == 0
+print('ready', flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.fixture(scope="module")
+def own_lib(build) -> Path:
+    """A copy of the stand-in driver that only this module's processes load."""
+    d = Path(tempfile.mkdtemp(prefix=f"convgpu-failclosed-{os.getpid()}-"))
+    os.chmod(d, 0o755)
+    lib = d / "libcuda.so.1"
+    shutil.copy(build / "standin" / "libcuda.so.1", lib)
+    os.chmod(lib, 0o755)
+    yield lib
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def python_as_nobody(cg, lib, env, body: str, wrap=(), context: bool = True):
+    """python3 -c (a context on lib, then body) as nobody inside cgroup cg, under wrap (argv).
+    context False: lib loaded and cuInit only (`cu` ready), no context: never placed."""
+    script = (cuda_prelude(lib) if context else f"import ctypes,os,sys; cu=ctypes.CDLL('{lib}'); cu.cuInit(0)\n") + body
+    return popen_in(cg, *as_nobody(*wrap, "/usr/bin/python3", "-c", script), env=env)
+
+
+def neighbour_runs(cg, lib, env):
+    """The neighbour's four rounds run at once and it holds its 64 MiB: every other container is
+    unaffected. Returns its process (waiting on stdin)."""
+    p = python_as_nobody(cg, lib, env, NEIGHBOUR)
+    assert read_until(p, "ready", timeout=30) == ["ready"]
+    return p
+
+
+def logged(caplog, *words, timeout: float = 10.0) -> list[str]:
+    """The enforcer's log lines holding every one of words; waits until one came."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [r.getMessage() for r in list(caplog.records)
+               if r.name == LOGGER and all(w in r.getMessage() for w in words)]
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
