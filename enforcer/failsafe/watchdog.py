@@ -161,6 +161,41 @@ def wait_for_death(pipe_fd: int, fd_sock: socket.socket | None, held: list[int])
             return
 
 
+def oom_kills() -> tuple[str, int] | None:
+    """(this process's memory cgroup, the OOM kills it counts), v1 (memory.oom_control) or v2
+    (memory.events); None where neither can be read. The watchdog shares the enforcer's cgroup
+    (a systemd service, a pod): a count that grew while the enforcer ran names its death."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, cg = line.split(":", 2)
+        if "memory" in ctrls.split(","):
+            where = [("/sys/fs/cgroup/memory" + cg, "memory.oom_control")]
+        elif ctrls == "":
+            where = [(root + cg, "memory.events") for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+        else:
+            continue
+        for d, name in where:
+            try:
+                for row in open(os.path.join(d, name)).read().splitlines():
+                    if row.startswith("oom_kill "):
+                        return cg, int(row.split()[1])
+            except (OSError, ValueError):
+                continue
+    return None
+
+
+def oom_note(before: tuple[str, int] | None) -> str:
+    """What the log line adds when the memory cgroup counted an OOM kill meanwhile."""
+    now = oom_kills()
+    if now is None or now[1] <= (before[1] if before and before[0] == now[0] else 0):
+        return ""
+    return (f"; its memory cgroup {now[0]} counts {now[1]} OOM kill(s): the enforcer likely ran out of "
+            "memory (raise that cgroup's memory limit)")
+
+
 def main() -> int:
     pid, path, pipe_fd = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     zero_fds = [int(x) for x in sys.argv[4].split(",") if x]
@@ -170,13 +205,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # only the enforcer's death ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     held: list[int] = []
+    ooms = oom_kills()
     wait_for_death(pipe_fd, fd_sock, held)
     for fd in zero_fds:   # first: nothing is stopped again
         admission_off(fd)
     stopped = resume_held(held_fd) if held_fd >= 0 else set()
     listed, thawed = release(path)
     print(f"convgpu watchdog: enforcer {pid} is gone; resumed {len(stopped | listed)} processes, thawed {thawed} cgroups"
-          + (f"; {len(held)} probes kept for a successor" if held else ""), file=sys.stderr)
+          + (f"; {len(held)} probes kept for a successor" if held else "") + oom_note(ooms), file=sys.stderr)
     if not held:
         return 0
     taken_over = []
