@@ -87,7 +87,7 @@ def test_row33_2_a_thread_its_own_tracer_would_let_go_is_killed(root, own_lib, c
             # before: "alloc 1" .. "alloc 8" and "done": 2,048 MiB under 256 MiB
             allocs = [line for line in out if line.startswith("alloc")]
             assert len(allocs) * 256 * MiB <= LIMIT, out
-            [line] = logged(caplog, f"pid {attacker.pid} ", "traced by pid") or [caplog.text]
+            [line] = logged(caplog, f"pid {attacker.pid} ", "traced by pid", timeout=60)
             assert "not convgpu, which can swallow a stop" in line and "killed before its" in line, line
             assert not logged(caplog, f"pid {attacker.pid} ", "stopped again", timeout=0.5)
             procs.append(neighbour_runs(cgroups("neighbour"), own_lib, env5))

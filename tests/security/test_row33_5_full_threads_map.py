@@ -136,13 +136,18 @@ def test_row33_5_a_call_that_finds_the_threads_map_full_is_killed(root, own_lib,
                 p.wait()
 
 
-# thread B of a process whose container is at its thread quota: its allocation has no entry
-PAST_QUOTA = """
+# thread B of a process whose container is at its thread quota: its allocation has no entry.
+# COUNTED: a placed thread counts in its container's quota at its next probed call, at the
+# latest (a placement stop ended by a restall skips the recheck's count)
+COUNTED = "f, t = ctypes.c_size_t(), ctypes.c_size_t(); cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t))\n"
+PAST_QUOTA = COUNTED + """
 import threading
 p = ctypes.c_uint64()
 def b():
+    cu.cuCtxSetCurrent(c)
     print('b', cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(128 << 20)), flush=True)
 print('context', flush=True)
+sys.stdin.readline()
 threading.Thread(target=b).start()
 """
 
@@ -162,12 +167,17 @@ def test_row33_5_a_thread_past_its_thread_quota_is_killed_not_let_through_later(
     procs = []
     with serving(enf):
         try:
-            first = python_as_nobody(cg, own_lib, env5, "print('ready', flush=True); sys.stdin.readline()")
+            first = python_as_nobody(cg, own_lib, env5, COUNTED + "print('ready', flush=True); sys.stdin.readline()")
             procs.append(first)
             assert read_until(first, "ready", timeout=30) == ["ready"]     # 1 thread entry of 2
             second = python_as_nobody(cg, own_lib, env5, PAST_QUOTA)          # its main thread: 2 of 2
             procs.append(second)
-            out: list = []
+            out = read_until(second, "context", timeout=30)
+            until(lambda: any(second.pid in c["pids"] for c in enf.status()["containers"]), 10, "not placed")
+            [box] = enf.status()["containers"]
+            assert box["map_quota"]["threads"] == 2, box["map_quota"]     # its quota, exactly
+            second.stdin.write("\n")     # thread B: its allocation, past the quota
+            second.stdin.flush()
             try:
                 lines_until(second.stdout, lambda line: line.startswith("b "), out, 15, "second")
             except AssertionError:
