@@ -95,10 +95,11 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         st = enf.ctl(cmd="status")["status"]
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
                                                               "unassigned": 4 * GiB, "physical": 5 * GiB,
-                                                              "tearing_down": 0, "ctx_estimate": {
-                                                                  "bytes": 0, "source": "ctx-overhead",
-                                                                  "detail": "--ctx-overhead (nothing measured or "
-                                                                            "known for GPU0)"}}
+                                                              "tearing_down": 0, "ctx_measuring": False,
+                                                              "ctx_estimate": {
+                                                                  "bytes": 0, "source": "operator",
+                                                                  "detail": "--ctx-overhead (the operator's figure; "
+                                                                            "nothing learned on GPU0)"}}
         [c] = st["containers"]
         g = c["gpus"]["0"]
         assert (c["name"], c["limit"], c["source"], c["pids"]) == ("small", GiB, "--limit small", [p.pid])
@@ -107,9 +108,9 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
             (GiB, 0, 0, 1, True, [p.pid])
         assert [(w["pid"], w["size"], w["over_limit"]) for w in g["waits"]] == [(p.pid, 2 * GiB, True)]
         assert (c["stalls"], c["over_limit_events"], c["grants"]) == (1, 1, 0)
-        assert g["context_source"] == "ctx-overhead"     # no NVML here: never measured
+        assert g["context_source"] == "operator"     # no NVML here: never measured; --ctx-overhead 0 (conftest)
         table = enf.cli("status").stdout
-        assert "small" in table and "over limit" in table and "GPU0 context 0 B (ctx-overhead)" in table
+        assert "small" in table and "over limit" in table and "GPU0 context 0 B (operator)" in table
         # `convgpu trace` asks the enforcer rather than probing a second time
         r = enf.cli("trace", "--json", "--no-events", "--duration", "0.3", "--no-discover")
         snap = json.loads(r.stdout.splitlines()[-1])
