@@ -2,14 +2,15 @@
 of 10 starts on the H100 with a warm cache).
 
     python3 -m bench.startup [--command enforce|trace] [--n 10] [--modes warm,cold] [--json F]
-                             [-- extra arguments of the command, e.g. --lib /path/libcuda.so.1]
+                             [--warm-cache DIR] [-- extra arguments of the command, e.g. --lib /path/libcuda.so.1]
 
 enforce: exec to the "enforcing:" line, which the enforcer logs once its probes are attached
 and self-tested, its watchdog holds them and admission is on (control.enforcing = 1): the first
 moment an allocation can be admitted or stalled. trace: exec to its first JSON snapshot (probes
 attached and self-tested). Each start is a new process with a run dir of its own; modes
 alternate start by start (warm, cold, warm, ...: drift hits both alike):
-  warm: the cache of compiled BPF programs holds this program (one unmeasured start fills it);
+  warm: the cache of compiled BPF programs holds this program (one unmeasured start fills it;
+        --warm-cache: that cache, kept, which an earlier start may have filled already);
   cold: an empty cache: bcc compiles, and the compile is cached (what the first start costs).
 Between two starts the previous one's probes are gone: a background detach of perf events
 (probes/detach.py: tracepoints, or every probe before Linux 6.6) holds the kernel's event_mutex,
@@ -119,8 +120,8 @@ def summarize(samples: list[dict]) -> dict:
             "phases_p50_s": {n: round(statistics.median(p.get(n, 0.0) for p in phases), 3) for n in names}}
 
 
-def run(cmd: str, n: int, modes: list[str], extra: list[str]) -> dict:
-    warm = tempfile.mkdtemp(prefix="convgpu-bench-bpfcache-")
+def run(cmd: str, n: int, modes: list[str], extra: list[str], warm_cache: str | None = None) -> dict:
+    warm = warm_cache or tempfile.mkdtemp(prefix="convgpu-bench-bpfcache-")
     try:
         if "warm" in modes:
             one_start(cmd, extra, warm)   # fills the cache: not measured
@@ -136,7 +137,8 @@ def run(cmd: str, n: int, modes: list[str], extra: list[str]) -> dict:
                     if cache != warm:
                         shutil.rmtree(cache, ignore_errors=True)
     finally:
-        shutil.rmtree(warm, ignore_errors=True)
+        if warm != warm_cache:
+            shutil.rmtree(warm, ignore_errors=True)
     out = {"command": cmd, "args": extra, "machine": machine(), **{m: summarize(s) for m, s in samples.items()}}
     out["line"] = doc_line(out, modes)
     return out
@@ -158,12 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=10, help="starts per mode")
     ap.add_argument("--modes", default="warm,cold", help="comma-separated: warm, cold")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--warm-cache", help="the warm starts' cache of compiled programs (kept; default: a new one)")
     ap.add_argument("extra", nargs="*", help="after --: arguments for the command")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if not modes or set(modes) - {"warm", "cold"}:
         ap.error("--modes takes warm and/or cold")
-    d = run(a.command, a.n, modes, a.extra)
+    d = run(a.command, a.n, modes, a.extra, a.warm_cache)
     print(d["line"])
     if a.json:
         with open(a.json, "w") as f:
