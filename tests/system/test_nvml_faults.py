@@ -97,9 +97,25 @@ def faulty_nvml(env) -> tuple[Nvml, FakePynvml]:
     return nv, fake
 
 
-def standin_env(caller_env) -> dict:
-    return dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB), CONVGPU_STANDIN_CTX_OVERHEAD=str(CTX),
-                CONVGPU_STANDIN_SHM=f"/convgpu-nvfault-{os.getpid()}-{time.monotonic_ns()}")
+@pytest.fixture
+def faulty(root, build, cgroups, caller_env):
+    """lib, env, the Nvml and its FakePynvml, and worker(name): a Worker in a cgroup of its own
+    (placed at its context); every worker killed, every hang released, the segment gone after."""
+    env = dict(caller_env, CONVGPU_STANDIN_CAPACITY=str(16 * GiB), CONVGPU_STANDIN_CTX_OVERHEAD=str(CTX),
+               CONVGPU_STANDIN_SHM=f"/convgpu-nvfault-{os.getpid()}-{time.monotonic_ns()}")
+    lib = build / "standin" / "libcuda.so.1"
+    nv, fake = faulty_nvml(env)
+    workers = []
+
+    def worker(name: str) -> Worker:
+        workers.append(Worker(cgroups(name), lib, env))
+        return workers[-1]
+    yield SimpleNamespace(lib=lib, env=env, nv=nv, fake=fake, worker=worker)
+    fake.release.set()
+    for w in workers:
+        w.p.kill()
+        w.p.wait()
+    subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
 
 
 def said(caplog, text: str) -> int:
@@ -111,97 +127,76 @@ def row(enf, name: str) -> dict:
 
 
 @pytest.mark.parametrize("fault", ["lost", "unknown"])
-def test_nvml_errors_mid_run_keep_each_context_at_its_measurement(root, build, cgroups, caller_env, caplog, fault):
+def test_nvml_errors_mid_run_keep_each_context_at_its_measurement(faulty, caplog, fault):
     """NVML measured the context (300 MiB, above the 256 MiB estimate); then it fails. The
     container stays charged 300 MiB: of its 1 GiB it gets 11 chunks of 64 MiB (300 + 704 =
     1004 MiB), the 12th stops. Before, a GPU-lost process list read as "no process here": the
     charge fell back to the estimate, and the 12th chunk ran (300 + 768 = 1068 MiB held)."""
-    lib = build / "standin" / "libcuda.so.1"
-    env = standin_env(caller_env)
-    nv, fake = faulty_nvml(env)
-    w = None
-    try:
-        enf = inprocess_enforcer(lib, "nvfault", LIMIT, capacity={0: 2 * GiB}, ctx_overhead=EST, nvml=nv)
-        with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
-            w = Worker(cgroups("nvfault"), lib, env)   # placed at its context
+    fake = faulty.fake
+    enf = inprocess_enforcer(faulty.lib, "nvfault", LIMIT, capacity={0: 2 * GiB}, ctx_overhead=EST, nvml=faulty.nv)
+    with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+        w = faulty.worker("nvfault")
+        w.send(f"a {CHUNK}")
+        w.stamp()
+        name = enf.pid_box[w.p.pid].name
+        until(lambda: row(enf, name)["context_source"] == "measured" and row(enf, name)["context_overhead"] == CTX,
+              10, "NVML never measured the context")
+        fake.fault = fault
+        until(lambda: said(caplog, "NVML has not answered") == 1, 10, "NVML's failure was never said")
+        for _ in range(10):
             w.send(f"a {CHUNK}")
             w.stamp()
-            name = enf.pid_box[w.p.pid].name
-            until(lambda: row(enf, name)["context_source"] == "measured" and row(enf, name)["context_overhead"] == CTX,
-                  10, f"NVML never measured the context: {row(enf, name)} {enf.excess}")
-            fake.fault = fault
-            until(lambda: said(caplog, "NVML has not answered") == 1, 10, "NVML's failure was never said")
-            for _ in range(10):
-                w.send(f"a {CHUNK}")
-                w.stamp()
-            w.send(f"a {CHUNK}")                   # 300 + 12 x 64 > 1024 MiB: it stops
-            w.wait_stopped()
-            until(lambda: row(enf, name)["waiting"], 5, "the stop never reached the enforcer")
-            g = row(enf, name)
-            assert (g["used"], g["context_overhead"], g["context_source"], g["waiting"]) == \
-                (11 * CHUNK, CTX, "measured", True), g
-            held = sum(n for (pid, _), n in fake.standin.process_memory().items() if pid == w.p.pid)
-            assert held == CTX + 11 * CHUNK <= LIMIT
-            fake.fault = None
-            until(lambda: said(caplog, "NVML answers again") == 1, 10, "NVML's return was never said")
-            time.sleep(1.5)
-            assert said(caplog, "NVML has not answered") == 1 and said(caplog, "NVML answers again") == 1
-            assert proc_state(w.p.pid) == "T" and row(enf, name)["used"] == 11 * CHUNK
-        assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
-    finally:
-        if w is not None:
-            w.p.kill()
-            w.p.wait()
-        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+        w.send(f"a {CHUNK}")                   # 300 + 12 x 64 > 1024 MiB: it stops
+        w.wait_stopped()
+        until(lambda: row(enf, name)["waiting"], 5, "the stop never reached the enforcer")
+        g = row(enf, name)
+        assert (g["used"], g["context_overhead"], g["context_source"], g["waiting"]) == \
+            (11 * CHUNK, CTX, "measured", True), g
+        held = sum(n for (pid, _), n in fake.standin.process_memory().items() if pid == w.p.pid)
+        assert held == CTX + 11 * CHUNK <= LIMIT
+        fake.fault = None
+        until(lambda: said(caplog, "NVML answers again") == 1, 10, "NVML's return was never said")
+        time.sleep(1.5)
+        assert said(caplog, "NVML has not answered") == 1 and said(caplog, "NVML answers again") == 1
+        assert proc_state(w.p.pid) == "T" and row(enf, name)["used"] == 11 * CHUNK
+    assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
 
 
-def test_an_nvml_call_that_hangs_never_holds_admission(root, build, cgroups, caller_env, caplog):
+def test_an_nvml_call_that_hangs_never_holds_admission(faulty, caplog):
     """Every NVML call hangs from just after the start. A new container is placed, allocates,
     is stopped at its limit and answered by `status` and by `convgpu trace`'s snapshot, all
     while the sampler's thread hangs; one line says so. Before, the first placement asked NVML
     for the GPU's key (Enforcer._gpu_key) and a snapshot asked it for every process's memory,
     both from the loop: the loop hung with them, and the process was never placed."""
     from convgpu.enforcer.serving.server import request
-    lib = build / "standin" / "libcuda.so.1"
-    env = standin_env(caller_env)
-    nv, fake = faulty_nvml(env)
-    w = None
-    try:
-        enf = inprocess_enforcer(lib, "nvhang", LIMIT, capacity={0: 2 * GiB}, ctx_overhead=EST, nvml=nv)
-        with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
-            fake.fault = "hang"
-            until(lambda: fake.calls > 0 and said(caplog, "NVML has not answered") == 1, 10,
-                  "the hang was never said")
-            w = Worker(cgroups("nvhang"), lib, env)     # placed at its first context: no NVML asked
-            name = enf.pid_box[w.p.pid].name
-            for _ in range((LIMIT - EST) // CHUNK):      # 12 chunks next to the 256 MiB estimate
-                w.send(f"a {CHUNK}")
-                w.stamp()
+    fake = faulty.fake
+    enf = inprocess_enforcer(faulty.lib, "nvhang", LIMIT, capacity={0: 2 * GiB}, ctx_overhead=EST, nvml=faulty.nv)
+    with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+        fake.fault = "hang"
+        until(lambda: fake.calls > 0 and said(caplog, "NVML has not answered") == 1, 10, "the hang was never said")
+        w = faulty.worker("nvhang")              # placed at its first context: no NVML asked
+        name = enf.pid_box[w.p.pid].name
+        for _ in range((LIMIT - EST) // CHUNK):  # 12 chunks next to the 256 MiB estimate
             w.send(f"a {CHUNK}")
-            w.wait_stopped()
-            until(lambda: row(enf, name)["waiting"], 5, "the stop never reached the enforcer")
-            t = time.monotonic()
-            st = request(f"{enf.run_dir}/control.sock", {"cmd": "status"}, timeout=5)["status"]
-            snap = request(f"{enf.run_dir}/control.sock", {"cmd": "snapshot"}, timeout=5)["snapshot"]
-            assert time.monotonic() - t < 5
-            g = next(c for c in st["containers"] if c["name"] == name)["gpus"]["0"]
-            assert (g["used"], g["context_overhead"], g["waiting"]) == (12 * CHUNK, EST, True), g
-            assert any(p["pid"] == w.p.pid for c in snap["containers"] for p in c["processes"]), snap
-            fake.fault = None
-            fake.release.set()
-            until(lambda: said(caplog, "NVML answers again") == 1, 10, "NVML's return was never said")
-            assert said(caplog, "NVML has not answered") == 1
-        assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
-    finally:
+            w.stamp()
+        w.send(f"a {CHUNK}")
+        w.wait_stopped()
+        until(lambda: row(enf, name)["waiting"], 5, "the stop never reached the enforcer")
+        t = time.monotonic()
+        st = request(f"{enf.run_dir}/control.sock", {"cmd": "status"}, timeout=5)["status"]
+        snap = request(f"{enf.run_dir}/control.sock", {"cmd": "snapshot"}, timeout=5)["snapshot"]
+        assert time.monotonic() - t < 5
+        g = next(c for c in st["containers"] if c["name"] == name)["gpus"]["0"]
+        assert (g["used"], g["context_overhead"], g["waiting"]) == (12 * CHUNK, EST, True), g
+        assert any(p["pid"] == w.p.pid for c in snap["containers"] for p in c["processes"]), snap
+        fake.fault = None
         fake.release.set()
-        if w is not None:
-            w.p.kill()
-            w.p.wait()
-        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+        until(lambda: said(caplog, "NVML answers again") == 1, 10, "NVML's return was never said")
+        assert said(caplog, "NVML has not answered") == 1
+    assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
 
 
-def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_long(root, build, cgroups, caller_env,
-                                                                                    caplog, monkeypatch):
+def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_long(faulty, caplog, monkeypatch):
     """A GPU model never seen ("Stand-in GPU"): its context is measured at start, and NVML hangs
     while the child waits to be read. A newcomer waits, the loop meanwhile answers `status`;
     after ctxmeasure.TIMEOUT (3 s here) the child is killed, one warning says why, and the
@@ -209,40 +204,31 @@ def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_lo
     from convgpu.enforcer import ctxmeasure
     from convgpu.enforcer.serving.server import request
     monkeypatch.setattr(ctxmeasure, "TIMEOUT", 3.0)
-    lib = build / "standin" / "libcuda.so.1"
-    env = standin_env(caller_env)
     for k in ("CONVGPU_STANDIN_CAPACITY", "CONVGPU_STANDIN_CTX_OVERHEAD", "CONVGPU_STANDIN_SHM"):
-        monkeypatch.setenv(k, env[k])    # the child's environment: the enforcer's
-    nv, fake = faulty_nvml(env)
-    w = None
-    try:
-        enf = inprocess_enforcer(lib, "nvhang-start", 3 * GiB // 2, capacity={0: 3 * GiB}, ctx_overhead=None, nvml=nv)
-        fake.fault = "hang"
-        with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
-            t0 = time.monotonic()
-            assert enf.status()["gpus"]["0"]["ctx_measuring"]
-            w = Worker(cgroups("newcomer"), lib, env)    # "up" only once it is placed
-            waited = time.monotonic() - t0
-            assert said(caplog, "until a context is measured there") == 1
-            assert said(caplog, "the context could not be measured") == 1 and 2.5 < waited < 10, waited
-            st = request(f"{enf.run_dir}/control.sock", {"cmd": "status"}, timeout=5)["status"]
-            est = st["gpus"]["0"]["ctx_estimate"]
-            assert (est["source"], est["bytes"], st["gpus"]["0"]["ctx_measuring"]) == ("conservative", GiB, False)
-            assert "no answer within 3 s" in est["detail"]
-            name = enf.pid_box[w.p.pid].name
-            for _ in range(8):
-                w.send(f"a {CHUNK}")
-                w.stamp()
+        monkeypatch.setenv(k, faulty.env[k])    # the child's environment: the enforcer's
+    fake = faulty.fake
+    enf = inprocess_enforcer(faulty.lib, "nvhang-start", 3 * GiB // 2, capacity={0: 3 * GiB}, ctx_overhead=None,
+                             nvml=faulty.nv)
+    fake.fault = "hang"
+    with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
+        t0 = time.monotonic()
+        assert enf.status()["gpus"]["0"]["ctx_measuring"]
+        w = faulty.worker("newcomer")           # "up" only once it is placed
+        waited = time.monotonic() - t0
+        assert said(caplog, "until a context is measured there") == 1
+        assert said(caplog, "the context could not be measured") == 1 and 2.5 < waited < 10, waited
+        st = request(f"{enf.run_dir}/control.sock", {"cmd": "status"}, timeout=5)["status"]
+        est = st["gpus"]["0"]["ctx_estimate"]
+        assert (est["source"], est["bytes"], st["gpus"]["0"]["ctx_measuring"]) == ("conservative", GiB, False)
+        assert "no answer within 3 s" in est["detail"]
+        name = enf.pid_box[w.p.pid].name
+        for _ in range(8):
             w.send(f"a {CHUNK}")
-            w.wait_stopped()
-            until(lambda: row(enf, name)["waiting"] and row(enf, name)["used"] == 8 * CHUNK, 5, "no stall at 8")
-            assert enf._measuring == 0                   # its exemption ended with it
-            fake.fault = None
-            fake.release.set()
-        assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
-    finally:
+            w.stamp()
+        w.send(f"a {CHUNK}")
+        w.wait_stopped()
+        until(lambda: row(enf, name)["waiting"] and row(enf, name)["used"] == 8 * CHUNK, 5, "no stall at 8")
+        assert enf._measuring == 0                  # its exemption ended with it
+        fake.fault = None
         fake.release.set()
-        if w is not None:
-            w.p.kill()
-            w.p.wait()
-        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+    assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
