@@ -1478,9 +1478,17 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
 {
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p) {
-        if (op == OP_EXIT)          // placed before its procs entry was made: its membership too
+        // Placed before its procs entry was made (killed while stopped at its placement: mapped,
+        // no call returned): the enforcer still learns it left. Before, it never did, and under
+        // --stall freezer its container stayed frozen for good (issue 33, attack 6, on the H100's
+        // path: a context that waits).
+        if (members.lookup(&tgid)) {
+            u64 id = ((u64)tgid << 32) | tgid;
+            emit_flags(id, api, op, 0, -1, 0, 0, 0, 0, wake_if_waiting());
+        }
+        if (op == OP_EXIT)          // its membership too
             members.delete(&tgid);
-        forget_gpus(tgid);          // killed while stopped at its placement: mapped, no calls
+        forget_gpus(tgid);
         return;
     }
     q_give(p->quota, Q_PROCS);

@@ -225,6 +225,7 @@ class Events:
         box = self.pid_box.pop(pid, None)
         if box is None:
             return
+        frozen = bool(box.waiting) and not isinstance(self.stopper, SignalStopper)   # a wait froze it whole
         box.pids.discard(pid)
         box.placed.pop(pid, None)
         box.settling.discard(pid)
@@ -256,22 +257,20 @@ class Events:
             log.info("container %s exited: %s back to the pool", box.name,
                      format_size(sum(box.assigned.values())))
             if not isinstance(self.stopper, SignalStopper):
-                self._thaw_emptied(box)
+                self._thaw_emptied(box, frozen)
 
-    def _thaw_emptied(self, box: Box):
+    def _thaw_emptied(self, box: Box, frozen: bool):
         """Freezer: the container's last CUDA process left (killed while it waited, say), and the
         box goes. Its cgroup is thawed with it: dropped frozen, the next process to join it froze
         with nobody to thaw it (issue 33, attack 6), and so did what else ran there."""
-        try:
-            was = self.stopper.state(Target((), box.container.cgroup))
-            self.stopper.resume(Target((), box.container.cgroup))   # idempotent: whatever state said
-            if was == "stopped":
+        try:   # whether it waited, frozen, not cgroup.events: an exiting task may show it unfrozen
+            self.stopper.resume(Target((), box.container.cgroup))   # idempotent
+            if frozen:
                 log.info("container %s: its last process left while its cgroup %s was frozen: thawed",
                          box.name, box.container.cgroup)
         except Exception as e:   # StallError, or an OSError reading its state: one line, the loop goes on
             log.warning("container %s: its last process left, and its cgroup %s could not be thawed (%s): "
                         "thaw it by hand", box.name, box.container.cgroup, e)
-
 
     def _exiting(self, pid: int, tracked: int = 0, at: int = 0, contexts: int = 0, gen: int = 0):
         """The last thread of pid is in exit: it leaves its container now, but the driver frees

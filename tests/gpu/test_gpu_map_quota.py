@@ -59,20 +59,21 @@ sys.stdin.readline()
 
 
 class Env:
-    def __init__(self, base: Path):
+    """`convgpu enforce ARGS` and processes in cgroups of their own under base (also
+    tests/gpu/test_gpu_failclosed.py)."""
+    def __init__(self, base: Path, args=("--gpu-memory", "20GiB", "--default-limit", "6GiB", "--ctx-overhead", "700MiB")):
         self.base, self.procs, self.log = base, [], []
-        self.enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "20GiB",
-                                     "--default-limit", "6GiB", "--ctx-overhead", "700MiB"],
+        self.enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", *args],
                                     stderr=subprocess.PIPE, text=True, cwd="/")
         self.until("enforcing:")
 
     def until(self, text, timeout=90):
         lines_until(self.enf.stderr, lambda line: text in line, self.log, timeout, f"enforcer log ({text!r})")
 
-    def start(self, name, code, env=None):
+    def start(self, name, code, env=None, wrap=()):
         cg = self.base / name
         cg.mkdir(parents=True, exist_ok=True)
-        argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', sys.executable, "-c", code]
+        argv = ["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"', *wrap, sys.executable, "-c", code]
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, **(env or {})})
         self.procs.append(p)

@@ -6,13 +6,14 @@ kill) other test sessions' processes, and theirs would admit ours."""
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from attack import as_nobody
+from attack import NOBODY, as_nobody
 from conftest import cuda_prelude, popen_in, read_until
 
 LOGGER = "convgpu.enforcer.daemon"
@@ -27,12 +28,63 @@ print('ready', flush=True)
 sys.stdin.readline()
 """
 
+# Runs argv under a tracer of its own that swallows every SIGSTOP (and passes other signals on)
+SWALLOW = r"""
+#include <signal.h>
+#include <stdio.h>
+#include <sys/prctl.h>
+#include <sys/ptrace.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv)
+{
+    int ready[2];
+    pipe(ready);
+    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    pid_t tracee = getpid();
+    if (fork() == 0) {
+        close(ready[0]);
+        if (ptrace(PTRACE_SEIZE, tracee, 0, PTRACE_O_TRACECLONE) != 0) { perror("seize"); return 1; }
+        write(ready[1], "s", 1);
+        int swallowed = 0, st;
+        pid_t t;
+        while ((t = waitpid(-1, &st, __WALL)) > 0) {
+            if (!WIFSTOPPED(st))
+                continue;
+            int sig = WSTOPSIG(st);
+            if (st >> 16 || sig == SIGSTOP) {       /* events, and every stop: dropped */
+                swallowed += sig == SIGSTOP && !(st >> 16);
+                ptrace(PTRACE_CONT, t, 0, 0);
+            } else {
+                ptrace(PTRACE_CONT, t, 0, sig);
+            }
+        }
+        fprintf(stderr, "swallowed %d\n", swallowed);
+        return 0;
+    }
+    close(ready[1]);
+    char c;
+    if (read(ready[0], &c, 1) != 1) return 1;
+    execv(argv[1], argv + 1);
+    return 1;
+}
+"""
+
+
+def build_swallow(d: Path) -> Path:
+    """SWALLOW built into d (also for tests/gpu/test_gpu_failclosed.py)."""
+    out = Path(d) / "swallow"
+    subprocess.run(["gcc", "-O1", "-o", str(out), "-x", "c", "-"], input=SWALLOW, text=True, check=True)
+    os.chmod(out, 0o755)
+    return out
+
 
 @pytest.fixture(scope="module")
 def own_lib(build) -> Path:
     """A copy of the stand-in driver that only this module's processes load."""
     d = Path(tempfile.mkdtemp(prefix=f"convgpu-failclosed-{os.getpid()}-"))
     os.chmod(d, 0o755)
+    os.chown(d, NOBODY, NOBODY)   # a tenant's copy (untrusted.trusted: no self-test, which loads it)
     lib = d / "libcuda.so.1"
     shutil.copy(build / "standin" / "libcuda.so.1", lib)
     os.chmod(lib, 0o755)

@@ -7,57 +7,14 @@ tracer from the kernel (task_struct offsets from BTF, probes/btf.py; bpf foreign
 way to a stop, and where that stop is the last check before the call's body (the recheck) a
 thread traced by another process is killed, which no tracer can swallow; the log says so in
 one line. Real enforcer on the stand-in driver; attacker as nobody in a cgroup of its own."""
-import subprocess
-
 import pytest
 
 from attack import scratch  # noqa: F401 (fixture)
 from conftest import GiB, MiB, inprocess_enforcer, lines_until, serving
-from failclosed import logged, neighbour_runs, own_lib, python_as_nobody, quiet_logs  # noqa: F401 (fixture)
+from failclosed import build_swallow, logged, neighbour_runs, own_lib, python_as_nobody, quiet_logs  # noqa: F401
 
 pytestmark = pytest.mark.system
 LIMIT = 256 * MiB
-# Runs argv under a tracer of its own that swallows every SIGSTOP (and passes other signals on)
-SWALLOW = r"""
-#include <signal.h>
-#include <stdio.h>
-#include <sys/prctl.h>
-#include <sys/ptrace.h>
-#include <sys/wait.h>
-#include <unistd.h>
-int main(int argc, char **argv)
-{
-    int ready[2];
-    pipe(ready);
-    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-    pid_t tracee = getpid();
-    if (fork() == 0) {
-        close(ready[0]);
-        if (ptrace(PTRACE_SEIZE, tracee, 0, PTRACE_O_TRACECLONE) != 0) { perror("seize"); return 1; }
-        write(ready[1], "s", 1);
-        int swallowed = 0, st;
-        pid_t t;
-        while ((t = waitpid(-1, &st, __WALL)) > 0) {
-            if (!WIFSTOPPED(st))
-                continue;
-            int sig = WSTOPSIG(st);
-            if (st >> 16 || sig == SIGSTOP) {       /* events, and every stop: dropped */
-                swallowed += sig == SIGSTOP && !(st >> 16);
-                ptrace(PTRACE_CONT, t, 0, 0);
-            } else {
-                ptrace(PTRACE_CONT, t, 0, sig);
-            }
-        }
-        fprintf(stderr, "swallowed %d\n", swallowed);
-        return 0;
-    }
-    close(ready[1]);
-    char c;
-    if (read(ready[0], &c, 1) != 1) return 1;
-    execv(argv[1], argv + 1);
-    return 1;
-}
-"""
 ATTACK = """
 p = ctypes.c_uint64()
 print('context', flush=True)
@@ -70,8 +27,7 @@ print('done', flush=True)
 
 def test_row33_2_a_thread_its_own_tracer_would_let_go_is_killed(root, own_lib, cgroups, env5, caplog, scratch):
     quiet_logs(caplog)
-    swallow = scratch / "swallow"
-    subprocess.run(["gcc", "-O1", "-o", str(swallow), "-x", "c", "-"], input=SWALLOW, text=True, check=True)
+    swallow = build_swallow(scratch)
     enf = inprocess_enforcer(own_lib, "r33-2", LIMIT, capacity={0: 4 * GiB}, ctx_overhead=0)
     procs = []
     with serving(enf):

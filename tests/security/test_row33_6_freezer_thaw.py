@@ -25,24 +25,31 @@ def freeze_of(cg) -> str:
     return (cg / "cgroup.freeze").read_text().strip()
 
 
-def test_row33_6_a_frozen_cgroup_is_thawed_when_its_last_process_leaves(root, own_lib, cgroups, env5, caplog):
+@pytest.mark.parametrize("at", ["alloc", "context"])
+def test_row33_6_a_frozen_cgroup_is_thawed_when_its_last_process_leaves(root, own_lib, cgroups, env5, caplog, at):
+    """at alloc: the tenant waits at its 400 MiB; at context: at its first context, killed
+    before it was ever a process BPF had an entry for (before, its exit was never even told:
+    the H100's path, where a context costs 518 MiB)."""
     from convgpu.enforcer.failsafe.stall import make_stopper
     quiet_logs(caplog)
-    # 1 GiB card, limits 768 MiB: the neighbour's 600 MiB gets it 768 MiB, the tenant 256 MiB,
-    # so the tenant's 400 MiB (under its limit) waits, frozen
-    enf = inprocess_enforcer(own_lib, "r33-6", 768 * MiB, capacity={0: 1 * GiB}, over_limit="kill",
-                             stopper=make_stopper("freezer-v2"), ctx_overhead=0)
+    # 1 GiB card, limits 768 MiB: the neighbour's 600 MiB (its context's 600 MiB and 0 bytes)
+    # gets it 768 MiB, the tenant 256 MiB, so the tenant's 400 MiB (its 600 MiB context) waits
+    ctx = 600 * MiB if at == "context" else 0
+    enf = inprocess_enforcer(own_lib, f"r33-6-{at}", 768 * MiB, capacity={0: 1 * GiB}, over_limit="kill",
+                             stopper=make_stopper("freezer-v2"), ctx_overhead=ctx)
     procs = []
     with serving(enf):
         try:
-            neighbour = python_as_nobody(cgroups("neighbour"), own_lib, env5, HOLD.format(size=600 * MiB))
+            neighbour = python_as_nobody(cgroups("neighbour"), own_lib, env5,
+                                         HOLD.format(size=1 if at == "context" else 600 * MiB))
             procs.append(neighbour)
             assert read_until(neighbour, "ready", timeout=30) == ["ready"]
             cg = cgroups("tenant")
             tenant = python_as_nobody(cg, own_lib, env5, HOLD.format(size=400 * MiB))
             procs.append(tenant)
             until(lambda: freeze_of(cg) == "1", 20, "the tenant's cgroup was not frozen")
-            assert logged(caplog, "stall tenant pid", "cuMemAlloc_v2 400.0 MiB")
+            assert logged(caplog, "stall tenant pid", "cuMemAlloc_v2 400.0 MiB" if at == "alloc" else
+                          "placed with 256.0 MiB assigned, needs 600.0 MiB")
             tenant.send_signal(signal.SIGKILL)      # its only CUDA process, killed while it waits
             assert tenant.wait(timeout=10) == -9
             # before: cgroup.freeze stayed 1 for good; now thawed as its box goes
