@@ -92,6 +92,14 @@ def own_lib(build) -> Path:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def allocs(n: int, size: int) -> str:
+    """A body for python_as_nobody: says 'context', then n cuMemAlloc_v2 of size bytes, each said
+    ('alloc i'), then 'done', and waits on stdin."""
+    return (f"p = ctypes.c_uint64()\nprint('context', flush=True)\nfor i in range({n}):\n"
+            f"    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t({size})) == 0\n"
+            "    print('alloc', i + 1, flush=True)\nprint('done', flush=True)\nsys.stdin.readline()\n")
+
+
 def python_as_nobody(cg, lib, env, body: str, wrap=(), context: bool = True):
     """python3 -c (a context on lib, then body) as nobody inside cgroup cg, under wrap (argv).
     context False: lib loaded and cuInit only (`cu` ready), no context: never placed."""

@@ -11,18 +11,11 @@ import pytest
 
 from attack import scratch  # noqa: F401 (fixture)
 from conftest import GiB, MiB, inprocess_enforcer, lines_until, serving
-from failclosed import build_swallow, logged, neighbour_runs, own_lib, python_as_nobody, quiet_logs  # noqa: F401
+from failclosed import allocs, build_swallow, logged, neighbour_runs, own_lib, python_as_nobody, quiet_logs  # noqa: F401
 
 pytestmark = pytest.mark.system
 LIMIT = 256 * MiB
-ATTACK = """
-p = ctypes.c_uint64()
-print('context', flush=True)
-for i in range(8):
-    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(256 << 20)) == 0
-    print('alloc', i + 1, flush=True)
-print('done', flush=True)
-"""
+ATTACK = allocs(8, 256 * MiB)
 
 
 def test_row33_2_a_thread_its_own_tracer_would_let_go_is_killed(root, own_lib, cgroups, env5, caplog, scratch):

@@ -11,7 +11,7 @@ cgroup of its own."""
 import pytest
 
 from conftest import GiB, MiB, lines_until, read_until, run_dir_for, serving, until, wait_state
-from failclosed import logged, own_lib, python_as_nobody, quiet_logs  # noqa: F401 (fixture)
+from failclosed import allocs, logged, own_lib, python_as_nobody, quiet_logs  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.system
 LIMIT = 256 * MiB
@@ -34,15 +34,7 @@ while done[0] < n:
 print('filled', n, flush=True)
 sys.stdin.readline()
 """
-TAKE = """
-p = ctypes.c_uint64()
-print('context', flush=True)
-for i in range(4):
-    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(512 << 20)) == 0
-    print('alloc', i + 1, flush=True)
-print('done', flush=True)
-sys.stdin.readline()
-"""
+TAKE = allocs(4, 512 * MiB)
 
 
 def small_maps_enforcer(lib, tag: str, **kw):
