@@ -75,7 +75,9 @@ class ContextOverhead:
                 self._measure_wait.add(dev)
         for dev in self.devices:
             self.est[dev] = self._choose(dev)
-        self._measure_step(time.monotonic())
+        # the first measurement starts at the loop's first pass, once admission is on: its child's
+        # exemption goes into a control map this enforcer owns (before, during a take-over, the
+        # predecessor's programs would stop the child as a newcomer)
 
     def _unmeasurable(self, dev: int) -> str:
         """Why no context can be measured on dev, or ""."""
@@ -128,7 +130,7 @@ class ContextOverhead:
             if not on and self._measuring != pid:
                 return     # a late thread: another child is exempt by now
             self._measuring = pid if on else 0
-        if self.tracer.b is not None:
+        if self.tracer.b is not None and self._leaf:   # else the loop's first write carries it
             self._write_control()
 
     def _measured_at_start(self, m: "ctxmeasure.Measurement", out: "ctxmeasure.Outcome"):
