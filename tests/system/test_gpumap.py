@@ -274,7 +274,7 @@ def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
     if mode == "shim-only":
         run_dir = run_dir_for("shimmap")
         enf = Enforcer(Ledger(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), run_dir=run_dir,
-                       state_dir=run_dir, nvml=TwoGpus(two["CONVGPU_STANDIN_SHM"]))
+                       state_dir=run_dir, nvml=TwoGpus(two["CONVGPU_STANDIN_SHM"]), ctx_overhead=0)   # as conftest's
     else:
         enf = enforcer(build, two, "shimmap")
     enf.tracer.gpumap.major = 1
