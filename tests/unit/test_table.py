@@ -36,3 +36,15 @@ def test_issue_symbols_covered():
 
 def test_only_the_essentials_are_required():
     assert {p.symbol for p in PROBES if p.required} == {"cuMemAlloc_v2", "cuMemFree_v2", "cuDevicePrimaryCtxRetain"}
+
+
+def test_the_calls_bpf_admits_are_the_ones_the_enforcer_rechecks():
+    """bpf admitted() (where an unplaced process may make a thread entry, issue 33) and
+    table.ADMITTED (the recheck probes, the shim's marks) name the same calls, and admit_call
+    has a case for each."""
+    from convgpu.probes.table import ADMITTED
+    src = SOURCE.read_text()
+    body = re.search(r"static __always_inline int admitted\(u16 api\)\n\{(.*?)\n\}", src, re.S).group(1)
+    assert set(re.findall(r"API_(\w+)", body)) == set(ADMITTED)
+    call = re.search(r"static __always_inline void admit_call\((.*?)\n\}", src, re.S).group(1)
+    assert set(ADMITTED) <= set(re.findall(r"case API_(\w+)", call))
