@@ -1548,6 +1548,16 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
     procs.delete(&tgid);
 }
 
+// Discovery by identity (below): what a process mapped since the tracer last checked it. Its
+// entries go with the process (exit) or its image (exec).
+BPF_HASH(exec_gen, u32, u64, MAX_THREADS);   // executable mappings counted since its first GPU open
+BPF_HASH(checked, u32, u64, MAX_THREADS);    // the tracer's: the exec_gen it had checked
+static __always_inline void forget_identity(u32 tgid)
+{
+    exec_gen.delete(&tgid);
+    checked.delete(&tgid);
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -1564,7 +1574,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 #else
     if ((u32)id == (id >> 32))      // older kernels: the leader's exit
 #endif
+    {
         process_gone(id >> 32, API_sched_process_exit, OP_EXIT);
+        forget_identity(id >> 32);
+    }
     return 0;
 }
 
@@ -1572,6 +1585,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     process_gone(bpf_get_current_pid_tgid() >> 32, API_sched_process_exec, OP_EXEC);
+    forget_identity(bpf_get_current_pid_tgid() >> 32);
     return 0;
 }
 
@@ -1579,9 +1593,10 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 // A process that opens a file named like the driver (libcuda.so, libcuda.so.1, libcuda.so.580...)
 // for reading is stopped when the open returns, before it can map the file, let alone call into
 // it; the tracer checks the file's inode (/proc/PID/fd/FD), attaches the probes if it is new,
-// self-tests them, and resumes it (probes/discovery.py). A periodic scan of /proc stays as a
-// safety net (a driver copy under another name). Stopped threads are listed in `held` until
-// resumed: if the tracer dies, its watchdog resumes them all and zeroes `discovery`.
+// self-tests them, and resumes it (probes/discovery.py). That is the early catch of a driver
+// opened by its usual name; a copy under any other name (a memfd, /proc/self/fd/N) is caught by
+// what it is, at its open of a GPU device node (below, "identity"). Stopped threads are listed
+// in `held` until resumed: if the tracer dies, its watchdog resumes them all and zeroes `discovery`.
 
 #define O_ACCMODE 3
 #define NAME_MAX_BPF 256
@@ -1660,20 +1675,113 @@ TRACEPOINT_PROBE(syscalls, sys_enter_openat)
     return 0;
 }
 
+static __always_inline void stop_at_open(u64 id, u64 fd, u64 node)
+{
+    u64 why = HELD_OPEN | node | fd;
+    held.update(&id, &why);         // listed before it stops: a watchdog always finds it
+    bpf_send_signal_thread(SIGSTOP);
+    emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, node >> 33, 0, 0, BPF_RB_FORCE_WAKEUP);
+}
+
+// ---- identity: a driver is what it is, not what it is called (probes/nodes.py) ----
+// An open of the GPU (a character device of NVIDIA's majors, by the device number the kernel
+// has for the opened file: no path a container names decides it) stops the process unless the
+// tracer checked it after its last executable mapping; the tracer then probes every file it
+// maps that exports a driver entry point (or holds it: --unprobed) and resumes it. A driver
+// opens the nodes in cuInit, before any call that allocates. An NVML-only tool (nvidia-smi,
+// exporters) maps no driver: checked once, it is stopped again only after it maps new code.
+#define HELD_NODE (1ULL << 33)      // a `held` value: stopped at its open of a GPU node
+#define PROT_EXEC 4
+#define SHM_EXEC 0100000
+BPF_ARRAY(nodecfg, struct cg_nodes, 1);
+BPF_TABLE("lru_hash", u64, u8, mapping, 16384);   // threads inside an executable mmap/mprotect/shmat
+
+// The major of the file at fd of the current task: task->files->fdt->fd[fd]->f_inode->i_rdev,
+// at the running kernel's offsets (its BTF); 0 if anything is unknown or unreadable.
+static __always_inline u32 fd_major(struct cg_nodes *c, u64 fd)
+{
+    u64 task = bpf_get_current_task(), files = 0, fdt = 0, arr = 0, file = 0, inode = 0;
+    u32 max = 0, rdev = 0;
+    if (bpf_probe_read_kernel(&files, 8, (void *)(task + c->task_files)) || !files ||
+        bpf_probe_read_kernel(&fdt, 8, (void *)(files + c->files_fdt)) || !fdt ||
+        bpf_probe_read_kernel(&max, 4, (void *)(fdt + c->fdt_max)) || fd >= max ||
+        bpf_probe_read_kernel(&arr, 8, (void *)(fdt + c->fdt_fd)) || !arr ||
+        bpf_probe_read_kernel(&file, 8, (void *)(arr + fd * 8)) || !file ||
+        bpf_probe_read_kernel(&inode, 8, (void *)(file + c->file_inode)) || !inode ||
+        bpf_probe_read_kernel(&rdev, 4, (void *)(inode + c->inode_rdev)))
+        return 0;
+    return rdev >> 20;              // the kernel's dev_t: MINORBITS 20
+}
+
+static __always_inline void node_opened(u64 id, u64 fd)
+{
+    u32 k = 0, tgid = id >> 32;
+    struct cg_nodes *c = nodecfg.lookup(&k);
+    if (!c || !c->known)
+        return;
+    u32 major = fd_major(c, fd);
+    if (!major || (major != c->major[0] && major != c->major[1]))
+        return;
+    if (!discovering(tgid) || !discovery_fresh())
+        return;
+    u64 *g = exec_gen.lookup(&tgid), *ok = checked.lookup(&tgid);
+    if (g && ok && *g == *ok)
+        return;                     // checked since its last executable mapping
+    u64 one = 1;
+    exec_gen.insert(&tgid, &one);   // counting starts before the tracer looks (full: never equal)
+    stop_at_open(id, fd, HELD_NODE);
+}
+
 TRACEPOINT_PROBE(syscalls, sys_exit_openat)
 {
     u64 id = bpf_get_current_pid_tgid();
-    if (!opening.lookup(&id))
+    if (!opening.lookup(&id)) {
+        if (args->ret >= 0)
+            node_opened(id, args->ret);
         return 0;
+    }
     opening.delete(&id);
     u32 tgid = id >> 32;
     if (args->ret < 0 || !discovering(tgid) || !discovery_fresh())
         return 0;
-    u64 fd = args->ret;
-    u64 why = HELD_OPEN | fd;
-    held.update(&id, &why);         // listed before it stops: a watchdog always finds it
-    bpf_send_signal_thread(SIGSTOP);
-    emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, 0, 0, 0, BPF_RB_FORCE_WAKEUP);
+    stop_at_open(id, args->ret, 0);
     return 0;
 }
+
+// open(2) and openat2(2) reach a node too (musl's open() is SYS_open): the same check.
+TRACEPOINT_PROBE(syscalls, sys_exit_open) { if (args->ret >= 0) node_opened(bpf_get_current_pid_tgid(), args->ret); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { if (args->ret >= 0) node_opened(bpf_get_current_pid_tgid(), args->ret); return 0; }
+
+// Executable mappings of a process already stopped once at a GPU open, counted when the call
+// returns (the mapping then exists: a check that read /proc/PID/maps before it sees a new count).
+static __always_inline void mapping_enter(int exec)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (exec && exec_gen.lookup(&tgid)) {
+        u8 one = 1;
+        mapping.update(&id, &one);
+    }
+}
+
+static __always_inline void mapping_exit(void)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!mapping.lookup(&id))
+        return;
+    mapping.delete(&id);
+    u32 tgid = id >> 32;
+    u64 *g = exec_gen.lookup(&tgid);
+    if (g)
+        __sync_fetch_and_add(g, 1);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap) { mapping_enter(args->prot & PROT_EXEC); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { mapping_exit(); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_enter_mprotect) { mapping_enter(args->prot & PROT_EXEC); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_mprotect) { mapping_exit(); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_enter_pkey_mprotect) { mapping_enter(args->prot & PROT_EXEC); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_pkey_mprotect) { mapping_exit(); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_enter_shmat) { mapping_enter(args->shmflg & SHM_EXEC); return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_shmat) { mapping_exit(); return 0; }
 #endif

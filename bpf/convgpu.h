@@ -261,6 +261,20 @@ struct cg_discovery {
     __u64 beat_ns;         /* the tracer's loop last ran (bpf_ktime_get_ns clock): stale, no stops */
 };
 
+/* Driver identity (bpf/convgpu.bpf.c, "discovery"; probes/nodes.py): per start, from the running
+ * kernel. An open of a character device of these majors is an open of the GPU, whatever its path. */
+struct cg_nodes {
+    __u32 major[2];        /* nvidia (/dev/nvidiactl, /dev/nvidiaN), nvidia-uvm; 0: none */
+    __u32 known;           /* the offsets below are the running kernel's (its BTF); 0: no match */
+    __u32 task_files;      /* task_struct.files */
+    __u32 files_fdt;       /* files_struct.fdt */
+    __u32 fdt_max;         /* fdtable.max_fds */
+    __u32 fdt_fd;          /* fdtable.fd */
+    __u32 file_inode;      /* file.f_inode */
+    __u32 inode_rdev;      /* inode.i_rdev */
+    __u32 pad;
+};
+
 /* Global counters (per-CPU array slots). */
 enum cg_stat { ST_DROPS = 0, ST_UNKNOWN_FREE = 1, ST_UNCHECKED = 2, ST_UNRECORDED = 3,
                ST_OVER_QUOTA = 4, ST_MAX = 5 };

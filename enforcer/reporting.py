@@ -98,7 +98,8 @@ class Reporting:
         d = getattr(self.tracer, "discovery", None)
         if d is None:   # --no-probes
             return {}
-        return {"discovery": {"on": d.enabled, "stops": d.stops, "unprobed_policy": self.unprobed},
+        return {"discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
+                              "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
     def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:

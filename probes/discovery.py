@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from . import loader, reading, untrusted
+from .identity import Identity
 from .libs import Library
 from .table import CUDA
 
@@ -120,6 +121,8 @@ class Discovery:
         self._stop = threading.Event()
         self._exempt = 0
         self.reader = reading.Reader()          # files are read there, never on the loop
+        self.identity = Identity(self)          # and processes that open the GPU are checked there
+        self.not_code: set[tuple] = set()       # inodes opened by a driver's name that are no ELF
         self.spent = reading.Spent()            # and each container's reading is budgeted
 
     def _map(self, name: str):
@@ -191,6 +194,7 @@ class Discovery:
         for key in self._held():
             self._resume(key)
         self.unprobed.clear()
+        self.identity.clear()
         for p in self.pending.values():
             self.tracer.let_go(p.lib)
         self.pending.clear()
@@ -216,6 +220,15 @@ class Discovery:
         """Threads (pid_tgid) stopped at a driver's open: ours to resume (stalls are the enforcer's)."""
         return [k.value for k, v in self._map("held").items() if v.value & HELD_OPEN]
 
+    def still_held(self, key: int, fd: int) -> bool:
+        """key is still stopped at the open of fd that BPF told us about (the sentinel lets go
+        of those a stale loop held: their event, read later, names an fd they may have reused)."""
+        try:
+            v = self._map("held")[ct.c_uint64(key)].value
+        except KeyError:
+            return False
+        return bool(v & HELD_OPEN) and (v & 0xFFFFFFFF) == fd
+
     def _resume(self, key: int):
         """SIGCONT before the entry goes: dying in between leaves the watchdog one to resume."""
         try:
@@ -233,6 +246,8 @@ class Discovery:
         key = pid << 32 | tid
         self.stops += 1
         self.recent.append(pid)
+        if not self.still_held(key, fd):   # let go meanwhile (a stale loop): fd may be another file now
+            return
         try:
             mine = untrusted.open_process_fd(pid, fd)
         except OSError:       # gone already, or closed and reused: nothing to probe
@@ -273,6 +288,7 @@ class Discovery:
         reading found (issue 33 row 4: failed attaches did not, so one container could make
         the loop read without end). Returns how many were settled."""
         t0 = time.monotonic()
+        looked = self.identity.work()
         n = reading_now = 0
         for inode in list(self.pending):
             if n >= ATTACH_PER_PASS or time.monotonic() - t0 > PASS_BUDGET_S:
@@ -297,11 +313,17 @@ class Discovery:
                 self.tracer.finder.known[inode] = p.lib
                 if p.container is not None:
                     self.spent.add(p.container, getattr(p.read, "took", 0.0))
-                self.tracer.attach(p.lib, p.container, syms=p.read.exception() or p.read.result())
+                if isinstance(p.read.exception(), untrusted.NotElf):    # no code can come from it
+                    self.not_code.add(inode)
+                    self.tracer.let_go(p.lib)
+                    self.tracer.say(logging.WARNING, (p.container, "not ELF"), "%s is not an ELF file: no code "
+                                    "can be loaded from it; its openers are let go", p.lib)
+                else:
+                    self.tracer.attach(p.lib, p.container, syms=p.read.exception() or p.read.result())
                 self.beat(force=True)    # progress: BPF keeps stopping at opens
             n += 1
             self._settle(inode, p.keys)
-        return n
+        return n + looked
 
     def _refuse(self, p: Pending) -> str | None:
         """Why p's container may not have it read now, or None (it then counts toward its
@@ -318,27 +340,39 @@ class Discovery:
         return None
 
     def _settle(self, inode, keys):
-        failed = self.tracer.failure(inode)
+        failed = None if inode in self.not_code else self.tracer.failure(inode)
         for key in keys:
-            if failed is None:
+            if failed is not None:
+                lib = self.tracer.finder.known[inode]
+                self.hold(key, f"pid {key >> 32} opened {lib}", f"which cannot be probed ({failed})",
+                          container_of(key >> 32), lib, failed.replace(str(lib), "*"))
+            elif not any(key in p.keys for p in self.pending.values()):   # another copy it maps
+                self.identity.going_on(key)
                 self._resume(key)
-                continue
-            pid = key >> 32
-            lib = self.tracer.finder.known[inode]
-            action = self.on_unprobed(pid, lib, failed)
-            self.tracer.say(logging.ERROR, (container_of(pid), failed.replace(str(lib), "*")),
-                            "pid %d opened %s, which cannot be probed (%s): %s", pid, lib, failed, WHAT[action])
-            self.unprobed[pid] = Unprobed(pid, str(lib), failed, action)
-            if action == "kill":
-                os.kill(pid, signal.SIGKILL)
-                self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
-            elif action == "allow":
-                self._resume(key)
-            # stall: it stays in `held` (the watchdog resumes it if we die), stopped
+
+    def hold(self, key: int, who: str, why: str, container: str, lib=None, kind=None) -> None:
+        """key's process cannot be checked: --unprobed decides (stall, kill or allow), one line."""
+        pid = key >> 32
+        action = self.on_unprobed(pid, lib, why)
+        self.tracer.say(logging.ERROR, (container, kind or why), "%s, %s: %s", who, why, WHAT[action])
+        self.unprobed[pid] = Unprobed(pid, str(lib) if lib is not None else "", why, action)
+        self.identity.forget(key)
+        if action == "kill":
+            os.kill(pid, signal.SIGKILL)
+            self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
+        elif action == "allow":
+            self._resume(key)
+        # stall: it stays in `held` (the watchdog resumes it if we die), stopped
+
+    def enqueue(self, lib: Library, key: int) -> None:
+        """A driver copy found by what it exports (probes/identity.py): read and attached like
+        an opened one, its process held until then."""
+        self.pending[lib.inode] = Pending(lib, [key])
 
     def forget(self, inode) -> None:
         """A copy released (no process uses it): its container may have another."""
         self.owner.pop(inode, None)
+        self.not_code.discard(inode)
         self.openers.pop(inode, None)
 
     def in_use(self, inode) -> bool:

@@ -44,9 +44,16 @@ def _tracefs_file(rel: str) -> str | None:
     return None
 
 
+# discovery's syscall tracepoints (bpf/convgpu.bpf.c): opens of a driver file or a GPU node, and
+# executable mappings (probes/nodes.py)
+OPEN_TRACEPOINTS = ("sys_enter_openat", "sys_exit_openat", "sys_exit_open", "sys_exit_openat2",
+                    "sys_enter_mmap", "sys_exit_mmap", "sys_enter_mprotect", "sys_exit_mprotect",
+                    "sys_enter_pkey_mprotect", "sys_exit_pkey_mprotect", "sys_enter_shmat", "sys_exit_shmat")
+
+
 def has_open_tracepoints() -> bool:
-    """Discovery stops a process at its open of a driver file (CONFIG_FTRACE_SYSCALLS)."""
-    return all(_tracefs_file(f"events/syscalls/{e}/format") for e in ("sys_enter_openat", "sys_exit_openat"))
+    """Discovery stops a process at its open of a driver file or a GPU node (CONFIG_FTRACE_SYSCALLS)."""
+    return all(_tracefs_file(f"events/syscalls/{e}/format") for e in OPEN_TRACEPOINTS)
 
 
 def cflags(ringbuf_pages: int = 4096, extra: tuple = ()) -> list[str]:
@@ -73,6 +80,9 @@ def compile_program(self_tgid: int | None = None, ringbuf_pages: int = 4096, ext
     flags = cflags(ringbuf_pages, extra)
     b = load_program(bcc, str(SOURCE), flags, bpfcache.cache_dir(cache))
     configure(b, os.getpid() if self_tgid is None else self_tgid, owner)
+    if "-DNO_OPEN_TRACEPOINTS" not in flags:
+        from .nodes import configure as know_nodes
+        know_nodes(b)        # discovery by identity: GPU majors, the kernel's file layout
     return b
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import phases
 from . import detach, links, loader, untrusted
-from .discovery import Discovery, Said
+from .discovery import Discovery, Said, container_of
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
 from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
 from .libs import Library, LibraryFinder, mapped_inodes
@@ -270,8 +270,11 @@ class Tracer:
         self.b.ring_buffer_consume()
         raw, self._raw = self._raw, []
         for ev in decode_many(b"".join(raw)):
-            if ev.op == "lib_open":
-                self.discovery.opened(ev.pid, ev.tid, ev.addr)
+            if ev.op == "lib_open":     # size 1: an open of a GPU node (probes/identity.py)
+                if ev.size == 1:
+                    self.discovery.identity.opened(ev.pid, ev.tid, ev.addr, container_of(ev.pid))
+                else:
+                    self.discovery.opened(ev.pid, ev.tid, ev.addr)
                 continue
             if ev.op in ("exit", "exec"):
                 self._sweeps.add((ev.pid, ev.addr))   # addr carries the process generation

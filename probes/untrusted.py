@@ -56,10 +56,27 @@ class Budget:
 
     def take(self, n: int, what: str) -> None:
         if time.monotonic() > self.deadline:
-            raise Refused(f"reading it took over {self.seconds:g} s")
+            raise OverBudget(f"reading it took over {self.seconds:g} s")
         if n > self.left:
-            raise Refused(f"{what} of {n} bytes would take its reading past {self.nbytes >> 20} MiB")
+            raise OverBudget(f"{what} of {n} bytes would take its reading past {self.nbytes >> 20} MiB")
         self.left -= n
+
+    def deadline_left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class NotElf(Refused):
+    """Not an ELF file at all: no loader can map code from it (a source file named
+    libcuda.so.1.c, a text file): whoever opened it is no driver's user for that."""
+
+
+class Uncheckable(Refused):
+    """Refused because it cannot be read within bounds (a FUSE file, a budget spent): never
+    taken to mean "no driver in it"."""
+
+
+class OverBudget(Uncheckable):
+    """Reading it would cost more than its Budget."""
 
 
 class _Statfs(ct.Structure):
@@ -100,16 +117,22 @@ def open_process_fd(pid: int, fd: int) -> int:
 
 def check(fd: int) -> os.stat_result:
     """fstat of an open library: a regular file of a plausible size, else Refused."""
+    st = check_mappable(fd)
+    if st.st_size > MAX_FILE:
+        raise Refused(f"{st.st_size} bytes, above the {MAX_FILE >> 20} MiB a driver file may have")
+    return st
+
+
+def check_mappable(fd: int) -> os.stat_result:
+    """fstat of an open file that may hold code: a regular file (memfds are), not on FUSE."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
                 stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(st.st_mode), "not a file")
         raise Refused(f"{kind}, not a regular file")
-    if st.st_size > MAX_FILE:
-        raise Refused(f"{st.st_size} bytes, above the {MAX_FILE >> 20} MiB a driver file may have")
     sfs = _Statfs()
     if _libc.fstatfs(fd, ct.byref(sfs)) == 0 and sfs.f_type & 0xFFFFFFFF == FUSE_SUPER_MAGIC:
-        raise Refused("on a FUSE mount, whose reads a user-space server answers (or never does)")
+        raise Uncheckable("on a FUSE mount, whose reads a user-space server answers (or never does)")
     return st
 
 
@@ -159,8 +182,11 @@ def read_symbols(fd: int, names, prologue_bytes: int = 16, budget: Budget | None
     executable segment; Refused if the file is not a 64-bit little-endian ELF shared object or
     reading it goes past a cap or its budget (default: Budget())."""
     budget = budget or Budget()
-    h = _pread(fd, 64, 0, "ELF header", budget)
-    if h[:4] != b"\x7fELF" or h[4] != 2 or h[5] != 1:
+    budget.take(64, "ELF header")
+    h = os.pread(fd, 64, 0)
+    if len(h) < 64 or h[:4] != b"\x7fELF":
+        raise NotElf("not an ELF file")
+    if h[4] != 2 or h[5] != 1:
         raise Refused("not a 64-bit little-endian ELF file")
     e_type, = struct.unpack_from("<H", h, 16)
     if e_type != 3:   # ET_DYN

@@ -96,6 +96,14 @@ void standin_open_nodes(const int *host, int n)
     const char *dir = getenv("CONVGPU_STANDIN_DEVNODES");
     if (!dir || !*dir)
         return;
+    /* the driver's order: the control node, UVM (CUDA's, not NVML's), then each GPU; absent
+     * ones are skipped (tests/security/test_row16_driver_by_another_name.py makes them) */
+    const char *common[] = {"nvidiactl", "nvidia-uvm"};
+    for (int i = 0; i < 2; i++) {
+        char path[512];
+        if (snprintf(path, sizeof path, "%s/%s", dir, common[i]) < (int)sizeof path)
+            (void)open(path, O_RDONLY | O_CLOEXEC);   /* kept open for the process's life */
+    }
     for (int i = 0; i < n; i++) {
         char path[512];
         if (snprintf(path, sizeof path, "%s/nvidia%d", dir, host[i]) < (int)sizeof path)
