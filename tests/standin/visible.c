@@ -97,7 +97,7 @@ void standin_open_nodes(const int *host, int n)
     if (!dir || !*dir)
         return;
     /* the driver's order: the control node, UVM (CUDA's, not NVML's), then each GPU; absent
-     * ones are skipped (tests/security/test_row16_driver_by_another_name.py makes them) */
+     * ones are skipped (tests/security/test_row33_1_driver_by_another_name.py makes them) */
     const char *common[] = {"nvidiactl", "nvidia-uvm"};
     for (int i = 0; i < 2; i++) {
         char path[512];

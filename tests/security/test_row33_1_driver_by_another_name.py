@@ -84,7 +84,7 @@ def _enforcer(build):
 
 
 @pytest.mark.parametrize("how", ["copy", "memfd", "procfd"])
-def test_row16_a_renamed_driver_is_probed_before_it_goes_on(cgroups, build, env5, scratch, gpu_nodes, how):
+def test_row33_1_a_renamed_driver_is_probed_before_it_goes_on(cgroups, build, env5, scratch, gpu_nodes, how):
     enf = _enforcer(build)
     env = {k: v for k, v in env5.items() if k != "LD_LIBRARY_PATH"}   # nothing loads libcuda by name
     env["CONVGPU_STANDIN_DEVNODES"] = str(gpu_nodes)
@@ -120,7 +120,7 @@ def test_row16_a_renamed_driver_is_probed_before_it_goes_on(cgroups, build, env5
         stop_all([attacker, neighbour], enf)
 
 
-def test_row16_nvml_only_tools_are_not_stalled(cgroups, build, scratch, gpu_nodes):
+def test_row33_1_nvml_only_tools_are_not_stalled(cgroups, build, scratch, gpu_nodes):
     """A process that opens the GPU's nodes and maps no driver (nvidia-smi, an exporter) is
     looked at once, let go, and not stopped again however often it opens them."""
     enf = _enforcer(build)

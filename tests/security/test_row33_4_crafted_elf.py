@@ -44,7 +44,7 @@ def crafted(path) -> None:
         f.truncate(strtab_at + STRTAB)
 
 
-def test_row19_a_crafted_driver_file_costs_the_loop_nothing(cgroups, build, env5, scratch):
+def test_row33_4_a_crafted_driver_file_costs_the_loop_nothing(cgroups, build, env5, scratch):
     lib = scratch / "attacker" / "libcuda.so.1"
     crafted(lib)
     enf = enforcer(build, "--gpu-memory", "4GiB", "--default-limit", "256MiB", "--ctx-overhead", "0",
