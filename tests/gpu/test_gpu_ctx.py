@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lines_until, need
+from conftest import lines_until, need, rest_of
 
 pytestmark = pytest.mark.gpu
 MiB, GiB = 1 << 20, 1 << 30
@@ -217,7 +217,7 @@ def test_a_model_never_seen_is_charged_its_context_from_the_first_allocation(roo
             proc.wait()
         enf.terminate()
         enf.wait(timeout=30)
-        log += enf.stderr.read().splitlines()
+        log += rest_of(enf.stderr)       # lines_until's reader has the rest of the stream
         result["log"] = log[-40:]
         if os.environ.get("CONVGPU_GPU_LOG"):
             with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
