@@ -1482,12 +1482,15 @@ static __always_inline void process_gone(u32 tgid, u16 api, u8 op)
         // no call returned): the enforcer still learns it left. Before, it never did, and under
         // --stall freezer its container stayed frozen for good (issue 33, attack 6, on the H100's
         // path: a context that waits).
-        if (members.lookup(&tgid)) {
-            u64 id = ((u64)tgid << 32) | tgid;
-            emit_flags(id, api, op, 0, -1, 0, 0, 0, 0, wake_if_waiting());
+        // Only at its exit: an exec keeps its placement (a shim's hello before exec, say), as
+        // before, and the enforcer drops a pid at an "exec" event.
+        if (op == OP_EXIT) {
+            if (members.lookup(&tgid)) {
+                u64 id = ((u64)tgid << 32) | tgid;
+                emit_flags(id, api, op, 0, -1, 0, 0, 0, 0, wake_if_waiting());
+            }
+            members.delete(&tgid);  // its membership too
         }
-        if (op == OP_EXIT)          // its membership too
-            members.delete(&tgid);
         forget_gpus(tgid);
         return;
     }
