@@ -7,7 +7,8 @@ the file's inode (probes/discovery.py). Measured here, in one run: a new process
 driver (dlopen, timed inside the process around the load) --starts times with discovery on and
 as many with it off, interleaved (on, off, off, on, ...: drift hits both alike); the cost is the
 difference of the distributions. The tracer runs in this process, its loop sleeping on the ring
-buffer as `trace` and `enforce` do. Then --fresh first sights: each a new copy of the driver
+buffer as `trace` and `enforce` do. With --init, each start also calls cuInit, which opens the
+GPU's device nodes: discovery by identity stops it there too (probes/identity.py). Then --fresh first sights: each a new copy of the driver
 (a new inode), attached and self-tested while the process waits: a one-time cost per file."""
 import argparse
 import json
@@ -22,12 +23,15 @@ import time
 
 from convgpu.probes.tracer import Tracer
 
-LOADER = ("import ctypes, sys, time; t = time.perf_counter(); ctypes.CDLL(sys.argv[1]); "
-          "print((time.perf_counter() - t) * 1e3)")
+LOADER = ("import ctypes, sys, time; t = time.perf_counter(); cu = ctypes.CDLL(sys.argv[1]); "
+          "len(sys.argv) > 2 and cu.cuInit(0); print((time.perf_counter() - t) * 1e3)")
+INIT = None     # --init DIR: the stand-in's device nodes (CONVGPU_STANDIN_DEVNODES); cuInit opens them
 
 
 def load_ms(lib: str, pids: list[int]) -> float:
-    p = subprocess.Popen([sys.executable, "-S", "-c", LOADER, lib], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, CONVGPU_STANDIN_DEVNODES=INIT) if INIT else None
+    p = subprocess.Popen([sys.executable, "-S", "-c", LOADER, lib, *(["init"] if INIT else [])],
+                         stdout=subprocess.PIPE, text=True, env=env)
     pids.append(p.pid)
     out, _ = p.communicate(timeout=60)
     return float(out)
@@ -92,7 +96,12 @@ def main(argv=None) -> int:
     ap.add_argument("--starts", type=int, default=100)
     ap.add_argument("--fresh", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--init", metavar="DIR", help="also time cuInit, which opens the stand-in's device nodes in "
+                    "DIR (made with mknod; the tracer matches them with CONVGPU_GPU_MAJORS): the stop at a GPU "
+                    "node's open (probes/identity.py) is then in the times")
     a = ap.parse_args(argv)
+    global INIT
+    INIT = a.init
     r = run(a.lib, a.starts, a.fresh)
     text = json.dumps(r, indent=1)
     print(text)

@@ -217,6 +217,9 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             prev = []
         self._wake_fd = self.tracer.fileno()
         self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
+        reader = getattr(getattr(self.tracer, "discovery", None), "reader", None)
+        if reader is not None:      # a driver file read, a process looked at: settle it at once
+            self.sel.register(reader.fd, selectors.EVENT_READ, lambda _mask: reader.drain())
         signal.signal(signal.SIGHUP, self._on_hup)
         self._adopt(prev)
         self._plan_measurements()   # a GPU model never seen: its newcomers wait for a measured context

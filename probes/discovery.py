@@ -230,13 +230,22 @@ class Discovery:
         return bool(v & HELD_OPEN) and (v & 0xFFFFFFFF) == fd
 
     def _resume(self, key: int):
-        """SIGCONT before the entry goes: dying in between leaves the watchdog one to resume."""
+        """SIGCONT before the entry goes: dying in between leaves the watchdog one to resume.
+        The entry goes only if it is still the stop we resumed: the thread, running again, may
+        already be stopped at its next open (a driver's dlopen, then its cuInit's GPU node),
+        whose entry must stay (deleted, that thread stayed stopped with nobody to resume it)."""
+        k, held = ct.c_uint64(key), self._map("held")
+        try:
+            was = held[k].value
+        except KeyError:
+            was = None
         try:
             os.kill(key >> 32, signal.SIGCONT)
         except ProcessLookupError:
             pass
         try:
-            del self._map("held")[ct.c_uint64(key)]
+            if was is None or held[k].value == was:
+                del held[k]
         except KeyError:
             pass
 

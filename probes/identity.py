@@ -59,6 +59,7 @@ class Identity:
     def opened(self, pid: int, tid: int, fd: int, container: str) -> None:
         """BPF stopped thread tid of pid at its open of a GPU node (fd): look at what it maps."""
         self.stops += 1
+        self.d.recent.append(pid)
         if not self.d.still_held(pid << 32 | tid, fd):   # let go meanwhile: its next open is looked at
             return
         try:

@@ -10,6 +10,7 @@ of reading in WINDOW_S, its next files are refused unread, so that one tenant ca
 this thread from the others' files."""
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,15 @@ class Reader:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # readable once a job is done: the loop sleeps in select() on it with the ring buffer,
+        # so a process waiting for its look goes on at once, not at the loop's next tick
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def drain(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
 
     def submit(self, fn, *args) -> Future:
         """fn(*args) on the reader's thread; the Future holds its result or its exception."""
@@ -52,6 +62,7 @@ class Reader:
                 f.set_result(out)
             else:
                 f.set_exception(err)
+            os.eventfd_write(self.fd, 1)
 
 
 class Spent:

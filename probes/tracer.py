@@ -288,8 +288,11 @@ class Tracer:
                 self._pending.append(ev)
 
     def wait(self, timeout: float) -> None:
-        """Sleep until an event that wakes (a stop at a driver's open, a stall) or timeout."""
-        select.select([self.fileno()], [], [], timeout)
+        """Sleep until an event that wakes (a stop at a driver's open, a stall), a file read
+        off the loop (probes/reading.py), or timeout."""
+        reader = self.discovery.reader
+        if reader.fd in select.select([self.fileno(), reader.fd], [], [], timeout)[0]:
+            reader.drain()
 
     def _sweep(self, full: bool) -> None:
         """Drop objects of processes that are gone. Their bytes already left the totals in
