@@ -74,13 +74,22 @@ def _ldconfig_paths() -> list[str]:
             if "=>" in line and kind_of(line.split("=>")[-1].strip())]
 
 
-def _maps_paths(pid: str, proc: str) -> list[str]:
+MAPS_CAP = 8 << 20      # bytes of one /proc/PID/maps read (~65,530 mappings, vm.max_map_count)
+SWEEP_BUDGET_S = 0.5    # reading every process's maps at a sweep: past it, nothing is released
+
+
+def _maps(path: str) -> bytes | None:
+    """A process's maps, at most MAPS_CAP bytes (a process decides how many mappings it has)."""
     try:
-        with open(f"{proc}/{pid}/maps", "rb") as f:
-            data = f.read()
+        with open(path, "rb") as f:
+            return f.read(MAPS_CAP)
     except OSError:
-        return []
-    if b"libcud" not in data:
+        return None
+
+
+def _maps_paths(pid: str, proc: str) -> list[str]:
+    data = _maps(f"{proc}/{pid}/maps")
+    if not data or b"libcud" not in data:
         return []
     out = set()
     for line in data.split(b"\n"):
@@ -93,19 +102,22 @@ def _maps_paths(pid: str, proc: str) -> list[str]:
     return sorted(out)
 
 
-def mapped_inodes(proc: str = "/proc") -> set[int]:
+def mapped_inodes(proc: str = "/proc", budget_s: float = SWEEP_BUDGET_S) -> set[int] | None:
     """The inode number of every file any process maps (a copy renamed after it was mapped is
-    still counted); the device is left out, as overlayfs shows the layer's in maps."""
+    still counted); the device is left out, as overlayfs shows the layer's in maps. None if
+    reading them all took over budget_s (many processes of many mappings: work a tenant sizes,
+    on the loop): the caller then keeps what it would have released."""
     out: set[int] = set()
     try:
         pids = [d for d in os.listdir(proc) if d.isdigit()]
     except OSError:
         return out
+    deadline = time.monotonic() + budget_s
     for pid in pids:
-        try:
-            with open(f"{proc}/{pid}/maps", "rb") as f:
-                data = f.read()
-        except OSError:
+        if time.monotonic() > deadline:
+            return None
+        data = _maps(f"{proc}/{pid}/maps")
+        if data is None:
             continue
         for line in data.split(b"\n"):
             parts = line.split(None, 5)

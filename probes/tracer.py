@@ -14,7 +14,7 @@ from . import detach, links, loader, untrusted
 from .discovery import Discovery, Said, container_of
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
 from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
-from .libs import Library, LibraryFinder, mapped_inodes
+from .libs import SWEEP_BUDGET_S, Library, LibraryFinder, mapped_inodes
 
 log = logging.getLogger(__name__)
 # How long after its bytes last changed a process may still have a free running in the driver:
@@ -219,6 +219,10 @@ class Tracer:
         if not idle:
             return
         mapped = mapped_inodes(self.finder.proc)
+        if mapped is None:      # not read within its budget: keep them (they cost links, not safety)
+            log.warning("the maps of this host's processes took over %.1f s to read: unused driver "
+                        "copies are kept until a sweep reads them all", SWEEP_BUDGET_S)
+            return
         gone = {lib.inode for lib in idle if lib.inode[1] not in mapped}
         if not gone:
             return

@@ -93,3 +93,14 @@ def test_the_kernel_layout_is_read_from_btf():
         off = btf.members(f.read(), nodes._LAYOUT)
     assert off["fdtable"]["max_fds"] == 0 and off["fdtable"]["fd"] == 8   # stable since 2.6
     assert all(v > 0 for s in ("task_struct", "files_struct", "file", "inode") for v in off[s].values())
+
+
+def test_the_sweeps_maps_reading_has_a_budget(tmp_path):
+    """mapped_inodes reads every process's maps on the loop: past its budget it gives up (the
+    caller keeps its copies) instead of reading what a tenant's processes make it read."""
+    from convgpu.probes import libs
+    for pid in ("1", "2"):
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "maps").write_text("7f00-7f10 r-xp 00000000 fe:00 4242 /x/libgpu.so\n")
+    assert libs.mapped_inodes(str(tmp_path)) == {4242}
+    assert libs.mapped_inodes(str(tmp_path), budget_s=-1) is None
