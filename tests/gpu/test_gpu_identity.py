@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need
-from test_gpu_failclosed import LIMITS, base, nobody, read  # noqa: F401
+from test_gpu_failclosed import ALLOCS, LIMITS, PRELUDE, base, nobody, read  # noqa: F401
 from test_gpu_map_quota import Env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
@@ -33,16 +33,7 @@ if how == "memfd":
 else:
     path = os.path.join(d, "libgpu.so")
     open(path, "wb").write(data)
-cu = ctypes.CDLL(path); cu.cuInit(0)
-dev = ctypes.c_int(); c = ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(dev), 0)
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev) == 0; cu.cuCtxSetCurrent(c)
-p = ctypes.c_uint64()
-for i in range(8):
-    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(256 << 20)) == 0
-    print('alloc', i + 1, flush=True)
-print('done', flush=True)
-sys.stdin.readline()
-"""
+""" + PRELUDE.replace('ctypes.CDLL("libcuda.so.1")', "ctypes.CDLL(path)") + ALLOCS[len(PRELUDE):]
 NVML = r"""
 import ctypes, sys
 n = ctypes.CDLL("libnvidia-ml.so.1")
@@ -54,18 +45,7 @@ for i in range(20):                      # an exporter: init, read, shut down, a
 print('polled', c.value, flush=True)
 """
 OPEN = "import os,sys; fd=os.open(sys.argv[1], os.O_RDONLY); print('opened', flush=True); sys.stdin.readline()"
-NEIGHBOUR = r"""
-import ctypes, sys
-cu = ctypes.CDLL("libcuda.so.1"); cu.cuInit(0)
-d = ctypes.c_int(); c = ctypes.c_void_p(); cu.cuDeviceGet(ctypes.byref(d), 0)
-assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0; cu.cuCtxSetCurrent(c)
-p = ctypes.c_uint64()
-for i in range(8):
-    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(256 << 20)) == 0
-    print('alloc', i + 1, flush=True)
-print('done', flush=True)
-sys.stdin.readline()
-"""
+NEIGHBOUR = ALLOCS
 
 
 def _driver() -> str:
