@@ -120,6 +120,32 @@ def test_row33_1_a_renamed_driver_is_probed_before_it_goes_on(cgroups, build, en
         stop_all([attacker, neighbour], enf)
 
 
+def test_row33_1_a_container_copies_its_mounted_driver(root, build, scratch, gpu_nodes):
+    """The same in a podman container (runc), as its uid 65534: it copies the driver mounted
+    into it (/build/standin, read-only) into a memfd (its /dev/shm and /tmp are noexec or not
+    its own), the GPU nodes given with --device. Probed at its cuInit's node open, stopped at
+    its 256 MiB."""
+    from podman import Container
+    enf = _enforcer(build)
+    c = None
+    try:
+        nodes = [f"--device={gpu_nodes / n}:/dev/{n}" for n in ("nvidiactl", "nvidia-uvm", "nvidia0")]
+        c = Container(build, "/usr/bin/python3", "-c", ATTACK, "memfd", "/build/standin/libcuda.so.1", "/tmp",
+                      extra=nodes, env={"CONVGPU_STANDIN_DEVNODES": "/dev", "LD_LIBRARY_PATH": "",
+                                        "CONVGPU_STANDIN_SHM": f"/convgpu-row33-1-{os.getpid()}"})
+        got = [expect(c.p, "allocated", timeout=90)[1:] for _ in range(4)]
+        assert got == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
+        wait_state(c.pid, "T", timeout=30)
+        line = enf.wait_for(f"pid {c.pid} opened the GPU and maps /memfd:gpu", 10)
+        assert "probed before it goes on" in line
+        box = next(x for x in enf.ctl(cmd="status")["status"]["containers"] if c.pid in x["pids"])
+        assert box["id"] == c.id and box["gpus"]["0"]["used"] == 256 * MiB, box
+    finally:
+        if c is not None:
+            c.remove()
+        stop_all([], enf)
+
+
 def test_row33_1_nvml_only_tools_are_not_stalled(cgroups, build, scratch, gpu_nodes):
     """A process that opens the GPU's nodes and maps no driver (nvidia-smi, an exporter) is
     looked at once, let go, and not stopped again however often it opens them."""
