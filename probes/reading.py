@@ -73,7 +73,11 @@ class Spent:
         self.spent: dict[str, collections.deque] = {}
 
     def add(self, container: str, seconds: float) -> None:
-        self.spent.setdefault(container, collections.deque()).append((time.monotonic(), seconds))
+        now = time.monotonic()
+        self.spent.setdefault(container, collections.deque()).append((now, seconds))
+        if len(self.spent) > 4096:   # containers come and go (and sub-cgroups): the quiet ones go
+            for c in [c for c, d in self.spent.items() if now - d[-1][0] > self.window]:
+                del self.spent[c]
 
     def over(self, container: str) -> bool:
         d = self.spent.get(container)
