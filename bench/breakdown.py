@@ -1,0 +1,444 @@
+"""Issue 32 part 1: where the microseconds of one no-caching allocation+free pair go, in one run.
+
+    python -m bench.breakdown [--standin] [--workload torch|cupy|driver|runtime] [--pairs N]
+        [--rounds R] [--json FILE]
+
+One workload process (a child: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making 4 KiB-1 MiB
+tensors, CuPy without its pool, or a plain driver-API / runtime-API loop through ctypes; on
+--standin the stand-in's driver and runtime) runs a timed block of --pairs allocation+free pairs
+in each mode, the modes one after another in every round (attach, block, detach), so drift hits
+all alike. The modes add one layer of probes at a time, so that each step's increment is a
+measured cost:
+
+    bare       nothing attached (checked: no int3 on any entry point, bench/e2e_modes.py Hooks)
+    traps      empty BPF programs on the entry and return of the pair's calls (cuMemAlloc_v2,
+               cuMemFree_v2, and cudaMalloc, cudaFree where a runtime is given): the trap alone
+    drv-entry  the tracer's program (with its openat/sched tracepoints) and the driver's entry
+               probes only (the table's exits dropped: probes/table.py)
+    drv-ret    + the driver's return probes
+    runtime    + the runtime's probes (libcudart, entry and return): the tracer's whole table
+    enforced   `convgpu enforce` as bench/modes.py starts it (no limit reached, nothing stalls)
+
+The layers are the tracer's own attach lists (probes/loader.attach_library over a filtered
+table) and its ring-buffer consumer (Tracer.poll), run in this process. Per mode and pair:
+wall time, the workload thread's CPU time, each program's runs and run time (bench/bpf_stats.py:
+the kernel's statistics, on for the whole run; they add two clock reads to every program run),
+ring records (the ring buffer's producer position, read from its mmapped page) and, for the
+tracer, the consumer's wake-ups, for the enforcer its CPU time, context switches and CPUs.
+Beside the workload an unrelated process times a loop of openat+close and one of fork+exit
+(what every process on the host pays for the tracepoints).
+
+Increments are medians over rounds of the differences within a round, the total is the
+median of (enforced - bare); the remainder is what the steps do not add up to. On the H100
+bare itself varies 1.1-2.1 us a call from run to run (FACTS.md): compare within one run."""
+import argparse
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import select
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+from convgpu.paths import build_dir
+
+from bench import bpf_stats
+from bench.machine import machine
+
+MODES = ("bare", "traps", "drv-entry", "drv-ret", "runtime", "enforced")
+WORKLOADS = ("torch", "cupy", "driver", "runtime")
+BPF_MAP_GET_FD_BY_ID = 14
+TRAPPED = {"cuda": (b"cuMemAlloc_v2", b"cuMemFree_v2"), "cudart": (b"cudaMalloc", b"cudaFree")}
+SIZES = (4096, 16384, 65536, 262144, 1048576)   # 4 KiB-1 MiB, cycled
+
+# The workload: after set-up and a warm-up it prints "ready PID"; then for every line N on its
+# stdin it makes N allocation+free pairs and prints "WALL_NS CPU_NS" (CPU: this thread's user +
+# system time; a trap is system time).
+_WORKLOAD = r"""
+import ctypes, os, sys, time
+kind, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+if kind == "torch":
+    import torch
+    torch.empty(1, device="cuda")
+    def pair(n):
+        t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        del t
+elif kind == "cupy":
+    import cupy
+    cupy.cuda.set_allocator(None)
+    cupy.empty(1, dtype=cupy.uint8)
+    def pair(n):
+        a = cupy.empty(n, dtype=cupy.uint8)
+        del a
+else:
+    cu = ctypes.CDLL(os.environ.get("BREAKDOWN_LIBCUDA", "libcuda.so.1"))
+    ctx, dev, ptr = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_uint64()
+    for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
+               cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), cu.cuCtxSetCurrent(ctx)):
+        if rc:
+            sys.exit(f"driver set-up failed: {rc}")
+    ref = ctypes.byref(ptr)
+    if kind == "driver":
+        alloc, free = cu.cuMemAlloc_v2, cu.cuMemFree_v2
+        alloc.argtypes, free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_uint64]
+        def pair(n):
+            if alloc(ref, n) or free(ptr.value):
+                sys.exit("cuMemAlloc_v2/cuMemFree_v2 failed")
+    else:
+        rt = ctypes.CDLL(os.environ["CONVGPU_CUDART"])
+        alloc, free = rt.cudaMalloc, rt.cudaFree
+        alloc.argtypes, free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_uint64]
+        def pair(n):
+            if alloc(ref, n) or free(ptr.value):
+                sys.exit("cudaMalloc/cudaFree failed")
+cycle = [sizes[i % len(sizes)] for i in range(1000)]
+for n in cycle:
+    pair(n)
+print("ready", os.getpid(), flush=True)
+for line in sys.stdin:
+    k = int(line)
+    c0, t0 = time.thread_time_ns(), time.monotonic_ns()
+    for i in range(k):
+        pair(cycle[i % 1000])
+    t1, c1 = time.monotonic_ns(), time.thread_time_ns()
+    print(t1 - t0, c1 - c0, flush=True)
+"""
+
+# What every process pays: N openat+close of /dev/null, then N/100 fork+exit, each loop timed.
+_BYSTANDER = r"""
+import os, sys, time
+n = int(sys.argv[1])
+t0 = time.monotonic_ns()
+for _ in range(n):
+    os.close(os.open("/dev/null", os.O_RDONLY))
+t1 = time.monotonic_ns()
+for _ in range(n // 100):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+t2 = time.monotonic_ns()
+print((t1 - t0) / n, (t2 - t1) / (n // 100))
+"""
+
+
+class Workload:
+    def __init__(self, kind: str, env: dict):
+        self.p = subprocess.Popen([sys.executable, "-c", _WORKLOAD, kind, ",".join(map(str, SIZES))],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        words = self.p.stdout.readline().split()
+        if words[:1] != ["ready"]:
+            raise SystemExit(f"the {kind} workload did not start (exit {self.p.wait()})")
+        self.pid = int(words[1])
+
+    def block(self, pairs: int, while_waiting=lambda: None) -> tuple[int, int]:
+        """(wall ns, CPU ns) of `pairs` pairs; while_waiting() runs whenever nothing came yet."""
+        self.p.stdin.write(f"{pairs}\n")
+        self.p.stdin.flush()
+        while not select.select([self.p.stdout], [], [], 0.05)[0]:
+            while_waiting()
+        wall, cpu = self.p.stdout.readline().split()
+        return int(wall), int(cpu)
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
+def ring_position(pid: int) -> int | None:
+    """The producer position of the ring buffer(s) that pid (or its children) holds: bytes
+    written so far (each record is its size rounded to 8, plus an 8-byte header)."""
+    total, found = 0, False
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += bpf_stats.children(p)
+        seen = set()
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p}/fd/{fd}") != "anon_inode:bpf-map":
+                    continue
+                info = dict(line.split(":", 1) for line in open(f"/proc/{p}/fdinfo/{fd}"))
+            except OSError:
+                continue
+            if int(info.get("map_type", "0")) != 27 or info["map_id"] in seen:   # BPF_MAP_TYPE_RINGBUF
+                continue
+            seen.add(info["map_id"])
+            mfd = bpf_stats._bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("<III", int(info["map_id"]), 0, 0))
+            try:
+                page = mmap.mmap(mfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ,
+                                 offset=mmap.PAGESIZE)   # the producer page
+                total += struct.unpack_from("<Q", page, 0)[0]
+                page.close()
+                found = True
+            finally:
+                os.close(mfd)
+    return total if found else None
+
+
+def proc_cpu(pid: int) -> tuple[int, int, list[int]]:
+    """(CPU ns, voluntary context switches, CPUs last run on) of pid and its children."""
+    ns, cs, cpus = 0, 0, []
+    tick = 1e9 / os.sysconf("SC_CLK_TCK")
+    for p in [pid] + bpf_stats.children(pid):
+        try:
+            f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            st = dict(line.split(":", 1) for line in open(f"/proc/{p}/status"))
+        except OSError:
+            continue
+        ns += int((int(f[11]) + int(f[12])) * tick)   # utime, stime (fields 14, 15)
+        cs += int(st["voluntary_ctxt_switches"])
+        cpus.append(int(f[36]))                        # processor (field 39)
+    return ns, cs, cpus
+
+
+@contextlib.contextmanager
+def layer(mode: str, libs: tuple, standin: bool, pids: list):
+    """The tracer with the mode's part of the table, in this process (yields it), or the enforcer
+    (yields None), or nothing (bare)."""
+    from convgpu.probes import detach, loader
+    from convgpu.probes.table import CUDA
+    from convgpu.probes.tracer import Tracer
+    from dataclasses import replace
+    from bench.modes import running
+    if mode == "bare":
+        yield None
+        return
+    if mode == "traps":
+        b = loader.import_bcc().BPF(text=b"int empty(void *ctx) { return 0; }")
+        try:
+            for path, syms in ((libs[0], TRAPPED[CUDA]),) + (((libs[1], TRAPPED["cudart"]),) if libs[1:] else ()):
+                for sym in syms:
+                    b.attach_uprobe(name=path.encode(), sym=sym, fn_name=b"empty")
+                    b.attach_uretprobe(name=path.encode(), sym=sym, fn_name=b"empty")
+            pids.append(os.getpid())
+            yield None
+        finally:
+            b.cleanup()
+        return
+    if mode == "enforced":
+        with running("enforced", libs, standin, pids=pids):
+            yield None
+        return
+    table = loader.PROBES
+    if mode != "runtime":
+        table = tuple(p for p in table if p.library == CUDA)
+    if mode == "drv-entry":
+        table = tuple(replace(p, exit=None) for p in table)
+    tracer = None
+    try:
+        loader.PROBES = table
+        tracer = Tracer(libraries=libs if mode == "runtime" else libs[:1], discover=False, selftest=False).start()
+        pids.append(os.getpid())
+        yield tracer
+    finally:
+        loader.PROBES = sys.modules["convgpu.probes.table"].PROBES
+        if tracer:
+            tracer.close()
+        if not detach.wait_all(timeout=300):
+            raise SystemExit("probes of the last mode still detaching after 300 s")
+
+
+def measure(mode: str, w: Workload, a, libs: tuple, bystander_n: int) -> dict:
+    from bench.e2e_modes import Hooks
+    pids: list = []
+    with layer(mode, libs, a.standin, pids) as tracer:
+        hooks = Hooks(w.pid)
+        hooked = sorted(hooks.hooked())
+        if mode == "bare" and hooked:
+            raise SystemExit(f"bare, yet hooked: {', '.join(hooked)} (another tracer on this library?)")
+        if mode != "bare" and not any(h.endswith(":cuMemAlloc_v2") for h in hooked):
+            raise SystemExit(f"{mode}: cuMemAlloc_v2 is not hooked in the workload")
+        counted = {"events": 0, "wakeups": 0}
+
+        def consume():   # as `convgpu trace` does: a poll every 50 ms, and whenever BPF wakes it
+            if tracer is not None:
+                counted["wakeups"] += bool(select.select([tracer.fileno()], [], [], 0)[0])
+                counted["events"] += sum(1 for e in tracer.poll() if e.pid == w.pid)
+        w.block(max(1, a.pairs // 10), consume)   # warm: the enforcer places the workload here
+        consume()
+        counted.update(events=0, wakeups=0)
+        owner = pids[0] if pids else None
+        s0 = bpf_stats.snapshot(owner) if owner else {}
+        r0 = ring_position(owner) if owner else None
+        e0 = proc_cpu(owner) if mode == "enforced" else None
+        wall, cpu = w.block(a.pairs, consume)
+        e1 = proc_cpu(owner) if mode == "enforced" else None
+        r1 = ring_position(owner) if owner else None
+        s1 = bpf_stats.snapshot(owner) if owner else {}
+        consume()
+        opens_ns, fork_ns = (float(x) for x in subprocess.run(
+            [sys.executable, "-c", _BYSTANDER, str(bystander_n)], capture_output=True, text=True,
+            check=True).stdout.split())
+    from convgpu.probes.events import FORMAT
+    out = {"pair_ns": wall / a.pairs, "cpu_ns": cpu / a.pairs, "hooked": len(hooked),
+           "programs": {k: {"runs_per_pair": v["runs"] / a.pairs, "ns_per_run": v["ns_per_run"]}
+                        for k, v in bpf_stats.delta(s0, s1).items()},
+           "openat_ns": opens_ns, "fork_exit_ns": fork_ns}
+    if r0 is not None and r1 is not None:
+        out["ring_records_per_pair"] = (r1 - r0) / ((FORMAT.size + 7) // 8 * 8 + 8) / a.pairs
+    if tracer is not None:
+        out["wakeups_per_pair"] = counted["wakeups"] / a.pairs
+        out["events_per_pair"] = counted["events"] / a.pairs
+    if e0 and e1:
+        out["enforcer"] = {"cpu_ns_per_pair": (e1[0] - e0[0]) / a.pairs, "switches_per_pair": (e1[1] - e0[1]) / a.pairs,
+                           "cpus": e1[2], "workload_cpu": proc_cpu(w.pid)[2]}
+    return out
+
+
+def layer_of(prog: str) -> str:
+    """Which layer a program's runs are traps of (program names are cut at 15 characters)."""
+    if prog.startswith("enter_cuda") or prog == "exit_runtime":
+        return "runtime"
+    if prog == "recheck":
+        return "recheck"
+    if prog == "empty":
+        return "empty"
+    if prog.startswith("enter_"):
+        return "driver entry"
+    if prog.startswith("exit_"):
+        return "driver return"
+    return "tracepoints"
+
+
+def summarize(meta: dict, rounds: list[dict]) -> dict:
+    med = statistics.median
+    steps = []
+    for m in MODES:
+        prev = PREV.get(m)
+        row = {"mode": m, "pair_ns": med(r[m]["pair_ns"] for r in rounds),
+               "cpu_ns": med(r[m]["cpu_ns"] for r in rounds)}
+        if prev:
+            row["step_ns"] = med(r[m]["pair_ns"] - r[prev]["pair_ns"] for r in rounds)
+        last = rounds[-1][m]
+        traps: dict = {}
+        bpf_ns = 0.0
+        for prog, v in last["programs"].items():
+            traps[layer_of(prog)] = traps.get(layer_of(prog), 0) + v["runs_per_pair"]
+            if layer_of(prog) != "tracepoints":   # their runs are every process's syscalls, not the pair's
+                bpf_ns += v["runs_per_pair"] * v["ns_per_run"]
+        row.update(traps_per_pair=traps, bpf_ns_per_pair=bpf_ns, programs=last["programs"])
+        for k in ("ring_records_per_pair", "wakeups_per_pair", "events_per_pair", "enforcer"):
+            if k in last:
+                row[k] = last[k]
+        row["openat_ns"] = med(r[m]["openat_ns"] for r in rounds)
+        row["fork_exit_ns"] = med(r[m]["fork_exit_ns"] for r in rounds)
+        if prev:
+            row["openat_step_ns"] = med(r[m]["openat_ns"] - r["bare"]["openat_ns"] for r in rounds)
+            row["fork_exit_step_ns"] = med(r[m]["fork_exit_ns"] - r["bare"]["fork_exit_ns"] for r in rounds)
+        steps.append(row)
+    total = med(r["enforced"]["pair_ns"] - r["bare"]["pair_ns"] for r in rounds)
+    added = sum(s.get("step_ns", 0) for s in steps if s["mode"] != "traps")
+    # the model: every trap of the enforced pair at the cost of an empty program's trap, plus
+    # the run time of the enforcer's programs; what it leaves is the remainder
+    by = {s["mode"]: s for s in steps}
+    empty = by["traps"]["traps_per_pair"].get("empty", 0)
+    per_trap = by["traps"]["step_ns"] / empty if empty else 0.0
+    traps = sum(v for k, v in by["enforced"]["traps_per_pair"].items() if k != "tracepoints")
+    model = {"traps_per_pair": traps, "ns_per_trap": per_trap, "traps_ns": traps * per_trap,
+             "bpf_ns": by["enforced"]["bpf_ns_per_pair"]}
+    model["predicted_ns"] = model["traps_ns"] + model["bpf_ns"]
+    return {**meta, "steps": steps, "total_ns": total, "sum_of_steps_ns": added, "model": model,
+            "remainder_ns": total - model["predicted_ns"], "rounds_raw": rounds}
+
+
+PREV = {"traps": "bare", "drv-entry": "bare", "drv-ret": "drv-entry", "runtime": "drv-ret", "enforced": "runtime"}
+NEW = {"traps": ("empty",), "drv-entry": ("driver entry",), "drv-ret": ("driver return",), "runtime": ("runtime",),
+       "enforced": ("recheck",)}
+
+
+def table(res: dict) -> str:
+    us = lambda ns: f"{ns / 1000:.2f}"
+    lines = [f"{res['workload']} workload, {res['pairs']} pairs x {res['rounds']} rounds"
+             f"{' (stand-in)' if res['standin'] else ''}; us per allocation+free pair",
+             f"{'mode':10} {'pair':>7} {'step':>7} {'new traps/pair':>22} {'us/trap':>8} {'BPF us':>7} "
+             f"{'ring rec':>8} {'wakeups':>8} {'openat+':>8} {'fork+':>7}"]
+    by = {s["mode"]: s for s in res["steps"]}
+    for s in res["steps"]:
+        prev_traps = by[PREV[s["mode"]]]["traps_per_pair"] if s["mode"] in PREV else {}
+        new = {k: v - prev_traps.get(k, 0) for k, v in s["traps_per_pair"].items() if k in NEW.get(s["mode"], ())}
+        n = sum(v for k, v in new.items() if k != "tracepoints")
+        per = us(s["step_ns"] / n) if n >= 0.5 and "step_ns" in s else "-"
+        desc = ", ".join(f"{k.split()[-1]} {v:.2f}" for k, v in new.items() if k != "tracepoints") or "-"
+        lines.append(f"{s['mode']:10} {us(s['pair_ns']):>7} {us(s['step_ns']) if 'step_ns' in s else '-':>7} "
+                     f"{desc:>22} {per:>8} {us(s['bpf_ns_per_pair']):>7} "
+                     f"{s.get('ring_records_per_pair', 0):>8.2f} {s.get('wakeups_per_pair', 0):>8.3f} "
+                     f"{us(s.get('openat_step_ns', 0)):>8} {us(s.get('fork_exit_step_ns', 0)):>7}")
+    e = res["steps"][-1].get("enforcer")
+    if e:
+        lines.append(f"enforcer: {us(e['cpu_ns_per_pair'])} us CPU and {e['switches_per_pair']:.3f} wake-ups "
+                     f"(voluntary switches) per pair, on CPU {e['cpus']} (workload on {e['workload_cpu']})")
+    t, m = res["total_ns"], res["model"]
+    lines.append(f"total enforced - bare {us(t)} us/pair (the layers' steps: {us(res['sum_of_steps_ns'])})")
+    lines.append(f"model: {m['traps_per_pair']:.2f} traps x {us(m['ns_per_trap'])} us (an empty program's trap) "
+                 f"= {us(m['traps_ns'])} + BPF programs {us(m['bpf_ns'])} = {us(m['predicted_ns'])} us; "
+                 f"remainder {us(res['remainder_ns'])} ({100 * res['remainder_ns'] / t if t else 0:+.0f} % of the total)")
+    lines.append("openat+/fork+: what an unrelated process pays per openat+close / fork+exit over bare "
+                 "(the tracepoints: every process on the host)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--standin", action="store_true")
+    ap.add_argument("--workload", choices=WORKLOADS, help="default: driver (torch without --standin)")
+    ap.add_argument("--pairs", type=int, default=20000, help="allocation+free pairs per block")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bystander", type=int, default=20000, help="openat+close calls of the unrelated process")
+    ap.add_argument("--cudart", help="the libcudart probed in the runtime layer (default: the workload's)")
+    ap.add_argument("--json", help="write results here (after every round)")
+    a = ap.parse_args(argv)
+    kind = a.workload or ("driver" if a.standin else "torch")
+    if a.standin and kind in ("torch", "cupy"):
+        raise SystemExit(f"--workload {kind} needs the GPU: on the stand-in use driver or runtime")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    if a.standin:
+        # a copy of its own: uprobes are per inode, and a test or helper probing the build's
+        # stand-in would otherwise hook (and count) this workload too
+        standin = tempfile.mkdtemp(prefix="convgpu-breakdown-")
+        shutil.copytree(build_dir() / "standin", standin, symlinks=True, dirs_exist_ok=True)
+        env["LD_LIBRARY_PATH"] = standin
+        libcuda = os.path.join(standin, "libcuda.so.1")
+        cudart = a.cudart or os.path.join(standin, "libcudart.so.13")
+    else:
+        from convgpu.probes.libs import system_drivers
+        from bench.probe_latency import find_cudart
+        libcuda = os.path.realpath((system_drivers() or ["libcuda.so.1"])[0])
+        cudart = a.cudart or find_cudart()
+    env["BREAKDOWN_LIBCUDA"] = libcuda
+    if cudart:
+        env["CONVGPU_CUDART"] = cudart
+    libs = (libcuda,) + ((os.path.realpath(cudart),) if cudart else ())
+    meta = {"workload": kind, "pairs": a.pairs, "rounds": a.rounds, "standin": a.standin, "libs": libs,
+            "sizes": SIZES, "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
+    w = Workload(kind, env)
+    rounds: list = []
+    try:
+        with bpf_stats.enabled():
+            for r in range(a.rounds):
+                rounds.append({m: measure(m, w, a, libs, a.bystander) for m in MODES})
+                print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
+                res = summarize(meta, rounds)
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump(res, f, indent=1)
+    finally:
+        w.close()
+        if a.standin:
+            shutil.rmtree(standin, ignore_errors=True)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
