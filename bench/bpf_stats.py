@@ -69,9 +69,10 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def prog_ids(pid: int) -> set[int]:
-    """Programs whose descriptors `pid` or its descendants hold (the enforcer and its watchdog)."""
-    ids: set[int] = set()
+def held(pid: int, kind: str) -> list[dict[str, str]]:
+    """The fdinfo of every BPF object of `kind` ("prog", "map") that `pid` or its descendants
+    hold a descriptor of (the enforcer and its watchdog), one per descriptor."""
+    out = []
     todo = [pid]
     while todo:
         p = todo.pop()
@@ -82,13 +83,18 @@ def prog_ids(pid: int) -> set[int]:
             continue
         for fd in fds:
             try:
-                if os.readlink(f"/proc/{p}/fd/{fd}") != "anon_inode:bpf-prog":
+                if os.readlink(f"/proc/{p}/fd/{fd}") != f"anon_inode:bpf-{kind}":
                     continue
                 with open(f"/proc/{p}/fdinfo/{fd}") as f:
-                    ids |= {int(line.split()[1]) for line in f if line.startswith("prog_id:")}
+                    out.append({k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)})
             except OSError:
                 continue
-    return ids
+    return out
+
+
+def prog_ids(pid: int) -> set[int]:
+    """Programs whose descriptors `pid` or its descendants hold."""
+    return {int(i["prog_id"]) for i in held(pid, "prog") if "prog_id" in i}
 
 
 def snapshot(pid: int) -> dict[str, tuple[int, int]]:

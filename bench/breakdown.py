@@ -154,35 +154,20 @@ class Workload:
 def ring_position(pid: int) -> int | None:
     """The producer position of the ring buffer(s) that pid (or its children) holds: bytes
     written so far (each record is its size rounded to 8, plus an 8-byte header)."""
-    total, found = 0, False
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        todo += bpf_stats.children(p)
-        seen = set()
-        try:
-            fds = os.listdir(f"/proc/{p}/fd")
-        except OSError:
+    total, found, seen = 0, False, set()
+    for info in bpf_stats.held(pid, "map"):
+        if info.get("map_type") != "27" or info["map_id"] in seen:   # BPF_MAP_TYPE_RINGBUF, once each
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{p}/fd/{fd}") != "anon_inode:bpf-map":
-                    continue
-                info = dict(line.split(":", 1) for line in open(f"/proc/{p}/fdinfo/{fd}"))
-            except OSError:
-                continue
-            if int(info.get("map_type", "0")) != 27 or info["map_id"] in seen:   # BPF_MAP_TYPE_RINGBUF
-                continue
-            seen.add(info["map_id"])
-            mfd = bpf_stats._bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("<III", int(info["map_id"]), 0, 0))
-            try:
-                page = mmap.mmap(mfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ,
-                                 offset=mmap.PAGESIZE)   # the producer page
-                total += struct.unpack_from("<Q", page, 0)[0]
-                page.close()
-                found = True
-            finally:
-                os.close(mfd)
+        seen.add(info["map_id"])
+        mfd = bpf_stats._bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("<III", int(info["map_id"]), 0, 0))
+        try:
+            page = mmap.mmap(mfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ,
+                             offset=mmap.PAGESIZE)   # the producer page
+            total += struct.unpack_from("<Q", page, 0)[0]
+            page.close()
+            found = True
+        finally:
+            os.close(mfd)
     return total if found else None
 
 

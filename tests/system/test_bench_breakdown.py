@@ -1,0 +1,65 @@
+"""bench.breakdown on the stand-in (issue 32 part 1): one short run per workload, the JSON's
+shape, and the counts per pair that must be exact whatever the machine's speed: every pair is
+one cuMemAlloc_v2 and one cuMemFree_v2, so 2 driver entries and 2 returns, 4 empty-program
+traps where those are all that is attached, 1 recheck (the enforcer's probe inside the
+allocation's prologue), 2 ring records for the tracer (alloc and free) and none for an
+enforcer that no view asked for events (bpf quiet()); through the runtime, 2 more traps at
+entry and 2 at return. The times are the machine's and are only checked to be there."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.system
+MODES = ["bare", "traps", "drv-entry", "drv-ret", "runtime", "enforced"]
+
+
+def run(tmp_path, workload: str) -> dict:
+    out = tmp_path / f"{workload}.json"
+    p = subprocess.run([sys.executable, "-m", "bench.breakdown", "--standin", "--workload", workload,
+                        "--pairs", "1500", "--rounds", "1", "--bystander", "500", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "remainder" in p.stdout and p.stdout.splitlines()[1].split()[:3] == ["mode", "pair", "step"]
+    return json.loads(out.read_text())
+
+
+def traps(res: dict) -> dict:
+    return {s["mode"]: {k: round(v, 6) for k, v in s["traps_per_pair"].items() if k != "tracepoints"}
+            for s in res["steps"]}
+
+
+def test_driver_pair_counts_are_exact(root, build, tmp_path):
+    res = run(tmp_path, "driver")
+    assert [s["mode"] for s in res["steps"]] == MODES
+    assert traps(res) == {
+        "bare": {}, "traps": {"empty": 4.0},
+        "drv-entry": {"driver entry": 2.0},
+        "drv-ret": {"driver entry": 2.0, "driver return": 2.0},
+        "runtime": {"driver entry": 2.0, "driver return": 2.0},   # the driver loop never calls the runtime
+        "enforced": {"driver entry": 2.0, "driver return": 2.0, "recheck": 1.0}}
+    by = {s["mode"]: s for s in res["steps"]}
+    progs = by["drv-ret"]["programs"]
+    assert {k: v["runs_per_pair"] for k, v in progs.items() if not k.startswith(("syscalls", "sched"))} == {
+        "enter_cuMemAllo": 1.0, "enter_cuMemFree": 1.0, "exit_alloc": 1.0, "exit_free": 1.0}
+    assert by["drv-entry"]["ring_records_per_pair"] == 0      # entries record nothing
+    assert by["drv-ret"]["ring_records_per_pair"] == 2.0      # alloc and free, at return
+    assert by["drv-ret"]["events_per_pair"] == 2.0            # and the tracer read both
+    assert by["enforced"]["ring_records_per_pair"] == 0       # quiet: the books are in maps
+    e = by["enforced"]["enforcer"]
+    assert e["cpu_ns_per_pair"] >= 0 and e["switches_per_pair"] >= 0 and e["cpus"]
+    for s in res["steps"]:
+        assert s["pair_ns"] > 0 and s["openat_ns"] > 0 and s["fork_exit_ns"] > 0
+    m = res["model"]
+    assert m["traps_per_pair"] == 5.0 and m["predicted_ns"] == pytest.approx(m["traps_ns"] + m["bpf_ns"])
+    assert res["remainder_ns"] == pytest.approx(res["total_ns"] - m["predicted_ns"])
+
+
+def test_runtime_pair_adds_the_runtime_traps(root, build, tmp_path):
+    t = traps(run(tmp_path, "runtime"))
+    assert t["traps"] == {"empty": 8.0}   # cudaMalloc, cudaFree and the driver calls behind them
+    assert t["runtime"] == {"driver entry": 2.0, "driver return": 2.0, "runtime": 4.0}
+    assert t["drv-ret"] == {"driver entry": 2.0, "driver return": 2.0}
