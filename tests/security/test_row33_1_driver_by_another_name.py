@@ -19,7 +19,7 @@ from attack import NOBODY, as_nobody, scratch  # noqa: F401
 from conftest import MiB, cuda_prelude, need, popen_in, proc_state, rest_of, stop_all, wait_state
 from shim_attack import enforcer, expect, say
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.exclusive]   # discovery reaches every driver file on the host
 CPUID = 203                 # a character major every x86 kernel here has (cpuid), opened by nobody else
 
 ATTACK = textwrap.dedent(r'''
