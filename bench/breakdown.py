@@ -3,7 +3,7 @@
     python -m bench.breakdown [--standin] [--workload torch|cupy|driver|runtime] [--pairs N]
         [--rounds R] [--json FILE]
 
-One workload process (a child: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making 4 KiB-1 MiB
+One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making 4 KiB-1 MiB
 tensors, CuPy without its pool, or a plain driver-API / runtime-API loop through ctypes; on
 --standin the stand-in's driver and runtime) runs a timed block of --pairs allocation+free pairs
 in each mode, the modes one after another in every round (attach, block, detach), so drift hits
@@ -57,80 +57,10 @@ BPF_MAP_GET_FD_BY_ID = 14
 TRAPPED = {"cuda": (b"cuMemAlloc_v2", b"cuMemFree_v2"), "cudart": (b"cudaMalloc", b"cudaFree")}
 SIZES = (4096, 16384, 65536, 262144, 1048576)   # 4 KiB-1 MiB, cycled
 
-# The workload: after set-up and a warm-up it prints "ready PID"; then for every line N on its
-# stdin it makes N allocation+free pairs and prints "WALL_NS CPU_NS" (CPU: this thread's user +
-# system time; a trap is system time).
-_WORKLOAD = r"""
-import ctypes, os, sys, time
-kind, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
-if kind == "torch":
-    import torch
-    torch.empty(1, device="cuda")
-    def pair(n):
-        t = torch.empty(n, dtype=torch.uint8, device="cuda")
-        del t
-elif kind == "cupy":
-    import cupy
-    cupy.cuda.set_allocator(None)
-    cupy.empty(1, dtype=cupy.uint8)
-    def pair(n):
-        a = cupy.empty(n, dtype=cupy.uint8)
-        del a
-else:
-    cu = ctypes.CDLL(os.environ.get("BREAKDOWN_LIBCUDA", "libcuda.so.1"))
-    ctx, dev, ptr = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_uint64()
-    for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
-               cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), cu.cuCtxSetCurrent(ctx)):
-        if rc:
-            sys.exit(f"driver set-up failed: {rc}")
-    ref = ctypes.byref(ptr)
-    if kind == "driver":
-        alloc, free = cu.cuMemAlloc_v2, cu.cuMemFree_v2
-        alloc.argtypes, free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_uint64]
-        def pair(n):
-            if alloc(ref, n) or free(ptr.value):
-                sys.exit("cuMemAlloc_v2/cuMemFree_v2 failed")
-    else:
-        rt = ctypes.CDLL(os.environ["CONVGPU_CUDART"])
-        alloc, free = rt.cudaMalloc, rt.cudaFree
-        alloc.argtypes, free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_uint64]
-        def pair(n):
-            if alloc(ref, n) or free(ptr.value):
-                sys.exit("cudaMalloc/cudaFree failed")
-cycle = [sizes[i % len(sizes)] for i in range(1000)]
-for n in cycle:
-    pair(n)
-print("ready", os.getpid(), flush=True)
-for line in sys.stdin:
-    k = int(line)
-    c0, t0 = time.thread_time_ns(), time.monotonic_ns()
-    for i in range(k):
-        pair(cycle[i % 1000])
-    t1, c1 = time.monotonic_ns(), time.thread_time_ns()
-    print(t1 - t0, c1 - c0, flush=True)
-"""
-
-# What every process pays: N openat+close of /dev/null, then N/100 fork+exit, each loop timed.
-_BYSTANDER = r"""
-import os, sys, time
-n = int(sys.argv[1])
-t0 = time.monotonic_ns()
-for _ in range(n):
-    os.close(os.open("/dev/null", os.O_RDONLY))
-t1 = time.monotonic_ns()
-for _ in range(n // 100):
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-t2 = time.monotonic_ns()
-print((t1 - t0) / n, (t2 - t1) / (n // 100))
-"""
-
-
 class Workload:
     def __init__(self, kind: str, env: dict):
-        self.p = subprocess.Popen([sys.executable, "-c", _WORKLOAD, kind, ",".join(map(str, SIZES))],
+        self.p = subprocess.Popen([sys.executable, "-m", "bench.breakdown_child", "pairs", kind,
+                                   ",".join(map(str, SIZES))],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         words = self.p.stdout.readline().split()
         if words[:1] != ["ready"]:
@@ -172,18 +102,19 @@ def ring_position(pid: int) -> int | None:
 
 
 def proc_cpu(pid: int) -> tuple[int, int, list[int]]:
-    """(CPU ns, voluntary context switches, CPUs last run on) of pid and its children."""
+    """(CPU ns, voluntary context switches, CPUs last run on) of pid and its children, all
+    threads: schedstat's run time is in ns (/proc/PID/stat's utime+stime tick at 10 ms, longer
+    than the enforcer's whole share of a block)."""
     ns, cs, cpus = 0, 0, []
-    tick = 1e9 / os.sysconf("SC_CLK_TCK")
     for p in [pid] + bpf_stats.children(pid):
         try:
-            f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            st = dict(line.split(":", 1) for line in open(f"/proc/{p}/status"))
+            for t in os.listdir(f"/proc/{p}/task"):
+                ns += int(open(f"/proc/{p}/task/{t}/schedstat").read().split()[0])
+                st = dict(line.split(":", 1) for line in open(f"/proc/{p}/task/{t}/status"))
+                cs += int(st["voluntary_ctxt_switches"])
+            cpus.append(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[36]))   # processor
         except OSError:
             continue
-        ns += int((int(f[11]) + int(f[12])) * tick)   # utime, stime (fields 14, 15)
-        cs += int(st["voluntary_ctxt_switches"])
-        cpus.append(int(f[36]))                        # processor (field 39)
     return ns, cs, cpus
 
 
@@ -263,7 +194,7 @@ def measure(mode: str, w: Workload, a, libs: tuple, bystander_n: int) -> dict:
         s1 = bpf_stats.snapshot(owner) if owner else {}
         consume()
         opens_ns, fork_ns = (float(x) for x in subprocess.run(
-            [sys.executable, "-c", _BYSTANDER, str(bystander_n)], capture_output=True, text=True,
+            [sys.executable, "-m", "bench.breakdown_child", "bystander", str(bystander_n)], capture_output=True, text=True,
             check=True).stdout.split())
     from convgpu.probes.events import FORMAT
     out = {"pair_ns": wall / a.pairs, "cpu_ns": cpu / a.pairs, "hooked": len(hooked),
@@ -330,8 +261,13 @@ def summarize(meta: dict, rounds: list[dict]) -> dict:
     empty = by["traps"]["traps_per_pair"].get("empty", 0)
     per_trap = by["traps"]["step_ns"] / empty if empty else 0.0
     traps = sum(v for k, v in by["enforced"]["traps_per_pair"].items() if k != "tracepoints")
+    # an empty program's run (and the statistics' clock reads) is inside the trap's cost already
+    empty_run = by["traps"]["programs"].get("empty", {}).get("ns_per_run", 0.0)
     model = {"traps_per_pair": traps, "ns_per_trap": per_trap, "traps_ns": traps * per_trap,
-             "bpf_ns": by["enforced"]["bpf_ns_per_pair"]}
+             "bpf_ns": by["enforced"]["bpf_ns_per_pair"] - traps * empty_run}
+    tp = [v for k, v in by["enforced"]["programs"].items() if layer_of(k) == "tracepoints"]
+    runs = sum(v["runs_per_pair"] for v in tp)
+    model["tracepoint_ns_per_run"] = sum(v["runs_per_pair"] * v["ns_per_run"] for v in tp) / runs if runs else 0.0
     model["predicted_ns"] = model["traps_ns"] + model["bpf_ns"]
     return {**meta, "steps": steps, "total_ns": total, "sum_of_steps_ns": added, "model": model,
             "remainder_ns": total - model["predicted_ns"], "rounds_raw": rounds}
@@ -366,10 +302,10 @@ def table(res: dict) -> str:
     t, m = res["total_ns"], res["model"]
     lines.append(f"total enforced - bare {us(t)} us/pair (the layers' steps: {us(res['sum_of_steps_ns'])})")
     lines.append(f"model: {m['traps_per_pair']:.2f} traps x {us(m['ns_per_trap'])} us (an empty program's trap) "
-                 f"= {us(m['traps_ns'])} + BPF programs {us(m['bpf_ns'])} = {us(m['predicted_ns'])} us; "
+                 f"= {us(m['traps_ns'])} + BPF programs beyond an empty one {us(m['bpf_ns'])} = {us(m['predicted_ns'])} us; "
                  f"remainder {us(res['remainder_ns'])} ({100 * res['remainder_ns'] / t if t else 0:+.0f} % of the total)")
     lines.append("openat+/fork+: what an unrelated process pays per openat+close / fork+exit over bare "
-                 "(the tracepoints: every process on the host)")
+                 f"(the tracepoints: every process on the host; their programs {m['tracepoint_ns_per_run']:.0f} ns a run)")
     return "\n".join(lines)
 
 
