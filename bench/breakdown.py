@@ -33,7 +33,6 @@ median of (enforced - bare); the remainder is what the steps do not add up to. O
 bare itself varies 1.1-2.1 us a call from run to run (FACTS.md): compare within one run."""
 import argparse
 import contextlib
-import ctypes
 import json
 import mmap
 import os
@@ -44,7 +43,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 
 from convgpu.paths import build_dir
 

@@ -32,34 +32,32 @@ def traps(res: dict) -> dict:
             for s in res["steps"]}
 
 
-def test_driver_pair_counts_are_exact(root, build, tmp_path):
-    res = run(tmp_path, "driver")
+def test_pair_counts_are_exact(root, build, tmp_path):
+    """One run (each run costs ~10 s of attaches and an enforcer start): the runtime loop, whose
+    cudaMalloc/cudaFree call the stand-in driver's cuMemAlloc_v2/cuMemFree_v2."""
+    res = run(tmp_path, "runtime")
     assert [s["mode"] for s in res["steps"]] == MODES
+    drv = {"driver entry": 2.0, "driver return": 2.0}
     assert traps(res) == {
-        "bare": {}, "traps": {"empty": 4.0},
+        "bare": {}, "traps": {"empty": 8.0},   # entry and return of the two runtime and two driver calls
         "drv-entry": {"driver entry": 2.0},
-        "drv-ret": {"driver entry": 2.0, "driver return": 2.0},
-        "runtime": {"driver entry": 2.0, "driver return": 2.0},   # the driver loop never calls the runtime
-        "enforced": {"driver entry": 2.0, "driver return": 2.0, "recheck": 1.0}}
+        "drv-ret": drv,
+        "runtime": {**drv, "runtime": 4.0},
+        "enforced": {**drv, "runtime": 4.0, "recheck": 1.0}}
     by = {s["mode"]: s for s in res["steps"]}
-    progs = by["drv-ret"]["programs"]
+    progs = by["runtime"]["programs"]
     assert {k: v["runs_per_pair"] for k, v in progs.items() if not k.startswith(("syscalls", "sched"))} == {
-        "enter_cuMemAllo": 1.0, "enter_cuMemFree": 1.0, "exit_alloc": 1.0, "exit_free": 1.0}
+        "enter_cuMemAllo": 1.0, "enter_cuMemFree": 1.0, "exit_alloc": 1.0, "exit_free": 1.0,
+        "enter_cudaMallo": 1.0, "enter_cudaFree": 1.0, "exit_runtime": 2.0}
     assert by["drv-entry"]["ring_records_per_pair"] == 0      # entries record nothing
     assert by["drv-ret"]["ring_records_per_pair"] == 2.0      # alloc and free, at return
     assert by["drv-ret"]["events_per_pair"] == 2.0            # and the tracer read both
+    assert by["drv-ret"]["wakeups_per_pair"] < 0.01           # BPF_RB_NO_WAKEUP: read at its poll
     assert by["enforced"]["ring_records_per_pair"] == 0       # quiet: the books are in maps
     e = by["enforced"]["enforcer"]
     assert e["cpu_ns_per_pair"] >= 0 and e["switches_per_pair"] >= 0 and e["cpus"]
     for s in res["steps"]:
         assert s["pair_ns"] > 0 and s["openat_ns"] > 0 and s["fork_exit_ns"] > 0
     m = res["model"]
-    assert m["traps_per_pair"] == 5.0 and m["predicted_ns"] == pytest.approx(m["traps_ns"] + m["bpf_ns"])
+    assert m["traps_per_pair"] == 9.0 and m["predicted_ns"] == pytest.approx(m["traps_ns"] + m["bpf_ns"])
     assert res["remainder_ns"] == pytest.approx(res["total_ns"] - m["predicted_ns"])
-
-
-def test_runtime_pair_adds_the_runtime_traps(root, build, tmp_path):
-    t = traps(run(tmp_path, "runtime"))
-    assert t["traps"] == {"empty": 8.0}   # cudaMalloc, cudaFree and the driver calls behind them
-    assert t["runtime"] == {"driver entry": 2.0, "driver return": 2.0, "runtime": 4.0}
-    assert t["drv-ret"] == {"driver entry": 2.0, "driver return": 2.0}
