@@ -480,15 +480,18 @@ def host_turn(exclusive: bool):
         os.close(gate)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _host_turn(request):
-    """Under xdist, each test takes its turn of the host (host_turn): `exclusive` marks tests
-    whose probes reach every driver file on the host (discovery stops and probes any process
-    that opens one, the other worker's too)."""
+    """Under xdist, each module takes its turn of the host (host_turn) while its tests run on a
+    worker, module-scoped fixtures included (a shim witness holding the stand-in open was
+    probed by the other worker's discovery): a module with a test marked `exclusive` (its
+    probes reach every driver file on the host: discovery stops and probes any process that
+    opens one, the other worker's too) runs while no other module runs."""
     if not WORKER:
         yield
         return
-    with host_turn(request.node.get_closest_marker("exclusive") is not None):
+    exclusive = any(i.get_closest_marker("exclusive") for i in request.session.items if i.module is request.module)
+    with host_turn(exclusive):
         yield
 
 
