@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at
 from bench.bpf_stats import children  # noqa: E402
 from convgpu.enforcer.tenants.containers import cgroup_layout
 
-pytestmark = [pytest.mark.system, pytest.mark.xdist_group("demo")]   # one demo on the host: its names are fixed
+pytestmark = pytest.mark.system   # one demo on the host (its names are fixed): --dist loadfile keeps these on one worker
 TRACE = [sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events", "--interval", "0.3", "--no-discover"]
 DEAD_OWNER = "999999999:1"   # no such pid: an owner that is gone
 LABEL, OWNER_LABEL = "convgpu.demo", "convgpu.demo.owner"   # on every demo container (core/demo.py)
