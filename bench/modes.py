@@ -102,7 +102,7 @@ def running(mode: str, libs: tuple = (), standin: bool = False, times: dict | No
 def start_enforcer(libs, standin: bool, probes: bool = True, baseline: str | None = None):
     run_dir = tempfile.mkdtemp(prefix="convgpu-bench-")
     argv = [sys.executable, "-P", "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "64GiB", "--default-limit",
-            "60GiB", "--run-dir", run_dir] + (["--no-discover"] if standin else []) + [f"--lib={x}" for x in libs] + ([] if probes else ["--no-probes"])
+            "60GiB", "--run-dir", run_dir, "--state-dir", run_dir] + (["--no-discover"] if standin else []) + [f"--lib={x}" for x in libs] + ([] if probes else ["--no-probes"])
     enf = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=baseline_env(baseline) if baseline else None)
     for line in enf.stderr:
         if "enforcing:" in line:

@@ -37,6 +37,7 @@ class Accountant:
         self._cpeak: dict[str, int] = defaultdict(int)
         self._measured: dict[int, deque] = defaultdict(lambda: deque(maxlen=32))
         self._prev: dict[tuple[int, int, int], tuple[int, float]] = {}
+        self._nvml_said: set[str] = set()   # the kinds of NVML error the view has logged
 
     # --- containers ---
     def container(self, pid: int, refresh: bool = False) -> ct.Container:
@@ -84,13 +85,30 @@ class Accountant:
             return self.estimate(u.dev) * u.contexts, "estimate"
         return 0, "none"
 
+    def _nvml_facts(self) -> tuple[dict, list]:
+        """NVML's per-process memory and GPUs for a snapshot; where NVML cannot give them (a GPU
+        lost, per-process lists NotSupported: MIG, some cards) the view goes on without its
+        figures, contexts shown at their estimate, and says why once per kind of error."""
+        if self.nvml is None or not self.nvml.ok:
+            return {}, []
+        out = []
+        for read in (self.nvml.process_memory, self.nvml.gpus):
+            try:
+                out.append(read())
+            except Exception as e:   # pynvml's NVMLError_*: one line per kind, not per snapshot
+                if type(e).__name__ not in self._nvml_said:
+                    self._nvml_said.add(type(e).__name__)
+                    log.warning("NVML %s: %s; the view goes on without it (contexts at their estimate)",
+                                read.__name__, e or type(e).__name__)
+                out.append({} if read == self.nvml.process_memory else [])
+        return out[0], out[1]
+
     # --- snapshot ---
     def snapshot(self, usage, mode: str = "driver", libraries=(), drops: int = 0,
                  pids: set[int] | None = None, container: str | None = None,
                  notes=()) -> Snapshot:
         now_mono, now = time.monotonic(), time.time()
-        per_proc = self.nvml.process_memory() if self.nvml is not None and self.nvml.ok else {}
-        gpus = self.nvml.gpus() if self.nvml is not None and self.nvml.ok else []
+        per_proc, gpus = self._nvml_facts()
         groups: dict[str, list[ProcessRow]] = defaultdict(list)
         meta: dict[str, ct.Container] = {}
         tracked: dict[int, int] = defaultdict(int)

@@ -108,7 +108,7 @@ def enforcer(lib: Path, limits: dict[str, int], *args: str, capacity: int = CAPA
     # over a fresh file can wait for writeback and hold its loop for hundreds of ms
     run_dir = tempfile.mkdtemp(prefix=f"{tag}-run-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     argv = [sys.executable, "-m", "convgpu.cli.main", *(["--debug"] if debug else []), "enforce", "--no-discover", "--lib", str(lib),
-            "--run-dir", run_dir, "--gpu-memory", str(capacity), *args]
+            "--run-dir", run_dir, "--state-dir", run_dir, "--gpu-memory", str(capacity), *args]   # never the host's state
     for name, size in limits.items():
         argv += ["--limit", f"{name}={size}"]
     p = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

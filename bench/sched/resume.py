@@ -278,11 +278,14 @@ def main(argv=None) -> int:
     env = stand_in_env(f"/{a.tag}-{os.getpid()}", 0, lib)
     env["CONVGPU_STANDIN_CAPACITY"] = str(4 * cap)   # the enforcer's capacity is the limit here
     limits = {"rexa": cap * 3 // 4, "rexb": cap, "rfree": cap, "rload": cap}
+    # the stand-in's contexts cost nothing here (stand_in_env's 0) and it has no NVML to measure
+    # one: say so, or each context is charged the conservative 1 GiB (enforcer/ctxest.py)
+    ctx = () if a.lib else ("--ctx-overhead", "0")
     rates = [int(x) for x in a.rates.split(",")]
     settles = [float(x) for x in a.settle.split(",")]
     res: dict = {}
     with cgroup_dirs(f"{a.tag}-{os.getpid()}", limits) as cgs, \
-            enforcer(lib, limits, "--policy", a.policy, capacity=cap, tag=a.tag, debug=True) as (enf, log), \
+            enforcer(lib, limits, "--policy", a.policy, *ctx, capacity=cap, tag=a.tag, debug=True) as (enf, log), \
             Progress() as progress:
         try:
             for wait in settles:

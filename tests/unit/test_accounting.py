@@ -84,3 +84,23 @@ def test_rate_between_snapshots():
     a.snapshot([u(1, 0, n_alloc=0)])
     s = a.snapshot([u(1, 0, n_alloc=1000)])
     assert s.containers[0].processes[0].rate > 0
+
+
+class NoProcessLists(FakeNvml):
+    """NVML where a GPU's per-process lists raise (NotSupported: the stand-in's NVML, MIG, some
+    cards; or a GPU lost): `convgpu trace` crashed on the first snapshot once process_memory()
+    raised instead of reading as "no process" (issue 31)."""
+
+    def process_memory(self):
+        raise RuntimeError("Not Supported")
+
+
+def test_a_gpu_whose_process_lists_fail_leaves_the_view_running_at_the_estimate(caplog):
+    a = acct(NoProcessLists({}), ctx_overhead=100 * MiB)
+    for _ in range(3):
+        s = a.snapshot([u(1, 10 * MiB, contexts=2)])
+    rows = {p.pid: p for c in s.containers for p in c.processes}
+    assert (rows[1].overhead, rows[1].overhead_source) == (200 * MiB, "estimate")
+    assert s.gpus[0].name == "H100" and s.gpus[0].tracked == 210 * MiB   # the GPUs still read
+    said = [r.message for r in caplog.records if "NVML process_memory" in r.message]
+    assert said == ["NVML process_memory: Not Supported; the view goes on without it (contexts at their estimate)"]
