@@ -89,6 +89,7 @@ class Result:
     fresh: int = 0                                   # restarts that took over nothing (pins gone)
     foreign: list = field(default_factory=list)      # other sessions' enforcers seen meanwhile
     write_ms: list = field(default_factory=list)     # an enforcer's mean time per decisions write
+    exit_s: list = field(default_factory=list)       # (SIGKILL to reaped, the kill's kind)
     left_stopped: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -110,6 +111,8 @@ class Result:
                                            "max": round(max(self.restart_s), 3) if self.restart_s else None},
                 "kill_to_admission_s": {"p50": pct(self.unchecked_s, 0.5), "p99": pct(self.unchecked_s, 0.99),
                                         "max": round(max(self.unchecked_s), 3) if self.unchecked_s else None},
+                "kill_to_reaped_s": {"p50": pct([x for x, _ in self.exit_s], 0.5),
+                                     "max": max(self.exit_s, default=None)},
                 "seconds": round(self.seconds, 1)}
 
     def failures(self) -> list[str]:
@@ -416,6 +419,7 @@ class Torture:
         enforcer admits until the next one is admitting."""
         at = time.monotonic() if self.d.alive() else self._died_at()
         self.d.kill()
+        self.r.exit_s.append((round(time.monotonic() - at, 3), kind))   # SIGKILL to reaped
         if self.d.faulted():
             kind = "fault " + self.d.fault.split(":")[0]
         self.r.kills[kind] = self.r.kills.get(kind, 0) + 1
