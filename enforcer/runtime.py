@@ -3,7 +3,6 @@ pod limits (serving/podlimits.py), and a reload of the config file (SIGHUP, `con
 Each decision is made durable (tenants/durable.py: written to the state dir and fsynced) before
 it is applied and acknowledged; one that cannot be written is refused, and nothing changes."""
 import logging
-import time
 
 from ..units import format_size
 from .books import Box

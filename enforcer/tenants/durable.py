@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 from ...errors import ConfigError, ConvgpuError
 from ...faults import FAULT
 from .containers import cgroup_layout
-from .limits import PodLimit
 
 log = logging.getLogger(__name__)
 FILE = "decisions.json"

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import Enforcing, GiB, MiB, popen_in, read_until, start_in, stop_all, until, wait_state
 from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants.limits import PodLimit
 
 pytestmark = pytest.mark.system
 ARGS = ("--gpu-memory", "6GiB", "--default-limit", "1GiB")
@@ -268,7 +269,7 @@ def test_an_unreadable_decisions_file_holds_every_container_until_it_is_repaired
     aside and `convgpu reload`: the limits are the rules' again and the waiter runs."""
     state = tmp_path / "state"
     state.mkdir()
-    good = durable.encode(durable.Decisions().with_pods({CID: durable.PodLimit(GiB, "pod")}))
+    good = durable.encode(durable.Decisions().with_pods({CID: PodLimit(GiB, "pod")}))
     (state / durable.FILE).write_bytes(good[:len(good) // 2])
     before = (state / durable.FILE).read_bytes()
     enf = enforcing(build, *ARGS, "--over-limit", "kill", state_dir=str(state))
