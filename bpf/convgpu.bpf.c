@@ -58,6 +58,12 @@ struct cg_thread {                  // one entry per thread that ever called CUD
                                     // at entry and one at return (probe cost, FACTS.md)
     u64 freeing;                    // a free in the driver: its pointer (0: none), apart from
     u16 free_api;                   // `call`, so that a free inside another call loses nothing
+    u16 pad3;
+    u32 free_tid;                   // the freed object, out of `objs` from the free's entry to
+    u64 free_size;                  //   its return (free_enter): what exit_free settles
+    u64 free_gen;
+    s32 free_dev;
+    u32 pad4;
 };
 
 // The enforcer pins the state (accounting, calls in flight, containers) under PIN_DIR: its
@@ -1147,14 +1153,29 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api)
         obj_free(id, p, api, NS_PTR, addr);
         return 0;
     }
+    // Out of `objs` from here: the driver may give the address out again before this free
+    // returns, and an allocation there, settled first, is another object. Its bytes stay
+    // charged until the return (the memory is the driver's until then). Before, exit_free
+    // looked the address up and settled whatever was there: the torture (bench/torture.py) found
+    // containers holding a 128 MiB block their books no longer had, over the limit by that.
+    struct cg_obj gone = *o;
+    if (obj_del(&k, gone.quota) != 0)   // a racing free of the same pointer took it first
+        return 0;
     t->freeing = addr;
     t->free_api = api;
-    struct cg_usage *u = find_usage(tgid, o->dev, p->gen);
+    t->free_tid = gone.tid;
+    t->free_size = gone.size;
+    t->free_gen = gone.gen;
+    t->free_dev = gone.dev;
+    struct cg_usage *u = find_usage(tgid, gone.dev, p->gen);
     if (u)                          // moving: NVML's measurement waits (Tracer.calls_in_flight)
         u->last_ns = bpf_ktime_get_ns();
     return 0;
 }
 
+// The object free_enter took out of `objs`: its bytes leave the books now, or, the free having
+// failed, it is the books' again. A thread killed inside the free leaves them charged to its
+// process until it exits.
 int exit_free(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -1163,11 +1184,20 @@ int exit_free(struct pt_regs *ctx)
         return 0;
     u64 addr = t->freeing;
     u16 api = t->free_api;
+    struct cg_obj o = {.size = t->free_size, .gen = t->free_gen, .dev = t->free_dev, .tid = t->free_tid,
+                       .api = API_cuMemAlloc_v2};
     t->freeing = 0;
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
-    if (p && (u32)PT_REGS_RC(ctx) == 0)     // a failed free gave nothing back
-        obj_free(id, p, api, NS_PTR, addr);
+    if (!p || p->gen != o.gen)
+        return 0;
+    if ((u32)PT_REGS_RC(ctx) != 0) {     // a failed free gave nothing back
+        struct cg_obj_key k = {.tgid = tgid, .ns = NS_PTR, .addr = addr};
+        struct cg_obj was = {};
+        obj_put(&k, &o, p, &was);       // unrecorded: its bytes stay charged until the process exits
+        return 0;
+    }
+    bytes_gone(id, p, api, &o, addr, 1);
     return 0;
 }
 int enter_cuMemFree_v2(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFree_v2); }

@@ -91,6 +91,8 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
     for eng in ("podman", "docker"):
         w = shutil.which(eng)
         checks.append(Check(eng, bool(w), w or "not installed", "optional: names and labels of containers", fatal=False))
+    if state_dir:
+        checks.append(_decisions_check(state_dir))
     from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
     checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks
@@ -130,6 +132,17 @@ def context_checks(nv, cuda, state_dir: str, run_dir: str) -> list[Check]:
                          "a context is held at 1 GiB until NVML measures its process: give the enforcer NVML "
                          "and the host's driver to measure one, or --ctx-overhead", fatal=False))
     return out
+
+
+def _decisions_check(state_dir: str) -> Check:
+    """The enforcer's run-time decisions (enforcer/tenants/durable.py): readable, and the state
+    dir writable (else `limit set`, `convgpu run` and the agent's pod limits are refused)."""
+    from ..enforcer.tenants import durable
+    state, detail = durable.check(state_dir)
+    fixes = {"unreadable": "the enforcer holds every container until it is repaired or moved aside "
+                           "(then `convgpu reload`): see docs/OPERATOR.md, \"What survives a restart\"",
+             "unwritable": "make the state dir writable (and not full), or give --state-dir"}
+    return Check("decisions", state in ("ok", "none"), detail, fixes.get(state, ""), fatal=False)
 
 
 def _recheck_check(lib) -> Check:

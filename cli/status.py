@@ -22,6 +22,14 @@ def table(st: dict) -> Table:
                     + (f", shim view {format_size(ceiling[d]['bytes'])}" if d in ceiling else "")
                     for d, g in st["gpus"].items() if "ctx_estimate" in g)
     notes = [est] if est else []
+    dec = st.get("decisions") or {}
+    if dec.get("state") == "unreadable":
+        notes.append(f"decisions unreadable ({dec['error']}): every container is held until it is repaired or "
+                     "moved aside and `convgpu reload` reads it")
+    elif dec.get("write_error"):
+        notes.append(f"the last decision could not be kept in {dec['path']} ({dec['write_error']}): refused")
+    elif dec.get("state") == "memory":
+        notes.append("no --state-dir: run-time limits and names are lost at a restart")
     if unchecked:
         notes.append(f"{unchecked} allocations ran unchecked while the enforcer's heartbeat had lapsed "
                      f"(see its log)")

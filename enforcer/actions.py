@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+from ..faults import FAULT
 from ..probes.discovery import HELD_OPEN
 from .books import Box
 from .failsafe.stall import SignalStopper, Target
@@ -114,6 +115,8 @@ class Actions:
         if self.holder is not None:   # dropped once BPF's `held` forgets the stop (decisions._gone_through)
             box.going.setdefault(dev, {})[a.tid] = a
         self._let_go(a.pid, a.tid, a.seq)
+        if FAULT:
+            FAULT.hit("resume")   # this call let go, the wait's others (if any) not yet
 
     def _let_go(self, pid: int, tid: int, seq: int):
         if self.holder is not None:

@@ -30,6 +30,7 @@ from .failsafe.adopt import Adopt
 from .books import Books, Box
 from .serving.broker import ShimBroker
 from .serving.peers import SHIM_CAPS, raise_nofile
+from .tenants import durable
 from .tenants.containers import container_of_pid
 from .decisions import Decider
 from .events import Events
@@ -94,6 +95,11 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         self.boxes, self.by_key, self._exits = self.books.boxes, self.books.by_key, self.books.exits   # the same dicts
         self.decider = Decider(self.books, self, policy, random.Random(seed), max_wait, over_limit,
                                process_holds=self._process_holds, holder=lambda: self.holder)
+        self.over_limit_asked = over_limit   # in force unless the decisions are unreadable (runtime.py)
+        # run-time limits and names, kept in the state dir across restarts (tenants/durable.py);
+        # read (and the directory locked) at start, before the first admission
+        self.durable = durable.Store(state_dir)
+        self._swept = 0.0
         self.pid_box: dict[int, Box] = {}
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
         self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
@@ -195,6 +201,12 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             from ..errors import ConfigError
             raise ConfigError(f"an enforcer already runs on {self.control_path}",
                               "stop it first, or give this one another --run-dir")
+        self.durable.open()   # before anything is admitted or adopted: every limit as it was decided
+        if self.durable.error:
+            log.error("decisions unreadable: %s; kept as it is, and every container is held (admitted "
+                      "nothing more, never killed) until it is repaired or moved aside and `convgpu "
+                      "reload` reads it", self.durable.error)
+        self._decided()
         raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
         self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
                                           root_only=True, sel=self.sel))
@@ -276,6 +288,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self.learned.add(self.devices[dev].key, per_ctx)
         self._peak.clear()
         self._save_learned(force=True)
+        self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             # first, while our probes hold every event: its duplicates then go with it at once, and
             # ours detach below at once (links) or in a child (perf events, seconds to minutes for
@@ -326,6 +339,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self._save_learned()
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
+        self._sweep_decisions(now)
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
             self.metrics.publish(self.status(), self.tracer.usage(), self.excess)

@@ -12,9 +12,11 @@ import logging
 import os
 import time
 
+from ..faults import FAULT
 from ..units import format_size
 from . import policies, within
 from .books import Books, Box
+from .tenants.limits import unknown
 
 NEWCOMER_S = 2.0   # s a process just placed may take to its first allocation while the next one waits on it
 
@@ -127,6 +129,8 @@ class Decider:
             box.assigned[dev] += g.amount
             box.grants += 1
             self.act.write_assign(box, dev)
+            if FAULT:
+                FAULT.hit("grant")   # granted in BPF, its waiter not resumed
             log.info("grant %s to %s on GPU%d (assigned %s)", format_size(g.amount), box.name,
                      dev, format_size(box.assigned[dev]))
             if g.resume:
@@ -287,6 +291,10 @@ class Decider:
     def _over_limit(self, box: Box, dev: int, demand: int, ask=None):
         w = box.waiting[dev]
         if ask is not None:   # a stopped call that can never fit
+            if not ask.said and unknown(box.source):   # held; --over-limit kill is suspended meanwhile
+                ask.said = True
+                log.warning("container %s GPU%d: needs %s, held: its limit is %s", box.name, dev,
+                            format_size(demand), box.source)
             if not ask.said:
                 ask.said = True
                 box.over_limits += 1

@@ -9,6 +9,7 @@ import selectors
 import signal
 import time
 
+from ..faults import FAULT
 from ..probes.events import EF_ORDINAL, EF_RESERVED, EF_TRACED
 from ..units import format_size
 from . import policies
@@ -87,6 +88,8 @@ class Events:
             return None
         box = self.boxes.get(c.id)
         if box is None:
+            if self.durable.sweep((c.id, c.cgroup)):   # a new cgroup where a gone one was decided for
+                self._decided()
             meta = self.engines.lookup_sync(c) if self.engines is not None else None
             name = meta.name if meta and meta.name else self.names.get(c.cgroup, c.short)
             labels = meta.labels if meta else None
@@ -118,6 +121,8 @@ class Events:
         self._join(box, pid, dev, request)
         for d in sorted(set(also) & set(self.capacity) - set(box.assigned)):
             self._new_device(box, d)
+        if FAULT:
+            FAULT.hit("place")   # a member with an assignment in BPF, no waiter recorded yet
         self._waiter(box, dev, pid, 0, count=False,
                      ask=Ask(pid, tid or pid, request, time.monotonic(), seq, over_limit=request > self.books.limit(box, dev),
                              first=True))

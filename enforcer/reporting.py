@@ -3,6 +3,7 @@ and the state file the watchdog reads to resume whoever we held if we die."""
 import os
 import time
 
+from ..faults import FAULT
 from ..units import format_size
 from .books import Box
 from .failsafe.stall import SignalStopper
@@ -62,6 +63,8 @@ class Reporting:
                                             sorted((self.holder.refused if self.holder else {}).items())},
                           "seized": sorted(self.holder.traced) if self.holder else []},
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
+                # run-time limits and names: where they are kept, and whether they could be
+                "decisions": self.durable.status(),
                 "started": self.started, "shim_asks": self.broker.asks,
                 # per GPU, what the shim's memory queries leave for a context NVML has not measured
                 "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},
@@ -142,6 +145,8 @@ class Reporting:
         if state == self._saved:   # the file is rewritten (rename) only when it changes
             return
         self._saved = state
+        if FAULT:
+            FAULT.hit("held")   # the watchdog's file still lists what was held before
         write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
 
     def _capacity_text(self) -> str:

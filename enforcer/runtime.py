@@ -1,9 +1,14 @@
-"""Run-time changes: `convgpu limit set`, `convgpu run`'s registrations, and a reload of the
-config file (SIGHUP, `convgpu reload`)."""
+"""Run-time changes: `convgpu limit set`, `convgpu run`'s registrations, the Kubernetes agent's
+pod limits (serving/podlimits.py), and a reload of the config file (SIGHUP, `convgpu reload`).
+Each decision is made durable (tenants/durable.py: written to the state dir and fsynced) before
+it is applied and acknowledged; one that cannot be written is refused, and nothing changes."""
 import logging
 
 from ..units import format_size
 from .books import Box
+from .tenants import durable
+
+SWEEP_EVERY = 2.0   # s between looks for containers gone that left a decision behind
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
@@ -12,9 +17,12 @@ class RuntimeChanges:
     """Part of Enforcer (enforcer/daemon.py): limits and rules changed while it runs."""
 
     def set_limit(self, container: str, limit: int) -> Box:
-        """`convgpu limit set`: until the container exits, beats every other source."""
+        """`convgpu limit set`: until the container is gone, beats every other source."""
         box = self.books.find(container)
-        self.rules.runtime[box.container.id] = limit
+        c = box.container
+        entry = durable.LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
+        self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {box.name}")
+        self._decided()
         self._apply_limit(box, self.books.capped(box.name, limit), "convgpu limit set")
         return box
 
@@ -37,16 +45,54 @@ class RuntimeChanges:
         self.schedule()
 
     def register_run(self, cgroup: str, limit: int, name: str | None):
-        """`convgpu run`: a cgroup of its own with this limit, before its first CUDA call."""
-        self.rules.explicit[cgroup] = limit
-        if name:
-            self.names[cgroup] = name
+        """`convgpu run`: a cgroup of its own with this limit, before its first CUDA call. The
+        cgroup must be there: its id tells this container from a later one at the same path."""
+        ident = self.durable.identity(cgroup)
+        if ident is None:
+            from ..errors import ConvgpuError
+            raise ConvgpuError(f"no cgroup {cgroup}", "make it before registering it (convgpu run does)")
+        run = durable.Run(limit, name, ident)
+        self.durable.commit(self.durable.value.with_run(cgroup, run), f"the registration of {name or cgroup}")
+        self._decided()
         log.info("convgpu run: %s (%s) limit %s", name or cgroup, cgroup, format_size(limit))
+
+    def _decided(self):
+        """The durable decisions into the rules the limits come from (and the names). Where
+        the file could not be read at start, every container's limit is unknown: it keeps what
+        it holds and is admitted nothing more (new contexts included) until the decisions are
+        read again, and --over-limit kill is suspended meanwhile. Fail closed: any container
+        may have had a limit set at run time, lower or higher than the rules give, and a job
+        limited by a guess could take memory its operator gave to no one (a lower limit
+        lost), or, under kill, be killed for a limit it never had. Starting at all keeps the
+        card's capacity enforced; refusing to start would leave every call unchecked."""
+        v, err = self.durable.value, self.durable.error
+        self.rules.runtime = {cid: e.limit for cid, e in v.limits.items()}
+        self.rules.runs = {cg: r.limit for cg, r in v.runs.items()}
+        self.rules.pods = dict(v.pods)
+        self.rules.unreadable = err
+        self.names = {cg: r.name for cg, r in v.runs.items() if r.name}
+        self.decider.over_limit = "stall" if err else self.over_limit_asked
+
+    def _sweep_decisions(self, now: float):
+        """Entries of containers that are gone leave the file (every SWEEP_EVERY)."""
+        if now - self._swept < SWEEP_EVERY:
+            return
+        self._swept = now
+        went = self.durable.sweep()
+        if went:
+            self._decided()
+            log.info("decisions of containers that are gone dropped: %s", ", ".join(went))
 
     def reload(self) -> bool:
         """SIGHUP / `convgpu reload`: new rules for new containers and for running ones whose
-        limit came from a rule, a label or the default. A bad file keeps the last good config."""
+        limit came from a rule, a label or the default. A bad file keeps the last good config.
+        A decisions file that could not be read is read again first (repaired or moved aside:
+        the held containers get their limits)."""
+        recovered = self._reread_decisions()
         if self.reload_config is None:
+            if recovered:
+                self._relimit()
+                return True
             log.warning("reload: no config file was given (--config)")
             return False
         from ..errors import ConvgpuError
@@ -54,18 +100,34 @@ class RuntimeChanges:
             rules, settings = self.reload_config()
         except ConvgpuError as e:
             log.error("reload failed, keeping the last good config: %s", e)
+            if recovered:
+                self._relimit()
             return False
-        rules.explicit.update({k: v for k, v in self.rules.explicit.items() if k.startswith("/")})
-        rules.runtime = self.rules.runtime
-        rules.pods = self.rules.pods       # the Kubernetes agent's, not the file's
         self.rules = rules
+        self._decided()                    # run-time decisions and the agent's: not the file's
         if "policy" in settings and settings["policy"] != self.policy:
             log.info("policy %s -> %s", self.policy, settings["policy"])
             self.policy = settings["policy"]
         self.max_wait = settings.get("max_wait", self.max_wait)
-        for box in list(self.boxes.values()):
-            limit, source = rules.limit_for(box.container, box.name, box.labels)
-            self._apply_limit(box, self.books.capped(box.name, limit), source)
+        self._relimit()
         log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
                  format_size(rules.default))
         return True
+
+    def _reread_decisions(self) -> bool:
+        """True if a decisions file unreadable until now could be read."""
+        if not self.durable.error:
+            return False
+        if not self.durable.load():
+            log.error("decisions still unreadable: %s; every container stays held", self.durable.error)
+            return False
+        log.info("decisions read again from %s: %s", self.durable.path,
+                 ", ".join(f"{n} {k}" for k, n in self.durable.value.counts().items()))
+        self._decided()
+        self._control(True)   # --over-limit kill again, if asked
+        return True
+
+    def _relimit(self):
+        for box in list(self.boxes.values()):
+            limit, source = self.rules.limit_for(box.container, box.name, box.labels)
+            self._apply_limit(box, self.books.capped(box.name, limit), source)

@@ -389,6 +389,7 @@ def run_dir_for(tag: str) -> str:
 
 
 _RUN_DIRS: list[str] = []
+_STATE_OF: dict[str, str] = {}   # run dir -> its enforcers' state dir (Enforcing)
 
 
 def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, **kw):
@@ -501,10 +502,17 @@ class Enforcing:
     given: the stand-in's contexts cost 0 unless CONVGPU_STANDIN_CTX_OVERHEAD says otherwise, and
     with no NVML here the enforcer would charge each its conservative 1 GiB (enforcer/ctxest.py)."""
 
-    def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None, start_timeout=30):
+    def __init__(self, build, *args, run_dir=None, no_bpf=False, env=None, start_timeout=30, state_dir=None):
         self.run_dir = run_dir or run_dir_for("run")
         if "--ctx-overhead" not in args:
             args = (*args, "--ctx-overhead", "0")
+        # the state dir (run-time decisions, learned context sizes): the test's own, never the
+        # host's /var/lib/convgpu, and the same for every restart on this run dir
+        if state_dir is None and self.run_dir not in _STATE_OF:
+            _STATE_OF[self.run_dir] = run_dir_for("state")
+        self.state_dir = state_dir or _STATE_OF[self.run_dir]
+        if "--state-dir" not in args:
+            args = (*args, "--state-dir", self.state_dir)
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 
 from ...probes import links
 from ..actions import alive
@@ -23,6 +24,7 @@ from ..actions import alive
 log = logging.getLogger(__name__)
 BPFFS = "/sys/fs/bpf"
 DEFAULT_RUN_DIR = "/run/convgpu"
+ORPHAN_WAIT = 5.0   # s a start waits for a dead enforcer's watchdog to mark its state file orphaned
 
 
 def pin_dir_for(run_dir: str) -> str:
@@ -42,16 +44,29 @@ def ensure_bpffs() -> bool:
     return r.returncode == 0
 
 
-def previous(run_dir: str, own: str) -> list[dict]:
-    """State files of dead enforcers on this run dir whose watchdog still holds their probes."""
+def previous(run_dir: str, own: str, wait: float = ORPHAN_WAIT) -> list[dict]:
+    """State files of dead enforcers on this run dir whose watchdog still holds their probes.
+    A start right after a kill -9 (systemd's restart, the torture's) can come before the dead
+    one's watchdog has resumed what it held and marked its file orphaned: a file whose enforcer
+    is dead while a watchdog of it lives is waited for (up to `wait` s). Taken for stale, its
+    pins were cleared: the accounting started afresh, and the old probes stayed attached."""
     out = []
     for path in glob.glob(os.path.join(run_dir, "held-*.json")):
         if path == own:
             continue
-        try:
-            with open(path) as f:
-                st = json.load(f)
-        except (OSError, ValueError):
+        pid = int(os.path.basename(path)[5:-5] or 0)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                with open(path) as f:
+                    st = json.load(f)
+            except (OSError, ValueError):
+                st = None
+            if st is None or st.get("orphaned") or alive(pid) or time.monotonic() >= deadline \
+                    or not _watchdog_of(pid, path, st.get("watchdog")):
+                break
+            time.sleep(0.01)
+        if st is None:
             continue
         wd = st.get("watchdog")
         if st.get("orphaned") and wd and _is_watchdog(wd):
@@ -104,6 +119,24 @@ class FdSender:
         if ids:
             self.mine.send(b"d" + " ".join(map(str, ids)).encode())
         self.sent.difference_update(fds)
+
+
+def _watchdog_of(pid: int, path: str, wd: int | None) -> bool:
+    """A watchdog of enforcer `pid` (state file `path`) lives: the one its file names, else one
+    whose arguments name both (killed before it wrote the watchdog's pid)."""
+    if wd:
+        return _is_watchdog(wd)
+    want = [str(pid).encode(), path.encode()]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(a.endswith(b"watchdog.py") for a in argv[:2]) and argv[2:4] == want:
+                return True
+    return False
 
 
 def _is_watchdog(pid: int) -> bool:

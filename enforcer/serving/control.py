@@ -1,6 +1,7 @@
 """The control socket's commands (root only; `convgpu status`, `limit set`, `reload`, `run`).
 Each request is {"cmd": NAME, ...}; each reply {"ok": true, ...} or {"ok": false, "error": LINE}."""
 from ...errors import ConvgpuError
+from ...faults import FAULT
 from ...units import format_size, parse_size
 from .server import Handler, Peer
 
@@ -15,7 +16,10 @@ class ControlHandler(Handler):
         if fn is None:
             return {"ok": False, "error": f"unknown command {cmd!r}"}
         try:
-            return {"ok": True, **fn(msg)}
+            reply = {"ok": True, **fn(msg)}
+            if FAULT and cmd in ("limit-set", "register", "pod-limits"):
+                FAULT.hit("ack")   # durable and applied, not yet acknowledged
+            return reply
         except ConvgpuError as e:
             return {"ok": False, "error": str(e)}
 
@@ -54,8 +58,11 @@ class ControlHandler(Handler):
             raise ConvgpuError(f"invalid cgroup {cgroup!r}", "give a cgroup path starting with /")
         limit = parse_size(msg.get("limit"), "--limit")
         name = msg.get("name")
-        self.enf.register_run(cgroup, self.enf.books.capped(name or cgroup, limit),
-                              str(name) if name else None)
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= 64):
+            raise ConvgpuError(f"invalid name {str(name)[:80]!r}", "give a name of 1 to 64 characters")
+        if len(cgroup) > 4096:
+            raise ConvgpuError("invalid cgroup (longer than a path)", "give a cgroup path")
+        self.enf.register_run(cgroup, self.enf.books.capped(name or cgroup, limit), name or None)
         return {}
 
     def cmd_pod_limits(self, msg):

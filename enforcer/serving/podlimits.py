@@ -2,7 +2,9 @@
 keyed by container id or pod uid, each [bytes, source] or [bytes, source, {"lower_only": bool,
 "gpus": {host GPU key: bytes}}] (enforcer/tenants/limits.py PodLimit). It replaces the previous set, and every running container's
 limit is worked out again, as a reload does: a pod's new or removed grant takes effect at once
-(a waiter that now fits resumes), while `convgpu limit set` and --limit still win."""
+(a waiter that now fits resumes), while `convgpu limit set` and --limit still win. The set is
+kept in the state dir (enforcer/tenants/durable.py) before it applies: one that cannot be
+written is refused, and the previous set stays in force (the agent sends it again next round)."""
 import logging
 
 from ...errors import ConvgpuError
@@ -37,7 +39,8 @@ def parse(raw) -> dict[str, PodLimit]:
 
 def apply(enf, raw) -> dict:
     limits = parse(raw)
-    enf.rules.pods = limits
+    enf.durable.commit(enf.durable.value.with_pods(limits), "the pod limits")
+    enf._decided()
     changed = 0
     for box in list(enf.boxes.values()):
         limit, source = enf.rules.limit_for(box.container, box.name, box.labels)

@@ -1,11 +1,13 @@
-"""Which limit a container gets, first that applies: `convgpu limit set` at run time, --limit
-NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py), the first matching
+"""Which limit a container gets, first that applies: `convgpu limit set` at run time, the
+`convgpu run --limit` its cgroup was registered with, --limit NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py), the first matching
 [[rule]] of the config file, the label com.nvidia.memory.limit (as in the ConVGPU paper),
 --default-limit. An operator's rule beats a label because whoever starts a container chooses
 its labels. The pod's annotation convgpu.io/gpu-memory-limit comes last and only lowers: the
 container gets the smaller of it and what the steps above give (its units, else the rules),
 because the pod's author writes it (docs/SECURITY.md, row 10). A bad label never stops the
-daemon: the container gets the default and a warning."""
+daemon: the container gets the default and a warning. The run-time sources (limit set, convgpu
+run, the pod's) are kept across restarts (enforcer/tenants/durable.py); where they could not be
+read at start, every limit is `unknown` (0: nothing more is admitted until they are read)."""
 import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -18,6 +20,11 @@ from .containers import Container
 log = logging.getLogger(__name__)
 LABEL = "com.nvidia.memory.limit"
 DEFAULT_LIMIT = 1 << 30   # the paper's default
+UNKNOWN = "unknown"       # the source of every limit while the run-time decisions cannot be read
+
+
+def unknown(source: str) -> bool:
+    return source.startswith(UNKNOWN)
 
 
 class PodLimit(NamedTuple):
@@ -50,6 +57,9 @@ class LimitRules:
     default: int = DEFAULT_LIMIT
     rules: list[Rule] = field(default_factory=list)
     runtime: dict[str, int] = field(default_factory=dict)   # container id -> `limit set`
+    runs: dict[str, int] = field(default_factory=dict)      # cgroup -> `convgpu run --limit`
+    # why the run-time decisions could not be read ("": they could): every limit is unknown
+    unreadable: str = ""
     # container id or pod uid -> PodLimit, from the Kubernetes agent (`pod-limits`)
     pods: dict[str, PodLimit] = field(default_factory=dict)
 
@@ -77,6 +87,8 @@ class LimitRules:
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
+        if self.unreadable:   # any container may have had a decision that is lost: hold (fail closed)
+            return 0, f"{UNKNOWN}: the run-time decisions could not be read ({self.unreadable})"
         pod = self.pod_limit(c)
         limit, source = self._operator(c, name, labels, pod)
         if pod is not None and pod.lower_only and 0 < pod.bytes < limit:
@@ -86,6 +98,8 @@ class LimitRules:
     def _operator(self, c: Container, name, labels, pod: PodLimit | None) -> tuple[int, str]:
         if c.id in self.runtime:
             return self.runtime[c.id], "convgpu limit set"
+        if c.cgroup in self.runs:
+            return self.runs[c.cgroup], "convgpu run --limit"
         for key in (name, c.id, c.short, c.cgroup):
             if key and key in self.explicit:
                 return self.explicit[key], f"--limit {key}"

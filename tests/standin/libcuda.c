@@ -32,6 +32,7 @@ int g_host[SI_MAX_DEV];     /* its ordinal -> host GPU (the shared segment count
 static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
 uint64_t g_capacity = SI_DEFAULT_CAPACITY;
 uint64_t g_free_ms;
+uint64_t g_free_return_ms;
 static uint64_t g_ctx_overhead;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -196,6 +197,7 @@ API CUresult cuInit(unsigned int Flags)
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
+        g_free_return_ms = env_u64("CONVGPU_STANDIN_FREE_RETURN_MS", 0);
         /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
          * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
          * freed when the shm file closes; host memory touched now makes exit_mm, and so the

@@ -40,6 +40,7 @@ void standin_uuid(int host, unsigned char out[16]);
 void standin_open_nodes(const int *host, int n);
 extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
 extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 keeps the bytes */
+extern uint64_t g_free_return_ms;   /* CONVGPU_STANDIN_FREE_RETURN_MS: how long it runs on after */
 
 #define VMM_GRANULARITY (2ull << 20)
 

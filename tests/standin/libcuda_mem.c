@@ -70,6 +70,11 @@ static CUresult do_free(CUdeviceptr dptr)
     munmap((void *)o->key, o->size);
     acct_uncharge(o->dev, o->size);
     free(o);
+    if (g_free_return_ms) {   /* the bytes are back, the call not yet: its address can be taken again */
+        struct timespec ts = {.tv_sec = g_free_return_ms / 1000, .tv_nsec = (g_free_return_ms % 1000) * 1000000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
     return CUDA_SUCCESS;
 }
 

@@ -203,7 +203,7 @@ def test_convgpu_run_registers_a_cgroup_with_its_limit(build, env5):
         p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "run", "--limit", "1GiB", "--name", "job7",
                               "--run-dir", enf.run_dir, "--", str(build / "cgcaller"), "alloc", "-n", "1", "-s",
                               str(2 * GiB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env5)
-        enf.wait_for("container job7 (cgroup): limit 1.0 GiB from --limit /convgpu.run/job7-")
+        enf.wait_for("container job7 (cgroup): limit 1.0 GiB from convgpu run --limit")
         enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB")
         c = box(enf, "job7")
         assert c["cgroup"].startswith(f"/convgpu.run/job7-{p.pid}") and c["limit"] == GiB

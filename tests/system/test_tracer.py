@@ -216,3 +216,28 @@ def test_recheck_sits_on_the_emulated_push_r12_like_the_driver(build):
     path = str(build / "standin" / "libcuda.so.1")
     c = _recheck_check(Library("cuda", path, (0, 0), path))
     assert c.ok and c.detail.endswith(f"+4 emulated: {len(ADMITTED)} symbol(s)"), c
+
+
+def test_an_address_taken_again_before_the_free_returns_is_the_new_block(tracer, build, caller_env):
+    """The driver gives a freed address out again before the free returns: thread A's free of X
+    is still running (CONVGPU_STANDIN_FREE_RETURN_MS) when the main thread allocates the same
+    size and gets X. That block is the process's: its 128 MiB stay counted after A's free returns.
+    Before, the free's return settled whatever was at X then, the new block: the books lost it
+    while the driver held it (bench/torture.py: a container 128 MiB over its limit)."""
+    code = (cuda_prelude(build / "standin" / "libcuda.so.1") +
+            "import threading, time\n"
+            "x=ctypes.c_uint64(); go=threading.Event()\n"   # the thread (its stack) made first: x's hole is the top one
+            "t=threading.Thread(target=lambda: (cu.cuCtxSetCurrent(c), go.wait(), cu.cuMemFree_v2(x))); t.start()\n"
+            "cu.cuMemAlloc_v2(ctypes.byref(x), ctypes.c_size_t(128<<20)); go.set(); time.sleep(0.3)\n"
+            "y=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(y), ctypes.c_size_t(128<<20)); t.join()\n"
+            "print('ready', x.value == y.value, flush=True); input()")
+    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="1000")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().split() == ["ready", "True"]     # the same address, again
+        assert usage_of(tracer, p.pid)[0].live == 128 * MiB
+        frees = [e for e in events_of(tracer, p.pid) if e.op == "free"]
+        assert [e.size for e in frees] == [128 * MiB]                 # X's first block, once
+    finally:
+        p.kill()
+        p.wait()

@@ -1,0 +1,41 @@
+"""The kill -9 torture (issue 31, part 3) in CI, on the stand-in driver: three containers (two by
+`convgpu run --limit --name`, one given its limit by `convgpu limit set`) of two processes each,
+three threads apiece allocating and freeing 128 MiB in a loop, under limits of 768 MiB (two
+64 MiB contexts and five allocations: one thread of six waits) on a 1792 MiB card (the
+limits together are 2304 MiB); as a container finishes a new one starts. The enforcer is killed
+with SIGKILL 50 times and restarted at once: at random moments (in its start, soon after it
+admits, later) and at fault points (CONVGPU_FAULT: placement, grant, resume, the decisions
+file's write, the watchdog's file, a decision's acknowledgement). bench/torture.py does the
+work and says what each check means; the benchmark runs it with 1,000 kills
+(docs/BENCHMARKS.md)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
+from bench.torture import Torture, standin_setup, unlink_segment  # noqa: E402
+
+pytestmark = pytest.mark.system
+KILLS = int(os.environ.get("CONVGPU_TORTURE_KILLS", "50"))
+
+
+def test_kill_9_torture(root, build, capsys):
+    s, env = standin_setup(str(build), kills=KILLS, seed=int(os.environ.get("CONVGPU_TORTURE_SEED", "31")),
+                           deadline_s=600)
+    try:
+        r = Torture(s).run()
+    finally:
+        unlink_segment(str(build), env)
+    summary = r.summary()
+    with capsys.disabled():
+        print(f"\ntorture: {summary}")
+    assert r.failures() == [], summary
+    assert summary["kills"] >= KILLS and r.jobs_done >= 6, summary
+    # every kind of kill happened, and most fault points were reached
+    kinds = summary["kills_by_kind"]
+    assert kinds.get("start", 0) and kinds.get("early", 0) and kinds.get("late", 0), kinds
+    assert len([k for k in kinds if k.startswith("fault ")]) >= 3, kinds
+    # the checks ran: limits after each restart, the driver's counts while settled
+    assert r.settled_samples >= KILLS and r.counts_checked >= KILLS // 4, summary
