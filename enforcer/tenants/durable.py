@@ -22,9 +22,10 @@ dir, <state dir>/decisions.json, as the kubelet keeps its checkpoints (STYLE.md 
 - bounded: MAX_ENTRIES of each kind, names and sources cut to MAX_TEXT, a file read up to
   MAX_BYTES.
 
-Two enforcers must not share a state dir (each would write its own value over the other's):
-the directory is locked (flock) for the enforcer's life. Pure parts (Decisions, encode,
-decode) need no file; Store is the only part that touches one (tests/unit/test_durable.py)."""
+Two enforcers must not write one state dir (each would write its own value over the other's):
+the directory is locked (flock) for the enforcer's life, and a second enforcer on it (another
+run dir) reads it but refuses every decision. Pure parts (Decisions, encode, decode) need no
+file; Store is the only part that touches one (tests/unit/test_durable.py)."""
 import fcntl
 import hashlib
 import json
@@ -35,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
-from ...errors import ConfigError, ConvgpuError
+from ...errors import ConvgpuError
 from ...faults import FAULT
 from .containers import cgroup_layout
 
@@ -47,7 +48,7 @@ MAX_ENTRIES = 4096       # of each kind: a node's containers with a decision, ma
 MAX_TEXT = 1024          # characters of a name, an id or a source
 MAX_PATH = 4096          # characters of a cgroup path (PATH_MAX)
 MAX_BYTES = 16 << 20     # a larger file is not ours (MAX_ENTRIES of each kind take ~3 MiB)
-LOCK_WAIT = 3.0          # s a start waits for the state dir's lock (a predecessor still exiting)
+LOCK_WAIT = 1.0          # s a start waits for the state dir's lock (a predecessor still exiting)
 # MIGRATIONS[v]: a version-v document's "decisions" as version v + 1 has them. Empty while
 # version 1 is the only one; a change of the format adds its step here (and a test of it).
 MIGRATIONS: dict = {}
@@ -251,13 +252,15 @@ class Store:
         self.value = Decisions()
         self.error = ""
         self.write_error = ""
+        self.shared = ""         # why it is read only: another enforcer holds the directory's lock
         self._lock_fd = None
         self.writes = 0
         self.write_s = 0.0       # time spent writing (temp file, fsync, rename, fsync of the dir)
 
     # ---- start: lock, read ----
     def open(self, wait: float = LOCK_WAIT) -> "Store":
-        """Lock the state dir (a second enforcer on it is refused: ConfigError), then read."""
+        """Lock the state dir, then read. Locked by another enforcer (another run dir on the same
+        state dir: a test's, a benchmark's): read only, every decision refused (`shared`)."""
         if self.dir is None:
             log.warning("no --state-dir: run-time limits and names are kept in memory only, and a "
                         "restart forgets them")
@@ -269,12 +272,16 @@ class Store:
                       "until it can", self.dir, e.strerror)
             self.write_error = f"cannot make {self.dir}: {e.strerror}"
             return self
-        self._lock(wait)
-        self._clean_temp()
+        if self._lock(wait):
+            self._clean_temp()
+        else:
+            self.shared = f"another enforcer keeps its decisions in {self.dir} (it holds the directory's lock)"
+            log.warning("%s: its decisions are read, and run-time limits and names given to this one are "
+                        "refused; give it a --state-dir of its own", self.shared)
         self.load()
         return self
 
-    def _lock(self, wait: float):
+    def _lock(self, wait: float) -> bool:
         fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         deadline = time.monotonic() + wait
         while True:
@@ -284,11 +291,10 @@ class Store:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
-                    raise ConfigError(f"another enforcer keeps its decisions in {self.dir} (it holds the "
-                                      "directory's lock)", "stop it first, or give this one another "
-                                      "--state-dir") from None
+                    return False
                 time.sleep(0.05)
         self._lock_fd = fd
+        return True
 
     def _clean_temp(self):
         """Temporary files of a write cut short (a kill -9 between write and rename)."""
@@ -333,6 +339,8 @@ class Store:
             raise NotKept(f"{what} is not kept: the decisions file {self.error.split(': ', 1)[0]} could "
                           f"not be read at start ({self.error.split(': ', 1)[-1]}), and it is kept for "
                           "you as it is", "repair it or move it aside, then `convgpu reload`")
+        if self.shared:
+            raise NotKept(f"{what} is not kept: {self.shared}", "give this enforcer a --state-dir of its own")
         data = encode(new, self.written_by)
         try:
             decode(data)   # what is kept must read back, or the next start would hold everyone
@@ -400,7 +408,7 @@ class Store:
         if not runs and not limits:
             return []
         new = v.without(runs, limits)
-        if self.path is not None and not self.error:
+        if self.path is not None and not self.error and not self.shared:
             try:
                 self._write(encode(new, self.written_by))
             except OSError as e:
@@ -414,7 +422,8 @@ class Store:
         return [f"convgpu run {k}" for k in runs] + [f"limit set {k[:12]}" for k in limits]
 
     def status(self) -> dict:
-        state = "memory" if self.path is None else "unreadable" if self.error else "ok"
+        state = ("memory" if self.path is None else "unreadable" if self.error else
+                 "another enforcer's" if self.shared else "ok")
         return {"path": self.path or "", "state": state, "error": self.error, "write_error": self.write_error,
                 **self.value.counts(), "writes": self.writes,
                 "write_ms": round(1000 * self.write_s / self.writes, 3) if self.writes else 0.0}

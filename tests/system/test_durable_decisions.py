@@ -9,7 +9,6 @@ client in one line, changes nothing, and the enforcer goes on; a decisions file 
 read is kept, reported, and holds every container until it is repaired."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -298,20 +297,25 @@ def test_an_unreadable_decisions_file_holds_every_container_until_it_is_repaired
         end([p], enf)
 
 
-def test_two_enforcers_on_one_state_dir(build, tmp_path):
-    """A second enforcer (another run dir) on the same state dir is refused: each would write
-    its own decisions over the other's."""
+def test_two_enforcers_on_one_state_dir(build, env5, tmp_path):
+    """A second enforcer (another run dir: a test's, a benchmark's) on a state dir one already
+    keeps its decisions in starts, reads them, and refuses every decision given to it: each
+    would write its own value over the other's."""
     enf = enforcing(build, *ARGS, state_dir=str(tmp_path))
+    enf2 = None
+    jobs = []
     try:
-        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover", "--lib",
-                            str(build / "standin" / "libcuda.so.1"), "--state-dir", str(tmp_path), *ARGS,
-                            "--run-dir", str(tmp_path / "other")], capture_output=True, text=True, timeout=90,
-                           )
-        assert r.returncode == 1 and f"another enforcer keeps its decisions in {tmp_path}" in r.stderr, r.stderr
-        assert enf.p.poll() is None
+        # shim only: two enforcers probing one driver stop each other's self-test children
+        enf2 = enforcing(build, *ARGS, state_dir=str(tmp_path), no_bpf=True)
+        assert any(f"another enforcer keeps its decisions in {tmp_path}" in x for x in enf2.log), enf2.log
+        jobs.append(run_job(enf2, env5, "second", "1GiB", "/bin/true"))
+        out, err = jobs[-1].communicate(timeout=30)
+        assert jobs[-1].returncode == 1 and "is not kept: another enforcer keeps its decisions in" in err, err
+        assert status(enf2)["decisions"]["state"] == "another enforcer's"
+        jobs.append(run_job(enf, env5, "first", "1GiB", "/bin/true"))
+        assert jobs[-1].wait(timeout=30) == 0                 # the first keeps its own
     finally:
-        enf.close()
-        shutil.rmtree(tmp_path / "other", ignore_errors=True)
+        end(jobs, enf2, enf)
 
 
 def test_a_restart_at_once_waits_for_the_old_watchdog(cgroups, build, env5):

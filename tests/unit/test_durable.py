@@ -11,7 +11,6 @@ from convgpu.enforcer.tenants import durable
 from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.tenants.durable import Decisions, LimitSet, NotKept, Run, Store, Unreadable, decode, encode
 from convgpu.enforcer.tenants.limits import LimitRules, PodLimit, unknown
-from convgpu.errors import ConfigError
 
 GiB = 1 << 30
 POD = PodLimit(2 * GiB, "pod ns/p c: 2 x 1024 MiB convgpu.io/gpu-memory", False, (("GPU-a", 2 * GiB),))
@@ -196,13 +195,23 @@ def test_caps(tmp_path, monkeypatch):
     assert not s.load() and "more than a decisions file holds" in s.error
 
 
-def test_two_enforcers_cannot_share_a_state_dir(tmp_path):
-    cg = Cgroups()
+def test_a_second_enforcer_on_a_state_dir_reads_it_and_keeps_nothing(tmp_path, caplog):
+    cg = Cgroups("/a")
     first = store(tmp_path, cg)
-    with pytest.raises(ConfigError, match="another enforcer keeps its decisions in"):
-        store(tmp_path, cg)
+    first.commit(Decisions().with_run("/a", Run(GiB, "a", cg("/a"))), "a")
+    second = store(tmp_path, cg)
+    assert second.value == first.value and second.status()["state"] == "another enforcer's"
+    assert "its decisions are read, and run-time limits and names given to this one are refused" in caplog.text
+    with pytest.raises(NotKept, match="is not kept: another enforcer keeps its decisions in"):
+        second.commit(Decisions(), "b")
+    cg.rm("/a")
+    assert second.sweep() == ["convgpu run /a"]     # its own view only: nothing written
+    assert json.loads((tmp_path / "state" / durable.FILE).read_text())["decisions"]["runs"]
+    second.close()
     first.close()
-    store(tmp_path, cg).close()                     # its lock went with it
+    third = store(tmp_path, cg)                     # the lock went with the first
+    assert third.status()["state"] == "ok" and third.value.runs == {}
+    third.close()
 
 
 def test_no_state_dir_keeps_them_in_memory(caplog):
