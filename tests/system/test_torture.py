@@ -38,4 +38,4 @@ def test_kill_9_torture(root, build, capsys):
     assert kinds.get("start", 0) and kinds.get("early", 0) and kinds.get("late", 0), kinds
     assert len([k for k in kinds if k.startswith("fault ")]) >= 3, kinds
     # the checks ran: limits after each restart, the driver's counts while settled
-    assert r.settled_samples >= KILLS and r.counts_checked >= KILLS // 4, summary
+    assert r.settled_samples >= KILLS // 2 and r.counts_checked >= KILLS // 5, summary
