@@ -108,13 +108,13 @@ def test_run_time_limits_and_names_survive_restarts(cgroups, build, env5, how):
               json.load(open(f"{enf.state_dir}/{durable.FILE}"))["decisions"]["runs"], 20, "idle registered")
         lim = cgroups("lim")
         procs.append(start_in(lim, build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold"))
-        read_until(procs[-1], "ready")
+        ready(procs[-1])
         enf.cli("limit", "set", "lim", "2GiB")
         pod = cgroups(f"kubepods/besteffort/pod{UID}/{CID}")
         r = enf.ctl(cmd="pod-limits", limits={CID: [1280 * MiB, "pod ml/p c: 5 x 256 MiB convgpu.io/gpu-memory"]})
         assert r["ok"], r
         procs.append(start_in(pod, build, env5, "alloc", "-n", 1, "-s", 256 * MiB, "--hold"))
-        read_until(procs[-1], "ready")
+        ready(procs[-1])
         cg_lim, cg_pod = str(lim)[len(v2("")):], str(pod)[len(v2("")):]
         want = {cg_x: ("jobx", 1536 * MiB, "convgpu run --limit"), cg_lim: ("lim", 2 * GiB, "convgpu limit set"),
                 cg_pod: (CID[:12], 1280 * MiB, "pod ml/p c: 5 x 256 MiB convgpu.io/gpu-memory")}
@@ -129,7 +129,7 @@ def test_run_time_limits_and_names_survive_restarts(cgroups, build, env5, how):
             try:
                 for cg, size in extra.items():
                     news.append(popen_in(v2(cg), build / "cgcaller", "alloc", "-n", 1, "-s", size, "--hold", env=env5))
-                    assert f"allocated 1 {size}" in " ".join(read_until(news[-1], "ready")), (cg, n, enf.log[-20:])
+                    assert f"allocated 1 {size}" in ready(news[-1]), (cg, n, enf.log[-20:])
                 got = rows(enf)
             finally:
                 stop_all(news)
@@ -150,7 +150,7 @@ def test_an_entry_goes_with_its_cgroup_and_a_new_cgroup_there_is_new(cgroups, bu
     try:
         lim = cgroups("again")
         p = start_in(lim, build, env5, "alloc", "-n", 1, "-s", 256 * MiB, "--hold")
-        read_until(p, "ready")
+        ready(p)
         enf.cli("limit", "set", "again", "3GiB")
         job = run_job(enf, env5, "short", "2GiB", "/bin/true")
         assert job.wait(timeout=30) == 0
@@ -168,7 +168,7 @@ def test_an_entry_goes_with_its_cgroup_and_a_new_cgroup_there_is_new(cgroups, bu
         assert decisions() == {"runs": {}, "limits": {}, "pods": {}}
         p = start_in(lim, build, env5, "alloc", "-n", 1, "-s", 256 * MiB, "--hold")
         procs.append(p)
-        read_until(p, "ready")
+        ready(p)
         assert rows(enf)[cg] == ("again", GiB, "default")
         # and while running: a job's entry goes within the sweep once its cgroup is removed
         job = run_job(enf, env5, "later", "2GiB", "/bin/sleep", "1")
@@ -245,7 +245,7 @@ def test_a_state_dir_that_refuses_writes_refuses_decisions_and_enforcing_goes_on
         # still enforcing: a stall, and its resume when memory frees
         a = start_in(cgroups("a"), build, env5, "alloc", "-n", 1, "-s", GiB, "--hold")
         procs.append(a)
-        read_until(a, "ready")
+        ready(a)
         wait_state(over.pid, "T")
         # the state dir takes writes again: the decision is kept, the waiter runs
         if kind == "ro":
@@ -253,7 +253,7 @@ def test_a_state_dir_that_refuses_writes_refuses_decisions_and_enforcing_goes_on
         else:
             os.unlink(d / "filler")
         assert enf.cli("limit", "set", "over", "2GiB").stdout.strip() == "limit of over set to 2.0 GiB"
-        assert f"allocated 1 {1536 * MiB}" in " ".join(read_until(over, "ready"))
+        assert f"allocated 1 {1536 * MiB}" in ready(over)
         assert json.load(open(d / durable.FILE))["decisions"]["limits"]
         assert status(enf)["decisions"]["write_error"] == ""
         assert enf.p.poll() is None
@@ -290,7 +290,7 @@ def test_an_unreadable_decisions_file_holds_every_container_until_it_is_repaired
         os.rename(state / durable.FILE, state / "decisions.json.bad")   # the operator moves it aside
         enf.cli("reload")
         enf.wait_for("decisions read again from")
-        assert f"allocated 1 {256 * MiB}" in " ".join(read_until(p, "ready"))
+        assert f"allocated 1 {256 * MiB}" in ready(p)
         assert status(enf)["containers"][0]["source"] == "default"
         assert (state / "decisions.json.bad").read_bytes() == before
     finally:
