@@ -46,7 +46,7 @@ def ready(p) -> str:
     try:
         return " ".join(read_until(p, "ready"))
     except AssertionError as e:
-        raise AssertionError(f"{e}; stderr: {p.stderr.read() if p.poll() is not None else ''}") from None
+        raise AssertionError(f"{e}; exit {p.poll()}, stderr: {p.stderr.read() if p.poll() is not None else ''}") from None
 
 
 def job_cgroup(p, name) -> str:
