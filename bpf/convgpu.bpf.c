@@ -87,11 +87,11 @@ BPF_PERCPU_ARRAY(scratch, u64, 1);
 // attached, not compiled in, so one cached compile serves every start (probes/bpfcache.py).
 // A lookup with a constant key in an array is inlined by the verifier: no helper call.
 BPF_ARRAY(config, struct cg_config, 1);
-// Every thread BPF has stopped and nobody has let go yet: pid_tgid -> HELD_OPEN | fd (stopped
-// at its open of a driver file, "discovery") or 0 (an admission stall). If the enforcer or
-// tracer dies, its watchdog resumes every process here: a stall the enforcer had no time to
-// write into its state file is resumed too (seen on the H100: kill -9 within a millisecond
-// of a stall left the process stopped for good).
+// Every thread BPF has stopped and nobody has let go yet: pid_tgid -> HELD_OPEN | fd | a stamp
+// (stopped at its open of a driver file, "discovery": stop_at_open) or the stop's number (an
+// admission stall). If the enforcer or tracer dies, its watchdog resumes every process here: a
+// stall the enforcer had no time to write into its state file is resumed too (seen on the
+// H100: kill -9 within a millisecond of a stall left the process stopped for good).
 #define HELD_OPEN (1ULL << 32)
 BPF_HASH(held, u64, u64, MAX_THREADS);
 BPF_ARRAY(layout_event, struct cg_event, 1);  // never written: its type lets tests compare
@@ -1708,9 +1708,16 @@ TRACEPOINT_PROBE(syscalls, sys_enter_openat)
     return 0;
 }
 
+// The `held` value of a stop at an open: HELD_OPEN, HELD_NODE for a GPU node, the fd in the low
+// 32 bits, and this stop's stamp (the clock's low 30 bits) in the top ones. A resume reads the
+// entry back after its SIGCONT and deletes it only if it is still the stop it resumed: without
+// the stamp, a thread that closed the file and opened it again at once (the same fd: a reader of
+// its symbols, then a dlopen) was stopped again with an equal value, its entry deleted, its
+// event then taken for a stale one, and it stayed stopped for good (a pytest worker, a bench).
+#define HELD_STAMP_SHIFT 34
 static __always_inline void stop_at_open(u64 id, u64 fd, u64 node)
 {
-    u64 why = HELD_OPEN | node | fd;
+    u64 why = HELD_OPEN | node | (u32)fd | ((bpf_ktime_get_ns() & 0x3FFFFFFFULL) << HELD_STAMP_SHIFT);
     held.update(&id, &why);         // listed before it stops: a watchdog always finds it
     bpf_send_signal_thread(SIGSTOP);
     emit_flags(id, API_sys_openat, OP_LIB_OPEN, 0, -1, fd, node >> 33, 0, 0, BPF_RB_FORCE_WAKEUP);

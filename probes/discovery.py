@@ -19,7 +19,10 @@ not run for STALE_S (a hung loop must not hold every new CUDA process: row 3).
 
 Nothing stays stopped for good: BPF lists every thread it stops in `held` before the stop,
 and the watchdog (enforcer/failsafe/watchdog.py) that runs beside every tracer with discovery on
-resumes them all and turns discovery off if the tracer dies."""
+resumes them all and turns discovery off if the tracer dies. A stop whose event never came (the
+ring buffer was full) is found in `held` by the loop (`lost`) and looked at as if it had come;
+each stop's `held` value carries a stamp, so a resume never deletes the entry of the stop that
+follows it (the same thread opening a driver file again at once, at the same fd)."""
 import collections
 import contextlib
 import ctypes as ct
@@ -36,6 +39,8 @@ from .libs import Library
 from .table import CUDA
 
 HELD_OPEN = 1 << 32   # bpf/convgpu.bpf.c: a `held` value for a stop at a driver's open (else a stall)
+HELD_NODE = 1 << 33   # ... at its open of a GPU node (probes/identity.py)
+LOST_AFTER_S = 1.0    # a stop listed in `held` this long with no event told (ring buffer full) is looked at
 ATTACH_PER_PASS = 4   # new driver copies attached in one loop pass (one: ~30 links, milliseconds)
 PASS_BUDGET_S = 0.5   # and no more attaching once a pass has spent this on it
 STALE_S = 3.0         # bpf/convgpu.bpf.c DISCOVERY_STALE_NS: BPF stops nobody after this
@@ -124,6 +129,10 @@ class Discovery:
         self.identity = Identity(self)          # and processes that open the GPU are checked there
         self.not_code: set[tuple] = set()       # inodes opened by a driver's name that are no ELF
         self.spent = reading.Spent()            # and each container's reading is budgeted
+        self.lost_seen: dict[int, int] = {}     # `held` as the last look for lost events found it
+        self.lost_looked = time.monotonic()
+        self.lost_events = 0                    # stops looked at with no event (ring buffer full)
+        self.lost_looks = 0
 
     def _map(self, name: str):
         return self.tracer.b[name.encode()]
@@ -190,9 +199,10 @@ class Discovery:
         if self._sentinel is not None:
             self._sentinel.join(timeout=5)
             self._sentinel = None
-        time.sleep(0.02)   # a program past its check when `on` went to 0 may still stop one
-        for key in self._held():
-            self._resume(key)
+        for _ in range(2):     # a program past its check when `on` went to 0 may still stop one
+            time.sleep(0.02)   # (a vCPU the host took away mid-program): looked at twice
+            for key in self._held():
+                self._resume(key)
         self.unprobed.clear()
         self.identity.clear()
         for p in self.pending.values():
@@ -297,6 +307,7 @@ class Discovery:
         reading found (issue 33 row 4: failed attaches did not, so one container could make
         the loop read without end). Returns how many were settled."""
         t0 = time.monotonic()
+        self.lost()
         looked = self.identity.work()
         n = reading_now = 0
         for inode in list(self.pending):
@@ -333,6 +344,34 @@ class Discovery:
             n += 1
             self._settle(inode, p.keys)
         return n + looked
+
+    def lost(self) -> int:
+        """Stops at an open whose event never reached us (the ring buffer was full: the stats'
+        drops): listed in `held`, unchanged since the last look (LOST_AFTER_S ago, each stop's
+        value is stamped), and neither waiting for a file nor kept by --unprobed. Looked at as
+        if their event had come; else they stayed stopped until the tracer ended. Returns how many."""
+        now = time.monotonic()
+        if not self.enabled or now - self.lost_looked < LOST_AFTER_S:
+            return 0
+        self.lost_looked = now
+        self.lost_looks += 1
+        held = {k.value: v.value for k, v in self._map("held").items() if v.value & HELD_OPEN}
+        known = {k for p in self.pending.values() for k in p.keys} | {c.key for c in self.identity.checks}
+        kept = {pid for pid, u in self.unprobed.items() if u.action == "stall"}
+        lost = [(k, v) for k, v in held.items()
+                if self.lost_seen.get(k) == v and k not in known and k >> 32 not in kept]
+        self.lost_seen = held
+        for key, v in lost:
+            self.lost_events += 1
+            pid, tid, fd = key >> 32, key & 0xFFFFFFFF, v & 0xFFFFFFFF
+            self.tracer.say(logging.WARNING, (container_of(pid), "lost"), "pid %d was stopped at its open of "
+                            "%s %s with no event told (ring buffer full?): looked at now", pid,
+                            "a GPU node" if v & HELD_NODE else "a driver file", _seen_as(pid, fd))
+            if v & HELD_NODE:
+                self.identity.opened(pid, tid, fd, container_of(pid))
+            else:
+                self.opened(pid, tid, fd)
+        return len(lost)
 
     def _refuse(self, p: Pending) -> str | None:
         """Why p's container may not have it read now, or None (it then counts toward its

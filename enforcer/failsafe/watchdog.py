@@ -211,6 +211,9 @@ def main() -> int:
         admission_off(fd)
     stopped = resume_held(held_fd) if held_fd >= 0 else set()
     listed, thawed = release(path)
+    if held_fd >= 0:   # a program past its check when the maps were zeroed may still stop one
+        time.sleep(0.05)   # (its vCPU taken away mid-program by the host): looked at again
+        stopped |= resume_held(held_fd)
     print(f"convgpu watchdog: enforcer {pid} is gone; resumed {len(stopped | listed)} processes, thawed {thawed} cgroups"
           + (f"; {len(held)} probes kept for a successor" if held else "") + oom_note(ooms), file=sys.stderr)
     if not held:
