@@ -60,6 +60,13 @@ def prog_info(prog_id: int) -> tuple[str, int, int]:
         os.close(fd)
 
 
+def runs_of(prog_fd: int) -> int:
+    """How often the program behind one of our descriptors ran while statistics were on."""
+    with open(f"/proc/self/fdinfo/{prog_fd}") as f:
+        prog_id = int(next(line.split(":", 1)[1] for line in f if line.startswith("prog_id")))
+    return prog_info(prog_id)[2]
+
+
 def children(pid: int) -> list[int]:
     """pid's child processes (also used by tests/system/test_demo.py)."""
     try:

@@ -1,10 +1,11 @@
 """Issue 32 part 1: where the microseconds of one no-caching allocation+free pair go, in one run.
 
     python -m bench.breakdown [--standin] [--workload torch|cupy|driver|runtime] [--pairs N]
-        [--rounds R] [--json FILE]
+        [--rounds R] [--sizes 4K,64K,...] [--json FILE]
 
-One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making 4 KiB-1 MiB
-tensors, CuPy without its pool, or a plain driver-API / runtime-API loop through ctypes; on
+One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making
+tensors of --sizes (default 4 KiB, the microbenchmark's size: larger ones make the driver's own
+time per pair, 90-134 us at 4 KiB-1 MiB on the H100, swamp the steps), CuPy without its pool, or a plain driver-API / runtime-API loop through ctypes; on
 --standin the stand-in's driver and runtime) runs a timed block of --pairs allocation+free pairs
 in each mode, the modes one after another in every round (attach, block, detach), so drift hits
 all alike. The modes add one layer of probes at a time, so that each step's increment is a
@@ -15,7 +16,8 @@ measured cost:
                cuMemFree_v2, and cudaMalloc, cudaFree where a runtime is given): the trap alone
     drv-entry  the tracer's program (with its openat/sched tracepoints) and the driver's entry
                probes only (the table's exits dropped: probes/table.py)
-    drv-ret    + the driver's return probes
+    drv-ret    + the driver's return probes (a free's: a uprobe session, which skips the return
+               where it cannot matter, Linux >= 6.13; its runs count as entry traps)
     runtime    + the runtime's probes (libcudart, entry and return): the tracer's whole table
     enforced   `convgpu enforce` as bench/modes.py starts it (no limit reached, nothing stalls)
 
@@ -45,6 +47,7 @@ import sys
 import tempfile
 
 from convgpu.paths import build_dir
+from convgpu.units import parse_size
 
 from bench import bpf_stats
 from bench.machine import machine
@@ -53,12 +56,12 @@ MODES = ("bare", "traps", "drv-entry", "drv-ret", "runtime", "enforced")
 WORKLOADS = ("torch", "cupy", "driver", "runtime")
 BPF_MAP_GET_FD_BY_ID = 14
 TRAPPED = {"cuda": (b"cuMemAlloc_v2", b"cuMemFree_v2"), "cudart": (b"cudaMalloc", b"cudaFree")}
-SIZES = (4096, 16384, 65536, 262144, 1048576)   # 4 KiB-1 MiB, cycled
+SIZES = (4096,)   # cycled; bench.breakdown --sizes 4K,16K,64K,256K,1M for a framework's mix
 
 class Workload:
-    def __init__(self, kind: str, env: dict):
+    def __init__(self, kind: str, env: dict, sizes=SIZES):
         self.p = subprocess.Popen([sys.executable, "-m", "bench.breakdown_child", "pairs", kind,
-                                   ",".join(map(str, SIZES))],
+                                   ",".join(map(str, sizes))],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         words = self.p.stdout.readline().split()
         if words[:1] != ["ready"]:
@@ -148,7 +151,7 @@ def layer(mode: str, libs: tuple, standin: bool, pids: list):
     if mode != "runtime":
         table = tuple(p for p in table if p.library == CUDA)
     if mode == "drv-entry":
-        table = tuple(replace(p, exit=None) for p in table)
+        table = tuple(replace(p, exit=None, session=None) for p in table)
     tracer = None
     try:
         loader.PROBES = table
@@ -218,8 +221,8 @@ def layer_of(prog: str) -> str:
         return "recheck"
     if prog == "empty":
         return "empty"
-    if prog.startswith("enter_"):
-        return "driver entry"
+    if prog.startswith(("enter_", "sess_")):   # a free's session: its entry, its return skipped
+        return "driver entry"                    # where that cannot matter (bpf free_session)
     if prog.startswith("exit_"):
         return "driver return"
     return "tracepoints"
@@ -313,10 +316,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=WORKLOADS, help="default: driver (torch without --standin)")
     ap.add_argument("--pairs", type=int, default=20000, help="allocation+free pairs per block")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sizes", default="4K", help="allocation sizes, cycled (default 4K)")
     ap.add_argument("--bystander", type=int, default=20000, help="openat+close calls of the unrelated process")
     ap.add_argument("--cudart", help="the libcudart probed in the runtime layer (default: the workload's)")
     ap.add_argument("--json", help="write results here (after every round)")
     a = ap.parse_args(argv)
+    sizes = tuple(parse_size(x) for x in a.sizes.split(","))
     kind = a.workload or ("driver" if a.standin else "torch")
     if a.standin and kind in ("torch", "cupy"):
         raise SystemExit(f"--workload {kind} needs the GPU: on the stand-in use driver or runtime")
@@ -339,8 +344,8 @@ def main(argv=None) -> int:
         env["CONVGPU_CUDART"] = cudart
     libs = (libcuda,) + ((os.path.realpath(cudart),) if cudart else ())
     meta = {"workload": kind, "pairs": a.pairs, "rounds": a.rounds, "standin": a.standin, "libs": libs,
-            "sizes": SIZES, "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
-    w = Workload(kind, env)
+            "sizes": sizes, "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
+    w = Workload(kind, env, sizes)
     rounds: list = []
     try:
         with bpf_stats.enabled():

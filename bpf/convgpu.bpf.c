@@ -1125,13 +1125,43 @@ static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
 }
 
 // CUresult cuMemFree_v2(CUdeviceptr dptr); cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-// Settled at the return: until the driver has given the memory back it is on the card, and
-// its container's. Settled at the entry (as before, to spare a return trap), a thread
-// stopped at an allocation was resumed into the room while the free still ran: on the
+// Settled at the return where it matters: until the driver has given the memory back it is on
+// the card, and its container's. Settled at the entry (as before, to spare a return trap), a
+// thread stopped at an allocation was resumed into the room while the free still ran: on the
 // stand-in with a 20 ms free, eight threads taking turns under a limit fitting four had all
 // eight blocks live at once; on the H100 eight CuPy threads, five (a 256 MiB cuMemFree takes
 // milliseconds there). A thread the thread quota leaves no entry for is settled at entry.
-static __always_inline int free_enter(struct pt_regs *ctx, u16 api)
+//
+// Where it cannot matter it is settled at the entry, and with a uprobe session (Linux >= 6.13,
+// free_session) the return is then never trapped at all: issue 32, a no-caching framework's
+// free paid a return trap and a program for nothing. It cannot matter while nobody waits (no
+// stalled call can be resumed into the room) and its container keeps room to spare
+// (settle_now). A sibling's allocation admitted while the driver still frees could then land in
+// room still on the card only by asking for more than that spare room.
+#define SPARE_SHIFT 3       // the spare room: an eighth of the container's assignment...
+#define SPARE_BLOCKS 2      // ...and at least twice the block being freed
+static __always_inline int settle_now(u32 tgid, struct cg_obj *o, struct cg_control *ctl)
+{
+    if (!ctl)                       // tracing only: no limit to keep
+        return 1;
+    if (ctl->waiters)
+        return 0;
+    u64 key = 0;
+    struct cg_cgstate *s = state_of(tgid, o->dev, &key);
+    struct cg_limit_key lk = {.container = key, .dev = o->dev};
+    struct cg_assign *a = s ? assign.lookup(&lk) : 0;
+    if (!a)                         // charged nowhere: nothing to keep exact
+        return 1;
+    u64 held = charged(s, a, ctl) + s->reserved;
+    u64 spare = a->assigned >> SPARE_SHIFT;
+    if (spare < SPARE_BLOCKS * o->size)
+        spare = SPARE_BLOCKS * o->size;
+    return held + spare <= a->assigned;
+}
+
+// session: the program is a uprobe session's (free_session): 1 asks the kernel to skip the
+// return (settled here), 0 to run this program again there.
+static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 slot = api;
@@ -1139,19 +1169,21 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api)
     if (h)
         *h += 1;
     if (retired())                  // a successor's program does it (see retired())
-        return 0;
+        return 1;
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
     if (!p || tgid == self_tgid())
-        return 0;
+        return 1;
     u64 addr = PT_REGS_PARM1(ctx);
     struct cg_obj_key k = {.tgid = tgid, .ns = NS_PTR, .addr = addr};
     struct cg_obj *o = objs.lookup(&k);
     int denied = 0;
-    struct cg_thread *t = o ? get_thread(id, 1, &denied) : 0;
-    if (!t) {                       // unknown (an error event, as always) or no thread entry
+    struct cg_thread *t = 0;
+    if (o && !(session && settle_now(tgid, o, enforcing())))
+        t = get_thread(id, 1, &denied);
+    if (!t) {                       // unknown (an error event, as always), settled now, or no thread entry
         obj_free(id, p, api, NS_PTR, addr);
-        return 0;
+        return 1;
     }
     // Out of `objs` from here: the driver may give the address out again before this free
     // returns, and an allocation there, settled first, is another object. Its bytes stay
@@ -1160,7 +1192,7 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api)
     // containers holding a 128 MiB block their books no longer had, over the limit by that.
     struct cg_obj gone = *o;
     if (obj_del(&k, gone.quota) != 0)   // a racing free of the same pointer took it first
-        return 0;
+        return 1;
     t->freeing = addr;
     t->free_api = api;
     t->free_tid = gone.tid;
@@ -1176,7 +1208,7 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api)
 // The object free_enter took out of `objs`: its bytes leave the books now, or, the free having
 // failed, it is the books' again. A thread killed inside the free leaves them charged to its
 // process until it exits.
-int exit_free(struct pt_regs *ctx)
+static __always_inline int free_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
@@ -1200,9 +1232,24 @@ int exit_free(struct pt_regs *ctx)
     bytes_gone(id, p, api, &o, addr, 1);
     return 0;
 }
-int enter_cuMemFree_v2(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFree_v2); }
-int enter_cuMemFreeAsync(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFreeAsync); }
-int enter_cuMemFreeAsync_ptsz(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFreeAsync_ptsz); }
+
+int exit_free(struct pt_regs *ctx) { return free_return(ctx); }
+int enter_cuMemFree_v2(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFree_v2, 0); }
+int enter_cuMemFreeAsync(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFreeAsync, 0); }
+int enter_cuMemFreeAsync_ptsz(struct pt_regs *ctx) { return free_enter(ctx, API_cuMemFreeAsync_ptsz, 0); }
+
+// One program at a free's entry and its return (a uprobe session link, probes/links.py). At
+// the return the registers are the caller's, past the call: the ip differs from the entry
+// address bpf_get_func_ip gives at both ends (at the entry the two are the same address).
+static __always_inline int free_session(struct pt_regs *ctx, u16 api)
+{
+    if (PT_REGS_IP(ctx) != bpf_get_func_ip(ctx))
+        return free_return(ctx);
+    return free_enter(ctx, api, 1);
+}
+int sess_cuMemFree_v2(struct pt_regs *ctx) { return free_session(ctx, API_cuMemFree_v2); }
+int sess_cuMemFreeAsync(struct pt_regs *ctx) { return free_session(ctx, API_cuMemFreeAsync); }
+int sess_cuMemFreeAsync_ptsz(struct pt_regs *ctx) { return free_session(ctx, API_cuMemFreeAsync_ptsz); }
 
 #define ENTER(name) int enter_##name(struct pt_regs *ctx) { return on_enter(ctx, API_##name); }
 ENTER(cuMemAlloc_v2) ENTER(cuMemAllocPitch_v2) ENTER(cuMemAllocManaged)

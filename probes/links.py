@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 BPF_PROG_LOAD, BPF_LINK_CREATE = 5, 28
 BPF_PROG_TYPE_KPROBE = 2
 BPF_TRACE_UPROBE_MULTI = 48           # enum bpf_attach_type
+BPF_TRACE_UPROBE_SESSION = 57         # Linux >= 6.13: one program at entry and return
 BPF_F_UPROBE_MULTI_RETURN = 1
 SYS_BPF, SYS_PERF_EVENT_OPEN = 321, 298    # x86_64
 PERF_FLAG_FD_CLOEXEC = 8
@@ -45,10 +46,11 @@ def wanted() -> bool:
     return os.environ.get("CONVGPU_UPROBE_LINKS", "on").lower() not in ("off", "0", "no")
 
 
-def _link_create(prog_fd: int, path: bytes, offset: int, ret: bool) -> int:
+def _link_create(prog_fd: int, path: bytes, offset: int, ret: bool,
+                 attach_type: int = BPF_TRACE_UPROBE_MULTI) -> int:
     offsets = (ct.c_uint64 * 1)(offset)
     p = ct.create_string_buffer(path)
-    attr = _LinkCreate(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI, path=ct.addressof(p),
+    attr = _LinkCreate(prog_fd=prog_fd, attach_type=attach_type, path=ct.addressof(p),
                        offsets=ct.addressof(offsets), cnt=1,
                        multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0)
     fd = _libc.syscall(SYS_BPF, BPF_LINK_CREATE, ct.byref(attr), ct.sizeof(attr))
@@ -189,6 +191,43 @@ def _perf_copy(b, fn_name: bytes, path: bytes, sym: bytes, sym_off: int, ret: bo
         b.funcs[fn_name] = mine
         if copy is not None:
             os.close(copy.fd)   # the perf event holds the program
+
+
+def sessions_wanted() -> bool:
+    return os.environ.get("CONVGPU_UPROBE_SESSIONS", "on").lower() not in ("off", "0", "no")
+
+
+def attach_session(b, fn_name: bytes, path: bytes, offset: int) -> int | None:
+    """fn_name as a uprobe session at offset of path: the same program runs at the entry and,
+    unless its entry returned 1, at the return (issue 32: a free settled at its entry spares the
+    return trap). The link's descriptor, or None where this kernel (before 6.13), a perf-event
+    object or CONVGPU_UPROBE_SESSIONS=off says no: the caller then attaches enter and exit."""
+    if not (sessions_wanted() and wanted()) or _state(b) is False or getattr(b, "convgpu_sessions", None) is False:
+        return None
+    import bcc
+    try:
+        fn = b.load_func(fn_name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_SESSION)
+        fd = _link_create(fn.fd, path, offset, False, BPF_TRACE_UPROBE_SESSION)
+    except Exception as e:   # bcc's load failure is a bare Exception
+        if getattr(b, "convgpu_sessions", None) or (isinstance(e, OSError) and e.errno not in _UNSUPPORTED):
+            raise
+        log.info("uprobe sessions refused (%s): frees get a return probe each", e)
+        b.convgpu_sessions = False
+        fn = b.funcs.pop(fn_name, None)
+        if fn is not None:
+            os.close(fn.fd)
+        return None
+    b.convgpu_sessions = True
+    if _state(b) is None:
+        b.convgpu_links = []
+    b.convgpu_links.append(fd)
+    return fd
+
+
+def session_kind(b) -> str:
+    """For status and doctor: how frees are probed."""
+    on = getattr(b, "convgpu_sessions", None)
+    return "uprobe sessions" if on else "entry and return probes"
 
 
 def fds(b) -> list[int]:

@@ -151,6 +151,7 @@ class Attached:
     fired: bool | None = None  # self-test result; None = not tested
     recheck: bool | None = None  # enforce: recheck probe attached (None: not wanted)
     recheck_at: str = ""    # where: "+4 emulated", or "+1 stepped" where no push follows the entry
+    session: bool = False   # one session program at entry and return (table.Probe.session)
 
 
 @dataclass
@@ -175,6 +176,8 @@ def preload(b, recheck: bool = False) -> None:
     with phases.timed("load"):
         as_links = links.wanted() and links.kind_known(b) in (None, "links") and links.supported()[0]
         b.preload(names, bcc.BPF.KPROBE, links.BPF_TRACE_UPROBE_MULTI if as_links else -1)
+        if as_links and links.sessions_wanted() and getattr(b, "convgpu_sessions", None) is not False:
+            b.preload([p.session for p in PROBES if p.session], bcc.BPF.KPROBE, links.BPF_TRACE_UPROBE_SESSION)
 
 
 def symbols_of(lib: Library) -> dict[str, untrusted.Symbol]:
@@ -215,9 +218,14 @@ def attach_library(b, lib: Library, recheck: bool = False, syms=None) -> Library
             continue
         try:
             sym = probe.symbol.encode()
-            out.link_fds.append(links.attach(b, probe.enter.encode(), path, s.offset, sym))
-            if probe.exit:
-                out.link_fds.append(links.attach(b, probe.exit.encode(), path, s.offset, sym, ret=True))
+            fd = links.attach_session(b, probe.session.encode(), path, s.offset) if probe.session else None
+            a.session = fd is not None
+            if fd is not None:
+                out.link_fds.append(fd)
+            else:
+                out.link_fds.append(links.attach(b, probe.enter.encode(), path, s.offset, sym))
+                if probe.exit:
+                    out.link_fds.append(links.attach(b, probe.exit.encode(), path, s.offset, sym, ret=True))
             a.ok = True
             if recheck and probe.symbol in ADMITTED:
                 site = prologue.recheck_site(s.prologue)

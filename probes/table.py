@@ -27,19 +27,22 @@ class Probe:
     exit: str | None
     required: bool
     why: str
+    # a uprobe session program (Linux >= 6.13) that does enter and exit in one, and may skip the
+    # return (bpf free_session); where the kernel has no sessions, enter and exit are attached
+    session: str | None = None
 
     @property
     def api(self) -> int:
         return API_IDS[self.symbol]
 
 
-def _p(lib, sym, exit_fn, required, why):
-    return Probe(lib, sym, f"enter_{sym}", exit_fn, required, why)
+def _p(lib, sym, exit_fn, required, why, session=False):
+    return Probe(lib, sym, f"enter_{sym}", exit_fn, required, why, f"sess_{sym}" if session else None)
 
 
 PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuMemAlloc_v2", "exit_alloc", True, "cudaMalloc, PyTorch's default allocator"),
-    _p(CUDA, "cuMemFree_v2", "exit_free", True, "frees of cuMemAlloc memory (settled at return)"),
+    _p(CUDA, "cuMemFree_v2", "exit_free", True, "frees of cuMemAlloc memory (at return near the limit)", True),
     _p(CUDA, "cuMemAllocPitch_v2", "exit_pitch", False, "pitched 2D allocations"),
     _p(CUDA, "cuMemAllocManaged", "exit_alloc", False, "unified memory"),
     _p(CUDA, "cuMemCreate", "exit_vmm_create", False, "VMM physical memory: expandable segments, NCCL"),
@@ -52,8 +55,8 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuMemAllocAsync_ptsz", "exit_alloc", False, "the same, per-thread default stream"),
     _p(CUDA, "cuMemAllocFromPoolAsync", "exit_alloc", False, "memory pools"),
     _p(CUDA, "cuMemAllocFromPoolAsync_ptsz", "exit_alloc", False, "memory pools, per-thread stream"),
-    _p(CUDA, "cuMemFreeAsync", "exit_free", False, "stream-ordered frees (at return)"),
-    _p(CUDA, "cuMemFreeAsync_ptsz", "exit_free", False, "stream-ordered frees, per-thread stream (at return)"),
+    _p(CUDA, "cuMemFreeAsync", "exit_free", False, "stream-ordered frees (at return near the limit)", True),
+    _p(CUDA, "cuMemFreeAsync_ptsz", "exit_free", False, "stream-ordered frees, per-thread stream", True),
     _p(CUDA, "cuArrayCreate_v2", "exit_array", False, "CUDA arrays (admitted at entry, size estimated from the descriptor)"),
     _p(CUDA, "cuArray3DCreate_v2", "exit_array", False, "3D arrays (estimated)"),
     _p(CUDA, "cuMipmappedArrayCreate", "exit_array", False, "mipmapped arrays (estimated)"),

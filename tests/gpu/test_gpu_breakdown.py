@@ -1,6 +1,7 @@
 """bench.breakdown on the real driver, small (issue 32 part 1): the driver-API loop's pair is
-one cuMemAlloc_v2 and one cuMemFree_v2 there too (2 entries, 2 returns, 1 recheck under the
-enforcer: no call inside the driver reaches another probed entry point), the tracer writes 2 ring
+one cuMemAlloc_v2 and one cuMemFree_v2 there too (2 entries, 1 return: the free's is skipped far
+from any limit, a uprobe session on kernel 6.18; 1 recheck under the enforcer: no call inside the
+driver reaches another probed entry point), the tracer writes 2 ring
 records and is not woken, the enforcer writes none; PyTorch without its caching allocator makes
 at least that many traps per tensor (its cudaMalloc/cudaFree are the runtime layer's).
 Run on a GPU machine: pytest -m gpu tests/gpu/test_gpu_breakdown.py (about a minute)."""
@@ -27,8 +28,8 @@ def test_driver_pair_on_the_driver(root, tmp_path):
     by = breakdown(tmp_path, "driver")
     t = {m: {k: round(v, 3) for k, v in s["traps_per_pair"].items() if k != "tracepoints"} for m, s in by.items()}
     assert t["traps"] == {"empty": 4.0}
-    assert t["drv-ret"] == {"driver entry": 2.0, "driver return": 2.0}
-    assert t["enforced"] == {"driver entry": 2.0, "driver return": 2.0, "recheck": 1.0}
+    assert t["drv-ret"] == {"driver entry": 2.0, "driver return": 1.0}
+    assert t["enforced"] == {"driver entry": 2.0, "driver return": 1.0, "recheck": 1.0}
     assert by["drv-ret"]["ring_records_per_pair"] == 2.0 and by["drv-ret"]["wakeups_per_pair"] < 0.01
     assert by["enforced"]["ring_records_per_pair"] == 0
 
@@ -36,4 +37,4 @@ def test_driver_pair_on_the_driver(root, tmp_path):
 def test_torch_pair_traps(root, tmp_path):
     by = breakdown(tmp_path, "torch")
     t = by["runtime"]["traps_per_pair"]
-    assert t.get("driver entry", 0) >= 2 and t.get("driver return", 0) >= 2 and t.get("runtime", 0) >= 4, t
+    assert t.get("driver entry", 0) >= 2 and t.get("driver return", 0) >= 1 and t.get("runtime", 0) >= 4, t
