@@ -1177,11 +1177,15 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
     u64 addr = PT_REGS_PARM1(ctx);
     struct cg_obj_key k = {.tgid = tgid, .ns = NS_PTR, .addr = addr};
     struct cg_obj *o = objs.lookup(&k);
+    if (o && o->gen == p->gen && session && settle_now(tgid, o, enforcing())) {
+        struct cg_obj now = *o;     // settled here: the object found is the one to take
+        if (obj_del(&k, now.quota) == 0)
+            bytes_gone(id, p, api, &now, addr, 1);
+        return 1;
+    }
     int denied = 0;
-    struct cg_thread *t = 0;
-    if (o && !(session && settle_now(tgid, o, enforcing())))
-        t = get_thread(id, 1, &denied);
-    if (!t) {                       // unknown (an error event, as always), settled now, or no thread entry
+    struct cg_thread *t = o ? get_thread(id, 1, &denied) : 0;
+    if (!t) {                       // unknown (an error event, as always), or no thread entry
         obj_free(id, p, api, NS_PTR, addr);
         return 1;
     }
