@@ -185,7 +185,7 @@ def enforce(
     capacity = capacity_of(s["gpu_memory"], s["reserve"], nvml)
     stopper = make_stopper(s["stall"])
     engines = EngineLookup()
-    source = Tracer(libraries=tuple(s["libs"]), discover=s["discover"],
+    source = Tracer(libraries=tuple(s["libs"]), discover=s["discover"], runtime=False,
                     bpf_cache=common.bpf_cache(no_bpf_cache)) if s["probes"] else Ledger()
     enf = Enforcer(source, s["policy"], capacity,
                    rules_from(conf, limits, s["default_limit"]), stopper=stopper,

@@ -144,7 +144,8 @@ class LibraryFinder:
     frameworks dlopen libcuda lazily, at their first CUDA call, soon after they start."""
 
     def __init__(self, extra: tuple[str, ...] = (), proc: str = "/proc", full_every: float = 30.0,
-                 young: float = 60.0, discover: bool = True):
+                 young: float = 60.0, discover: bool = True, kinds: tuple[str, ...] = (CUDA, CUDART)):
+        self.kinds = kinds    # the enforcer's: the driver only (Tracer runtime=False)
         self.extra = tuple(extra)
         self.proc = proc
         self.full_every = full_every
@@ -160,6 +161,8 @@ class LibraryFinder:
         """path inside root (probes/untrusted.py: opened there, symlinks kept inside it, never
         blocking), a new library unless its inode is known. A file that cannot be a driver
         (a FIFO, a directory, too big) is skipped, said once per inode."""
+        if kind not in self.kinds:
+            return
         try:
             fd = untrusted.open_in_root(root, path)
         except OSError:

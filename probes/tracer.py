@@ -15,6 +15,7 @@ from .discovery import Discovery, Said, container_of
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
 from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
 from .libs import SWEEP_BUDGET_S, Library, LibraryFinder, mapped_inodes
+from .table import CUDA, CUDART
 
 log = logging.getLogger(__name__)
 # How long after its bytes last changed a process may still have a free running in the driver:
@@ -48,12 +49,17 @@ class Tracer:
     def __init__(self, libraries: tuple[str, ...] = (), discover: bool = True,
                  ringbuf_pages: int = 4096, rescan_every: float = 1.0, selftest: bool = True,
                  sweep_every: float = 30.0, recheck: bool = False, cflags: tuple = (),
-                 bpf_cache: str | None = None):
+                 bpf_cache: str | None = None, runtime: bool = True):
+        """runtime: also probe shared libcudart files. They only name the runtime call behind
+        a driver call in events, for a view (bpf rt_mark); the driver's probes account and
+        admit every call. The enforcer leaves them out (issue 32: four traps of a no-caching
+        PyTorch pair's nine, for names no view may ask for)."""
         self.cflags = cflags
         self.owner = 0              # the enforcer's instance number (control.owner), if any
         self.bpf_cache = bpf_cache  # loader.compile_program(cache=): None default, "off"
         self.recheck = recheck
-        self.finder = LibraryFinder(extra=tuple(libraries), discover=discover)
+        self.finder = LibraryFinder(extra=tuple(libraries), discover=discover,
+                                    kinds=(CUDA, CUDART) if runtime else (CUDA,))
         self.ringbuf_pages = ringbuf_pages
         self.rescan_every = rescan_every
         self.selftest = selftest
