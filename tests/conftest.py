@@ -481,6 +481,40 @@ def host_turn(exclusive: bool):
         os.close(gate)
 
 
+# Under xdist the modules go to the workers in the order collected here (pytest_configure turns
+# xdist's own order, most tests first, off): every `exclusive` module first, so they run back
+# to back while the workers start, instead of each one waiting for the other worker's module in
+# hand to end (a minute when that was the torture); then the longest modules (measured in
+# fresh-clone runs, 2026-11-27: seconds a module takes), so that none of them starts last and
+# leaves the other worker idle; then the rest, most tests first, as xdist does.
+LONGEST = ("test_torture.py", "test_bench_sched.py", "test_bpfcache.py", "test_waits.py",
+           "test_bench_e2e_toggle.py", "test_nvml_faults.py", "test_trace_exit.py", "test_sampler_live.py",
+           "test_enforce_control.py", "test_durable_decisions.py", "test_enforce.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not WORKER:
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def rank(path):
+        its = modules[path]
+        name = path.rsplit("/", 1)[-1]
+        if any(i.get_closest_marker("exclusive") for i in its):
+            return (0, 0)
+        if name in LONGEST:
+            return (1, LONGEST.index(name))
+        return (2, -len(its))
+    items[:] = [i for path in sorted(modules, key=rank) for i in modules[path]]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _host_turn(request):
     """Under xdist, each module takes its turn of the host (host_turn) while its tests run on a

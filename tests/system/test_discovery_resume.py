@@ -26,23 +26,23 @@ OPENER = "import sys; open(sys.argv[1], 'rb').read(); print('opened', flush=True
 
 class Discovering:
     """An in-process tracer with discovery on (this process is its own, never stopped), its
-    loop on a thread as trace's and enforce's run it. drop_first: the first stop's event is
-    lost on its way (as when the ring buffer is full)."""
+    loop on a thread as trace's and enforce's run it. `dropping`: the next stop's event is
+    lost on its way (as when the ring buffer is full). --unprobed: on_unprobed."""
 
-    def __init__(self, lib, on_unprobed=None, drop_first=False):
+    def __init__(self, lib, on_unprobed=None):
         from convgpu.probes.tracer import Tracer
         self.t = t = Tracer(libraries=(str(lib),), discover=True, rescan_every=3600, selftest=False).start()
         if on_unprobed is not None:
             t.discovery.on_unprobed = on_unprobed
-        if drop_first:
-            real, self.dropped = t.discovery.opened, []
+        real, self.dropped, self.dropping = t.discovery.opened, [], False
 
-            def opened(pid, tid, fd):
-                if not self.dropped:
-                    self.dropped.append(pid)
-                    return
-                real(pid, tid, fd)
-            t.discovery.opened = opened
+        def opened(pid, tid, fd):
+            if self.dropping:
+                self.dropping = False
+                self.dropped.append(pid)
+                return
+            real(pid, tid, fd)
+        t.discovery.opened = opened
         t.enable_discovery()
         self.done = threading.Event()
         self.th = threading.Thread(target=self._loop, daemon=True)
@@ -77,46 +77,57 @@ def line_of(p, timeout=30) -> list[str]:
         raise AssertionError(f"{e}; its state {proc_state(p.pid) if p.poll() is None else p.returncode}") from None
 
 
+def stall(pid, lib, why):
+    return "stall"
+
+
+@pytest.fixture(scope="module")
+def shared(root, build):
+    """One tracer for the tests that do not end it (a start costs seconds of an exclusive turn)."""
+    with Discovering(build / "standin" / "libcuda.so.1", on_unprobed=stall) as d:
+        yield d
+
+
 def held_of(t, pid) -> list[int]:
     return [k.value for k in t.b[b"held"].keys() if k.value >> 32 == pid]
 
 
-def test_a_driver_file_opened_again_at_once_at_the_same_fd_is_resumed_every_time(root, build):
+def test_a_driver_file_opened_again_at_once_at_the_same_fd_is_resumed_every_time(build, shared):
     """50 opens of the stand-in by one thread, each at the same fd right after the last close:
     stopped at each (exactly 50 stops of it), resumed at each, nothing left in `held`. Before
     the stamp it stayed stopped at the second or a later open, for good (the tracer's close
     did not resume it either)."""
-    lib = build / "standin" / "libcuda.so.1"
-    with Discovering(lib) as d:
-        p = subprocess.Popen([sys.executable, "-c", REOPEN, str(lib), "50"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            done, *fds = line_of(p)
-            assert done == "done" and len(fds) == 1     # one fd, 50 times
-            assert list(d.t.discovery.recent).count(p.pid) == 50
-            assert held_of(d.t, p.pid) == []
-        finally:
-            p.kill()
-            p.wait()
+    d, lib = shared, build / "standin" / "libcuda.so.1"
+    p = subprocess.Popen([sys.executable, "-c", REOPEN, str(lib), "50"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        done, *fds = line_of(p)
+        assert done == "done" and len(fds) == 1     # one fd, 50 times
+        assert list(d.t.discovery.recent).count(p.pid) == 50
+        assert held_of(d.t, p.pid) == []
+    finally:
+        p.kill()
+        p.wait()
 
 
-def test_a_stop_whose_event_was_lost_is_resumed(root, build):
+def test_a_stop_whose_event_was_lost_is_resumed(build, shared):
     """The first stop's event never reaches the loop (a full ring buffer): the stop is found in
     `held`, unchanged for LOST_AFTER_S, and looked at; the opener goes on."""
     from convgpu.probes.discovery import LOST_AFTER_S
-    lib = build / "standin" / "libcuda.so.1"
-    with Discovering(lib, drop_first=True) as d:
-        t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-c", OPENER, str(lib)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            assert line_of(p) == ["opened"]
-            took = time.monotonic() - t0
-            assert d.dropped == [p.pid] and d.t.discovery.lost_events == 1 and held_of(d.t, p.pid) == []
-            assert took >= LOST_AFTER_S, took   # not resumed by anything but the look for lost stops
-        finally:
-            p.kill()
-            p.wait()
+    d, lib = shared, build / "standin" / "libcuda.so.1"
+    lost = d.t.discovery.lost_events
+    d.dropping = True
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", OPENER, str(lib)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert line_of(p) == ["opened"]
+        took = time.monotonic() - t0
+        assert d.dropped == [p.pid] and d.t.discovery.lost_events == lost + 1 and held_of(d.t, p.pid) == []
+        assert took >= LOST_AFTER_S, took   # not resumed by anything but the look for lost stops
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture
@@ -128,41 +139,37 @@ def not_a_driver(tmp_path):
     return d / "libcuda.so.1"
 
 
-def stall(pid, lib, why):
-    return "stall"
+def test_a_held_opener_that_is_killed_leaves_no_entry(shared, not_a_driver):
+    """The opener dies while held: BPF's exit tracepoint drops its `held` entry (nothing for a
+    later resume to signal: its pid may be another process's by then)."""
+    d = shared
+    p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        until(lambda: p.pid in d.t.discovery.unprobed, 20, "held for its unprobed file")
+        assert len(held_of(d.t, p.pid)) == 1
+    finally:
+        p.kill()
+        p.wait()
+    assert held_of(d.t, p.pid) == []
 
 
-def test_a_process_held_for_an_unprobed_file_is_resumed_when_the_tracer_stops(root, build, not_a_driver):
+def test_a_process_held_for_an_unprobed_file_is_resumed_when_the_tracer_stops(shared, not_a_driver):
     """Held on purpose (--unprobed stall), it stays stopped while the tracer runs, is not taken
     for a lost stop, and goes on when the tracer stops normally (discovery's disable)."""
     from convgpu.probes.discovery import LOST_AFTER_S
-    with Discovering(build / "standin" / "libcuda.so.1", on_unprobed=stall) as d:
-        p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            until(lambda: p.pid in d.t.discovery.unprobed, 20, "held for its unprobed file")
-            wait_state(p.pid, "T")
-            looks = d.t.discovery.lost_looks
-            until(lambda: d.t.discovery.lost_looks >= looks + 2, 10 * LOST_AFTER_S, "two looks for lost stops")
-            assert d.t.discovery.unprobed[p.pid].action == "stall" and len(held_of(d.t, p.pid)) == 1
-            assert d.t.discovery.lost_events == 0 and proc_state(p.pid) == "T"
-            d.stop()
-            assert line_of(p) == ["opened"]
-        finally:
-            p.kill()
-            p.wait()
-
-
-def test_a_held_opener_that_is_killed_leaves_no_entry(root, build, not_a_driver):
-    """The opener dies while held: BPF's exit tracepoint drops its `held` entry (nothing for a
-    later resume to signal: its pid may be another process's by then)."""
-    with Discovering(build / "standin" / "libcuda.so.1", on_unprobed=stall) as d:
-        p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            until(lambda: p.pid in d.t.discovery.unprobed, 20, "held for its unprobed file")
-            assert len(held_of(d.t, p.pid)) == 1
-        finally:
-            p.kill()
-            p.wait()
-        assert held_of(d.t, p.pid) == []
+    d = shared
+    p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        until(lambda: p.pid in d.t.discovery.unprobed, 20, "held for its unprobed file")
+        wait_state(p.pid, "T")
+        looks, lost = d.t.discovery.lost_looks, d.t.discovery.lost_events
+        until(lambda: d.t.discovery.lost_looks >= looks + 2, 10 * LOST_AFTER_S, "two looks for lost stops")
+        assert d.t.discovery.unprobed[p.pid].action == "stall" and len(held_of(d.t, p.pid)) == 1
+        assert d.t.discovery.lost_events == lost and proc_state(p.pid) == "T"
+        d.stop()
+        assert line_of(p) == ["opened"]
+    finally:
+        p.kill()
+        p.wait()
