@@ -26,7 +26,7 @@ REQUIRE = os.environ.get("CONVGPU_REQUIRE_SYSTEM") == "1"
 # the host's: the first tracer compiles, every later one, in-process or a CLI subprocess that
 # inherits this, replays that compile. CONVGPU_BPF_CACHE=off runs the suite compiled throughout.
 BPF_CACHE = os.environ.setdefault("CONVGPU_BPF_CACHE", tempfile.mkdtemp(prefix="convgpu-bpfcache-"))
-# pytest-xdist (the README's `pytest -n 2`): the workers are processes started by a controller
+# pytest-xdist (the README's `pytest -n 3`): the workers are processes started by a controller
 # that imported this first, so they inherit its BPF cache and its lock directory (host_turn).
 # Uprobes are set on a file's inode: a worker's probes and enforcers would see, place and stall
 # the other worker's stand-in callers. So each worker but the first runs on a copy of the build

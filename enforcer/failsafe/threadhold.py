@@ -208,7 +208,12 @@ class ThreadHolder:
             return
         why = refused(pid)
         if why is None:
-            p = _Proc()
+            # idle from the start: nothing is held until a thread's stop is kept (_keep). Its
+            # stop may be released before the holder sees the thread stop (a placement granted
+            # within a millisecond), and then no thread ever is; idle_since 0 ("one is held")
+            # kept such a process seized for good, polled every POLL (issue 32: the enforcer's
+            # thousands of wake-ups a second under a workload that only allocated)
+            p = _Proc(idle_since=time.monotonic())
             for _ in range(16):   # threads made meanwhile by a thread not yet seized
                 new = _tids(pid) - p.tids
                 if not new:

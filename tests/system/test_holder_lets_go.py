@@ -1,0 +1,57 @@
+"""A process the ptrace holder seized is detached once nothing of it has been held for LINGER
+(enforcer/failsafe/threadhold.py), however its stop ended. Found through issue 32: a process
+seized at a stop that was released before the holder saw the thread stop (a placement is
+granted within a millisecond) was never detached, and the holder polled it every 0.5 ms for the
+rest of its life (on the H100 the enforcer took 3.7-7.5 us of CPU and 0.13-0.2 wake-ups per
+allocation of a workload doing nothing but allocate). In-process enforcer on the stand-in,
+real probes, real cgroups, a two-thread process placed at its first context."""
+import time
+
+import pytest
+
+from conftest import GiB, cuda_prelude, inprocess_enforcer, popen_in, until
+
+pytestmark = pytest.mark.system
+CHILD = """
+import threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()   # a sibling: held alone by ptrace
+"""
+
+
+def tracer_of(pid: int) -> int:
+    """Any tracer of any of pid's threads (/proc/PID/status tells the main thread's alone)."""
+    import os
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                t = int(next(line.split()[1] for line in f if line.startswith("TracerPid:")))
+        except OSError:
+            continue
+        if t:
+            return t
+    return 0
+
+
+def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
+    from convgpu.enforcer.failsafe.threadhold import LINGER
+    lib = build / "standin" / "libcuda.so.1"
+    enf = inprocess_enforcer(lib, "holder", GiB).start()
+    p = None
+    try:
+        code = CHILD + cuda_prelude(lib) + "print('up', flush=True); sys.stdin.read()\n"
+        p = popen_in(cgroups("holder"), "python3", "-c", code, env=caller_env)
+        import select
+        until(lambda: (enf.step(), select.select([p.stdout], [], [], 0.01)[0])[1], 30, "the child placed")
+        line = p.stdout.readline().strip()
+        assert line == "up", (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
+        assert enf.holder is not None and enf.holder.seized >= 1, "its stop did not go through the holder"
+        t0 = time.monotonic()
+        until(lambda: (enf.step(), tracer_of(p.pid) == 0)[1], 10 * LINGER + 5,
+              f"pid {p.pid} still traced by {tracer_of(p.pid)}")
+        assert time.monotonic() - t0 < LINGER + 2
+        assert p.pid not in enf.holder.traced
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        enf.close()
