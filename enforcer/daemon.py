@@ -191,10 +191,6 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
     def start(self) -> "Enforcer":
         from .serving.control import ControlHandler
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
-        if self.nvml is not None and self.nvml.ok:
-            from ..probes.nvml import Sampler
-            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight,
-                                   contexts=True).start()
         # the control socket first: a second enforcer on the same run dir fails here, before
         # its probes could stall anything
         if _answers(self.control_path):
@@ -227,6 +223,11 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         else:
             self.tracer.start()
             prev = []
+        if self.nvml is not None and self.nvml.ok:   # once the probes' maps exist: a sample reads
+            from ..probes.nvml import Sampler         # them, and failed until then, which read as
+            # "NVML has not answered for 7 s" at every start on a GPU host
+            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight,
+                                   contexts=True).start()
         self._wake_fd = self.tracer.fileno()
         self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
         reader = getattr(getattr(self.tracer, "discovery", None), "reader", None)

@@ -232,3 +232,22 @@ def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_lo
         fake.fault = None
         fake.release.set()
     assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
+
+
+def test_the_first_samples_never_read_as_nvml_failing(faulty, caplog):
+    """The sampler starts once the probes' maps exist. Started before (as it was), its first
+    samples read maps that were not there yet (TypeError) and every start on a GPU host whose
+    probes took several seconds to come up began with a false "NVML has not answered for 7 s"."""
+    caplog.set_level(logging.DEBUG, logger="convgpu.probes.nvml")
+    enf = inprocess_enforcer(faulty.lib, "nvstart", LIMIT, nvml=faulty.nv, ctx_overhead=EST)
+    enf.start()
+    try:
+        until(lambda: (enf.step(), faulty.fake.calls > 0 and enf.sampler.ok_at > 0)[1], 10, "a first sample")
+        time.sleep(1.5)                     # a second sample (MEASURE_EVERY is 1 s)
+        enf.step()
+        assert enf.sampler.error == ""
+        failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("process_memory:")]
+        assert failed == []
+        assert said(caplog, "NVML has not answered") == 0
+    finally:
+        enf.close()
