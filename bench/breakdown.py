@@ -102,21 +102,26 @@ def ring_position(pid: int) -> int | None:
     return total if found else None
 
 
-def proc_cpu(pid: int) -> tuple[int, int, list[int]]:
-    """(CPU ns, voluntary context switches, CPUs last run on) of pid and its children, all
-    threads: schedstat's run time is in ns (/proc/PID/stat's utime+stime tick at 10 ms, longer
-    than the enforcer's whole share of a block)."""
-    ns, cs, cpus = 0, 0, []
+def proc_cpu(pid: int) -> tuple[int, int, list[int], dict]:
+    """(CPU ns, voluntary context switches, CPUs last run on, {thread name: [CPU ns, switches]})
+    of pid and its children, all threads (named in the kernel: convgpu/threads.py):
+    schedstat's run time is in ns (/proc/PID/stat's utime+stime tick at 10 ms, longer than the
+    enforcer's whole share of a block)."""
+    ns, cs, cpus, by = 0, 0, [], {}
     for p in [pid] + bpf_stats.children(pid):
         try:
             for t in os.listdir(f"/proc/{p}/task"):
-                ns += int(open(f"/proc/{p}/task/{t}/schedstat").read().split()[0])
+                tns = int(open(f"/proc/{p}/task/{t}/schedstat").read().split()[0])
                 st = dict(line.split(":", 1) for line in open(f"/proc/{p}/task/{t}/status"))
-                cs += int(st["voluntary_ctxt_switches"])
+                tcs = int(st["voluntary_ctxt_switches"])
+                ns, cs = ns + tns, cs + tcs
+                name = f"{'' if p == pid else 'child '}{st['Name'].strip()}"
+                have = by.setdefault(name, [0, 0])
+                have[0], have[1] = have[0] + tns, have[1] + tcs
             cpus.append(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[36]))   # processor
         except OSError:
             continue
-    return ns, cs, cpus
+    return ns, cs, cpus, by
 
 
 @contextlib.contextmanager
@@ -209,7 +214,10 @@ def measure(mode: str, w: Workload, a, libs: tuple, bystander_n: int) -> dict:
         out["events_per_pair"] = counted["events"] / a.pairs
     if e0 and e1:
         out["enforcer"] = {"cpu_ns_per_pair": (e1[0] - e0[0]) / a.pairs, "switches_per_pair": (e1[1] - e0[1]) / a.pairs,
-                           "cpus": e1[2], "workload_cpu": proc_cpu(w.pid)[2]}
+                           "cpus": e1[2], "workload_cpu": proc_cpu(w.pid)[2],
+                           "threads": {k: {"cpu_ns_per_pair": (e1[3].get(k, [0, 0])[0] - e0[3].get(k, [0, 0])[0]) / a.pairs,
+                                           "switches_per_pair": (e1[3].get(k, [0, 0])[1] - e0[3].get(k, [0, 0])[1]) / a.pairs}
+                                       for k in e0[3].keys() | e1[3].keys()}}   # a thread gone: its share negative, as in the total
     return out
 
 
@@ -300,6 +308,9 @@ def table(res: dict) -> str:
     if e:
         lines.append(f"enforcer: {us(e['cpu_ns_per_pair'])} us CPU and {e['switches_per_pair']:.3f} wake-ups "
                      f"(voluntary switches) per pair, on CPU {e['cpus']} (workload on {e['workload_cpu']})")
+        top = sorted(e.get("threads", {}).items(), key=lambda kv: -kv[1]["switches_per_pair"])[:4]
+        lines.append("  by thread: " + ", ".join(f"{k} {us(v['cpu_ns_per_pair'])} us / {v['switches_per_pair']:.3f}"
+                                                for k, v in top))
     t, m = res["total_ns"], res["model"]
     lines.append(f"total enforced - bare {us(t)} us/pair (the layers' steps: {us(res['sum_of_steps_ns'])})")
     lines.append(f"model: {m['traps_per_pair']:.2f} traps x {us(m['ns_per_trap'])} us (an empty program's trap) "

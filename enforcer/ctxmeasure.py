@@ -28,6 +28,7 @@ READ_EVERY = 0.05  # s between two NVML reads
 
 _CHILD = r"""
 import ctypes, sys
+from ..threads import Thread
 sys.stdin.readline()   # the go: the enforcer exempts this pid from admission first
 cu = ctypes.CDLL(sys.argv[1])
 d, c = ctypes.c_int(), ctypes.c_void_p()
@@ -67,7 +68,7 @@ class Measurement:
         self.child: subprocess.Popen | None = None
         self._outcome: Outcome | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ctx-measure-{dev}", daemon=True)
+        self._thread = Thread(target=self._run, name=f"convgpu-ctx{dev}", daemon=True)
 
     def start(self) -> "Measurement":
         self._thread.start()

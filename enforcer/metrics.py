@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ..probes.nvml import GpuInfo
+from ..threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class MetricsServer:
             "slots": threading.BoundedSemaphore(max_connections), "io_timeout": timeout,
             "tls": tls.context() if tls else None})
         self.httpd = make_server(address, port, make_wsgi_app(self.registry), server, handler_class=_Quiet)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+        self.thread = Thread(target=self.httpd.serve_forever, name="convgpu-metrics", daemon=True)
         self.thread.start()
         self.port = self.httpd.server_address[1]
 

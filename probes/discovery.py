@@ -37,6 +37,7 @@ from . import loader, reading, untrusted
 from .identity import Identity
 from .libs import Library
 from .table import CUDA
+from ..threads import Thread
 
 HELD_OPEN = 1 << 32   # bpf/convgpu.bpf.c: a `held` value for a stop at a driver's open (else a stall)
 HELD_NODE = 1 << 33   # ... at its open of a GPU node (probes/identity.py)
@@ -186,7 +187,7 @@ class Discovery:
         self.beaten = time.monotonic()
         self._write(True)
         self._stop.clear()
-        self._sentinel = threading.Thread(target=self._watch, name="discovery-sentinel", daemon=True)
+        self._sentinel = Thread(target=self._watch, name="convgpu-sentinel", daemon=True)
         self._sentinel.start()
 
     def disable(self):

@@ -5,6 +5,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..threads import Thread
+
 log = logging.getLogger(__name__)
 
 
@@ -128,7 +130,7 @@ class Sampler:
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._thread = Thread(target=self._run, name="convgpu-nvml", daemon=True)
 
     def start(self) -> "Sampler":
         self._thread.start()

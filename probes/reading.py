@@ -16,6 +16,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+from ..threads import Thread
+
 log = logging.getLogger(__name__)
 READ_S = 3.0        # seconds of reading one container may cause in WINDOW_S (a real copy: ~50 ms)
 WINDOW_S = 60.0
@@ -41,7 +43,7 @@ class Reader:
     def submit(self, fn, *args) -> Future:
         """fn(*args) on the reader's thread; the Future holds its result or its exception."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="convgpu-reader", daemon=True)
+            self._thread = Thread(target=self._run, name="convgpu-reader", daemon=True)
             self._thread.start()
         f: Future = Future()
         self._jobs.put((f, fn, args))

@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 
+from ...threads import Thread
+
 log = logging.getLogger(__name__)
 
 
@@ -23,7 +25,7 @@ class Heartbeat:
         self.beat, self.every, self.hung = beat, every, hung
         self.ran = self.beaten = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread = Thread(target=self._run, name="convgpu-beat", daemon=True)
 
     def start(self) -> "Heartbeat":
         self._thread.start()

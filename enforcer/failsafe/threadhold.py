@@ -40,6 +40,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from ...threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class ThreadHolder:
 
     # ---- the loop's side: posts, never a ptrace call ----
     def start(self) -> "ThreadHolder":
-        self._thread = threading.Thread(target=self._run, name="convgpu-ptrace", daemon=True)
+        self._thread = Thread(target=self._run, name="convgpu-ptrace", daemon=True)
         self._thread.start()
         return self
 

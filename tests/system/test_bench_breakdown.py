@@ -57,6 +57,10 @@ def test_pair_counts_are_exact(root, build, tmp_path):
     assert by["enforced"]["ring_records_per_pair"] == 0       # quiet: the books are in maps
     e = by["enforced"]["enforcer"]
     assert e["cpu_ns_per_pair"] >= 0 and e["switches_per_pair"] >= 0 and e["cpus"]
+    # per thread, by the names the kernel knows them by (convgpu/threads.py): they add up
+    assert {"convgpu-beat", "convgpu-ptrace"} <= set(e["threads"]), e["threads"]
+    assert sum(t["switches_per_pair"] for t in e["threads"].values()) == pytest.approx(e["switches_per_pair"])
+    assert sum(t["cpu_ns_per_pair"] for t in e["threads"].values()) == pytest.approx(e["cpu_ns_per_pair"])
     for s in res["steps"]:
         assert s["pair_ns"] > 0 and s["openat_ns"] > 0 and s["fork_exit_ns"] > 0
     m = res["model"]

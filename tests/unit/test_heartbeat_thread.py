@@ -9,8 +9,13 @@ from convgpu.enforcer.failsafe.heartbeat import Heartbeat
 
 
 def test_the_thread_beats_only_for_a_slow_loop_and_stops_for_a_hung_one(caplog):
-    beats = []
-    hb = Heartbeat(lambda: beats.append(threading.current_thread().name), every=0.05, hung=0.6).start()
+    beats, comms = [], set()
+
+    def beat():
+        beats.append(threading.current_thread().name)
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:   # the kernel's name too
+            comms.add(f.read().strip())
+    hb = Heartbeat(beat, every=0.05, hung=0.6).start()
     try:
         for _ in range(15):                     # a loop that runs: it beats, the thread does not
             hb.loop_ran()
@@ -19,7 +24,7 @@ def test_the_thread_beats_only_for_a_slow_loop_and_stops_for_a_hung_one(caplog):
         assert beats and set(beats) == {"MainThread"}
         del beats[:]
         time.sleep(0.4)                         # a slow loop: the thread beats for it
-        assert len(beats) >= 3 and set(beats) == {"heartbeat"}
+        assert len(beats) >= 3 and set(beats) == {"convgpu-beat"} and "convgpu-beat" in comms
         time.sleep(0.4)                         # no pass for 0.8 s > hung: no beat at all
         stopped = len(beats)
         time.sleep(0.2)
