@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..threads import Thread
+
 log = logging.getLogger(__name__)
 TIMEOUT = 20.0     # s for the whole measurement: newcomers on its GPUs wait at most this long
 STEADY = 3         # NVML reads in a row that agree: the context is made and has settled
@@ -28,7 +30,6 @@ READ_EVERY = 0.05  # s between two NVML reads
 
 _CHILD = r"""
 import ctypes, sys
-from ..threads import Thread
 sys.stdin.readline()   # the go: the enforcer exempts this pid from admission first
 cu = ctypes.CDLL(sys.argv[1])
 d, c = ctypes.c_int(), ctypes.c_void_p()

@@ -40,6 +40,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+
 from ...threads import Thread
 
 log = logging.getLogger(__name__)
