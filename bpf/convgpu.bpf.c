@@ -1152,11 +1152,11 @@ static __always_inline int settle_now(u32 tgid, struct cg_obj *o, struct cg_cont
     struct cg_assign *a = s ? assign.lookup(&lk) : 0;
     if (!a)                         // charged nowhere: nothing to keep exact
         return 1;
-    u64 held = charged(s, a, ctl) + s->reserved;
+    u64 taken = charged(s, a, ctl) + s->reserved;   // the block included: it is still charged
     u64 spare = a->assigned >> SPARE_SHIFT;
     if (spare < SPARE_BLOCKS * o->size)
         spare = SPARE_BLOCKS * o->size;
-    return held + spare <= a->assigned;
+    return taken + spare <= a->assigned;
 }
 
 // session: the program is a uprobe session's (free_session): 1 asks the kernel to skip the

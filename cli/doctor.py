@@ -52,6 +52,10 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
         checks.append(Check("uprobe links", ok, detail,
                             "Linux >= 6.6: without, each probe is a perf event and detaching them takes "
                             "0.1-0.5 s apiece (`trace`/`enforce` hand that to a child)", fatal=False))
+        ok, detail = links.supported(links.BPF_TRACE_UPROBE_SESSION)
+        checks.append(Check("uprobe sessions", ok, detail,
+                            "Linux >= 6.13: without, every free is also trapped at its return (about "
+                            "half a microsecond each: docs/ENFORCE.md, \"Waits\")", fatal=False))
     from ..probes.loader import has_open_tracepoints
     tp = has_open_tracepoints()
     checks.append(Check("open tracepoints", tp, "syscalls/sys_{enter,exit}_openat" if tp else "none under tracefs",

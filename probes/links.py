@@ -73,21 +73,23 @@ def prog_load(prog_type: int, name: bytes, code, insn_cnt: int, license: bytes, 
     return _libc.syscall(SYS_BPF, BPF_PROG_LOAD, buf, len(buf))
 
 
-def supported() -> tuple[bool, str]:
-    """For `convgpu doctor`: does this kernel take uprobe links? A two-instruction program is
-    linked to a file nobody maps (so it never runs), and the link closed."""
+def supported(attach_type: int = BPF_TRACE_UPROBE_MULTI) -> tuple[bool, str]:
+    """For `convgpu doctor`: does this kernel take uprobe links (or, BPF_TRACE_UPROBE_SESSION,
+    sessions)? A two-instruction program is linked to a file nobody maps (so it never runs),
+    and the link closed."""
+    what = "uprobe session" if attach_type == BPF_TRACE_UPROBE_SESSION else "uprobe_multi"
     code = (ct.c_ubyte * 16).from_buffer_copy(bytes.fromhex("b700000000000000" "9500000000000000"))
-    fd = prog_load(BPF_PROG_TYPE_KPROBE, b"convgpu_feature", code, 2, b"GPL", 0, BPF_TRACE_UPROBE_MULTI)
+    fd = prog_load(BPF_PROG_TYPE_KPROBE, b"convgpu_feature", code, 2, b"GPL", 0, attach_type)
     if fd < 0:
         return False, f"program load refused: {os.strerror(ct.get_errno())}"
     try:
         with tempfile.NamedTemporaryFile() as f:
             f.write(bytes(16))
             f.flush()
-            os.close(_link_create(fd, f.name.encode(), 0, False))
-        return True, "uprobe_multi links"
+            os.close(_link_create(fd, f.name.encode(), 0, False, attach_type))
+        return True, f"{what} links"
     except OSError as e:
-        return False, f"uprobe_multi link refused: {e.strerror}"
+        return False, f"{what} link refused: {e.strerror}"
     finally:
         os.close(fd)
 
@@ -222,12 +224,6 @@ def attach_session(b, fn_name: bytes, path: bytes, offset: int) -> int | None:
         b.convgpu_links = []
     b.convgpu_links.append(fd)
     return fd
-
-
-def session_kind(b) -> str:
-    """For status and doctor: how frees are probed."""
-    on = getattr(b, "convgpu_sessions", None)
-    return "uprobe sessions" if on else "entry and return probes"
 
 
 def fds(b) -> list[int]:

@@ -6,6 +6,7 @@ first by its oom_score_adj): the watchdog resumes the container it held, admissi
 line names the OOM kill; nothing is left stopped. Real cgroups (the v1 memory controller here,
 v2 where it has one), real uprobes on the stand-in driver."""
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -159,13 +160,18 @@ def test_near_its_memory_limit_it_enforces_and_an_oom_kill_fails_safe(root, buil
         line = enf.log[-1]
         assert f"enforcer {enf.p.pid} is gone; resumed 1 processes" in line, line
         assert lifted.wait(10)
-        kills = mem.oom_kills()     # the enforcer's alone: its self-test child ended before
-        assert kills == 1 and f"its memory cgroup /{mem.dir.name} counts 1 OOM kill(s)" in line, line
+        # the enforcer's first; under load a second can come before the lift (the dying
+        # enforcer's memory not yet reaped, 2 of 1 in a fresh-clone run at 3 workers), and then
+        # it takes the largest left, the hog
+        kills = mem.oom_kills()
+        said = re.search(rf"its memory cgroup /{re.escape(mem.dir.name)} counts (\d+) OOM kill\(s\)", line)
+        assert said and 1 <= int(said.group(1)) <= kills, line
         assert proc_state(watchdog[0]) != "Z"
         try:
             read_until(hog, "oom")
         except AssertionError as e:
-            raise AssertionError(f"{e}: the hog {hog.wait()} {hog.stderr.read()[-500:]}") from None
+            rc = hog.wait()
+            assert kills >= 2 and rc == -9, f"{e}: the hog {rc} {hog.stderr.read()[-500:]}"
         # nothing stopped: a's allocation ran unchecked once admission went off (fail-open)
         until(lambda: proc_state(a.pid) != "T", 10, "a left stopped")
         lines = read_until(a, "allocated", timeout=20)
