@@ -7,6 +7,7 @@ stay exact either way, and CONVGPU_UPROBE_SESSIONS=off gives the entry and retur
 of kernels without sessions. Each test probes a private copy of the stand-in, so nothing else
 on the host runs its programs."""
 import ctypes as ct
+import select
 import shutil
 import subprocess
 import sys
@@ -51,8 +52,8 @@ class Child:
         self._wait("up")
 
     def _wait(self, word):
-        import select
         line = ""
+
         def got():
             nonlocal line
             self.step()

@@ -5,6 +5,9 @@ granted within a millisecond) was never detached, and the holder polled it every
 rest of its life (on the H100 the enforcer took 3.7-7.5 us of CPU and 0.13-0.2 wake-ups per
 allocation of a workload doing nothing but allocate). In-process enforcer on the stand-in,
 real probes, real cgroups, a two-thread process placed at its first context."""
+import os
+import select
+import sys
 import time
 
 import pytest
@@ -20,7 +23,6 @@ threading.Thread(target=time.sleep, args=(600,), daemon=True).start()   # a sibl
 
 def tracer_of(pid: int) -> int:
     """Any tracer of any of pid's threads (/proc/PID/status tells the main thread's alone)."""
-    import os
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
@@ -39,15 +41,13 @@ def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
     p = None
     try:
         code = CHILD + cuda_prelude(lib) + "print('up', flush=True); sys.stdin.read()\n"
-        p = popen_in(cgroups("holder"), "python3", "-c", code, env=caller_env)
-        import select
+        p = popen_in(cgroups("holder"), sys.executable, "-c", code, env=caller_env)
         until(lambda: (enf.step(), select.select([p.stdout], [], [], 0.01)[0])[1], 30, "the child placed")
         line = p.stdout.readline().strip()
         assert line == "up", (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
         assert enf.holder is not None and enf.holder.seized >= 1, "its stop did not go through the holder"
         t0 = time.monotonic()
-        until(lambda: (enf.step(), tracer_of(p.pid) == 0)[1], 10 * LINGER + 5,
-              f"pid {p.pid} still traced by {tracer_of(p.pid)}")
+        until(lambda: (enf.step(), tracer_of(p.pid) == 0)[1], 10 * LINGER + 5, f"pid {p.pid} still traced")
         assert time.monotonic() - t0 < LINGER + 2
         assert p.pid not in enf.holder.traced
     finally:
