@@ -3,10 +3,9 @@
     python -m bench.breakdown [--standin] [--workload torch|cupy|driver|runtime] [--pairs N]
         [--rounds R] [--sizes 4K,64K,...] [--json FILE]
 
-One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1 making
-tensors of --sizes (default 4 KiB, the microbenchmark's size: larger ones make the driver's own
-time per pair, 90-134 us at 4 KiB-1 MiB on the H100, swamp the steps), CuPy without its pool, or a plain driver-API / runtime-API loop through ctypes; on
---standin the stand-in's driver and runtime) runs a timed block of --pairs allocation+free pairs
+One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1
+making tensors of --sizes, default 4 KiB, CuPy without its pool, or a plain driver-API /
+runtime-API loop through ctypes; on --standin the stand-in's driver and runtime) runs a timed block of --pairs allocation+free pairs
 in each mode, the modes one after another in every round (attach, block, detach), so drift hits
 all alike. The modes add one layer of probes at a time, so that each step's increment is a
 measured cost:
@@ -32,7 +31,11 @@ Beside the workload an unrelated process times a loop of openat+close and one of
 
 Increments are medians over rounds of the differences within a round, the total is the
 median of (enforced - bare); the remainder is what the steps do not add up to. On the H100
-bare itself varies 1.1-2.1 us a call from run to run (FACTS.md): compare within one run."""
+bare itself varies 1.1-2.1 us a call from run to run (FACTS.md): compare within one run. And
+there an alternating pair costs the driver 77-93 us even at 4 KiB (each maps and unmaps device
+pages; bench/alloc_bench.c holds its allocations in batches for that reason), so the steps
+are noise around a few microseconds: the counts and the programs' run times stand, the steps
+do not (docs/BENCHMARKS.md, issue 32)."""
 import argparse
 import contextlib
 import json
