@@ -81,40 +81,23 @@ def attached_as_session(t, symbol) -> bool:
     return next(a.session for lp in t.attached for a in lp.probes if a.probe.symbol == symbol)
 
 
-def test_tracer_frees_take_no_return_trap(root, lib, caller_env):
+@pytest.mark.parametrize("sessions", ["on", "off"])
+def test_tracer_frees(root, lib, caller_env, monkeypatch, sessions):
+    """on: one run per free, at its entry (no return trap); off (or a kernel before 6.13): the
+    entry and the return program, once each per free. The books are exact either way."""
     from convgpu.probes.tracer import Tracer
+    monkeypatch.setenv("CONVGPU_UPROBE_SESSIONS", sessions)
     t = Tracer(libraries=(str(lib),), discover=False, selftest=False).start()
     c = None
     try:
-        assert attached_as_session(t, "cuMemFree_v2")
+        assert attached_as_session(t, "cuMemFree_v2") == (sessions == "on")
         c = Child(lib, caller_env)
+        names = ("sess_cuMemFree_v2", "enter_cuMemFree_v2", "exit_free")
         with bpf_stats.enabled():
-            before = runs(t.b, "sess_cuMemFree_v2", "enter_cuMemFree_v2", "exit_free")
+            before = runs(t.b, *names)
             c.do(f"pairs {PAIRS}")
-            after = runs(t.b, "sess_cuMemFree_v2", "enter_cuMemFree_v2", "exit_free")
-        assert [a - b for a, b in zip(after, before)] == [PAIRS, 0, 0]   # entry only, every free
-        list(t.poll())
-        u = {x.dev: x for x in t.usage() if x.pid == c.p.pid}[0]
-        assert (u.n_alloc, u.n_free, u.live) == (PAIRS, PAIRS, 0)
-    finally:
-        if c:
-            c.close()
-        t.close()
-
-
-def test_without_sessions_frees_take_entry_and_return(root, lib, caller_env, monkeypatch):
-    from convgpu.probes.tracer import Tracer
-    monkeypatch.setenv("CONVGPU_UPROBE_SESSIONS", "off")
-    t = Tracer(libraries=(str(lib),), discover=False, selftest=False).start()
-    c = None
-    try:
-        assert not attached_as_session(t, "cuMemFree_v2")
-        c = Child(lib, caller_env)
-        with bpf_stats.enabled():
-            before = runs(t.b, "enter_cuMemFree_v2", "exit_free", "sess_cuMemFree_v2")
-            c.do(f"pairs {PAIRS}")
-            after = runs(t.b, "enter_cuMemFree_v2", "exit_free", "sess_cuMemFree_v2")
-        assert [a - b for a, b in zip(after, before)] == [PAIRS, PAIRS, 0]
+            after = runs(t.b, *names)
+        assert [a - b for a, b in zip(after, before)] == ([PAIRS, 0, 0] if sessions == "on" else [0, PAIRS, PAIRS])
         list(t.poll())
         u = {x.dev: x for x in t.usage() if x.pid == c.p.pid}[0]
         assert (u.n_alloc, u.n_free, u.live) == (PAIRS, PAIRS, 0)
