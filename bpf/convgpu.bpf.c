@@ -1136,15 +1136,20 @@ static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
 // free_session) the return is then never trapped at all: issue 32, a no-caching framework's
 // free paid a return trap and a program for nothing. It cannot matter while nobody waits (no
 // stalled call can be resumed into the room) and its container keeps room to spare
-// (settle_now). A sibling's allocation admitted while the driver still frees could then land in
-// room still on the card only by asking for more than that spare room.
+// (settle_now), and the block is small: a sibling's allocation admitted while the driver still
+// frees can then overshoot, for the microseconds of a small free, by that block at most, and
+// only by asking for more than the spare room. A block above SETTLE_NOW_MAX always settles at
+// its return: its free takes the driver far longer than a return trap, so sparing the trap
+// saves nothing there, while a container racing its own large free with an allocation could
+// have held both for milliseconds.
 #define SPARE_SHIFT 3       // the spare room: an eighth of the container's assignment...
 #define SPARE_BLOCKS 2      // ...and at least twice the block being freed
+#define SETTLE_NOW_MAX DEV_PAGE
 static __always_inline int settle_now(u32 tgid, struct cg_obj *o, struct cg_control *ctl)
 {
     if (!ctl)                       // tracing only: no limit to keep
         return 1;
-    if (ctl->waiters)
+    if (ctl->waiters || o->size > SETTLE_NOW_MAX)
         return 0;
     u64 key = 0;
     struct cg_cgstate *s = state_of(tgid, o->dev, &key);

@@ -109,8 +109,9 @@ def test_tracer_frees(root, lib, caller_env, monkeypatch, sessions):
 
 def test_enforced_frees_settle_at_return_only_near_the_limit(root, lib, caller_env, cgroups):
     """64 MiB limit, alone on the card (assigned = limit): 4 KiB pairs far from it are settled
-    at their entry; holding 60 MiB (4 MiB left, under the eighth) at their return; the
-    container's books are exact after each phase, down to the byte."""
+    at their entry; holding 60 MiB (4 MiB left, under the eighth) at their return; a 4 MiB
+    block (above the 2 MiB that may settle at entry) at its return however far from the limit;
+    the container's books are exact after each phase, down to the byte."""
     enf = inprocess_enforcer(lib, "session", 64 * MiB).start()
     c = None
     try:
@@ -137,6 +138,10 @@ def test_enforced_frees_settle_at_return_only_near_the_limit(root, lib, caller_e
         assert phase("drop") == 2                      # the 60 MiB free itself leaves 0 of 4 to spare
         assert used() == 0
         assert phase(f"pairs {PAIRS}") == PAIRS        # room again
+        assert used() == 0
+        assert phase(f"hold {4 * MiB}") == 0           # a block above 2 MiB, far from the limit:
+        assert used() == 4 * MiB
+        assert phase("drop") == 2                      # settled at its return all the same
         assert used() == 0
     finally:
         if c:
