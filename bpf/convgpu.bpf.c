@@ -1043,7 +1043,8 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
     }
 }
 
-static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
+// The thread's entry, with this call recorded in it; 0 where nothing was recorded.
+static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 slot = api;
@@ -1077,12 +1078,19 @@ static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
     t->call.reserved = 0;
     t->call.stalled = 0;
     if (!ctl)
-        return 0;
+        return t;
     u64 key = t->quota ? 0 : member_key(id >> 32);  // a thread made before its process was placed
     if (key && !quota_ok(id >> 32, t, key, ctl))
         quota_stop(id, t, api, dev_of(t, 0), key, ctl, !admitted(api));
     else
         admit_call(ctx, id, t, api, ctl);
+    return t;
+}
+
+// (A classic uprobe program's return is not ignored: nonzero would submit a perf sample.)
+static __always_inline int on_enter(struct pt_regs *ctx, u16 api)
+{
+    call_enter(ctx, api);
     return 0;
 }
 
@@ -1262,12 +1270,11 @@ int sess_cuMemFreeAsync_ptsz(struct pt_regs *ctx) { return free_session(ctx, API
 
 #define ENTER(name) int enter_##name(struct pt_regs *ctx) { return on_enter(ctx, API_##name); }
 ENTER(cuMemAlloc_v2) ENTER(cuMemAllocPitch_v2) ENTER(cuMemAllocManaged)
-ENTER(cuMemCreate) ENTER(cuMemRelease) ENTER(cuMemMap) ENTER(cuMemUnmap)
+ENTER(cuMemCreate) ENTER(cuMemMap) ENTER(cuMemUnmap)
 ENTER(cuMemAddressReserve) ENTER(cuMemAddressFree)
 ENTER(cuMemAllocAsync) ENTER(cuMemAllocAsync_ptsz) ENTER(cuMemAllocFromPoolAsync)
 ENTER(cuMemAllocFromPoolAsync_ptsz)
 ENTER(cuArrayCreate_v2) ENTER(cuArray3DCreate_v2) ENTER(cuMipmappedArrayCreate)
-ENTER(cuArrayDestroy) ENTER(cuMipmappedArrayDestroy)
 ENTER(cuDevicePrimaryCtxRetain) ENTER(cuDevicePrimaryCtxRelease_v2)
 ENTER(cuCtxCreate_v2) ENTER(cuCtxCreate_v3) ENTER(cuCtxCreate_v4) ENTER(cuCtxDestroy_v2)
 ENTER(cuMemGetInfo_v2)
@@ -1400,21 +1407,90 @@ int exit_vmm_create(struct pt_regs *ctx)
 }
 
 // CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
-// The bytes stay in use while any mapping of the handle lives.
-int exit_vmm_release(struct pt_regs *ctx)
+// CUresult cuArrayDestroy(CUarray hArray); cuMipmappedArrayDestroy(CUmipmappedArray h)
+// A handle is taken out of `objs` at the entry, as a free's pointer is (free_enter): the driver
+// may give the same handle value to another thread's cuMemCreate (cuArrayCreate) before this
+// call returns, and that create, settled first, is another object. Looked up at the return, as
+// before, the new object was the one released: its bytes left the books while the driver
+// held them. Between the two ends the bytes stay charged. The object rides in the recorded
+// call's spare arguments (a1 size, a2 generation, a3 device and thread, a4 what was done).
+// A handle still mapped is only marked released: its bytes go at the last unmap.
+#define GONE_UNKNOWN 0              // not ours at the entry: nothing is settled at the return
+#define GONE_TAKEN 1                // out of objs: dropped at the return, or put back
+#define GONE_MARKED 2               // mapped: marked released (undone if the call fails)
+#define GONE_AGAIN 3                // mapped and released already
+static __always_inline int handle_enter(struct pt_regs *ctx, u16 api, u32 ns)
 {
-    SETTLE();
-    struct cg_obj_key k = {.tgid = tgid, .ns = NS_VMM, .addr = c.a0};
-    struct cg_obj *o = objs.lookup(&k);
-    if (o && o->gen == p->gen && o->maps > 0) {
+    struct cg_thread *t = call_enter(ctx, api);
+    if (!t)
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    struct cg_proc *p = procs.lookup(&tgid);
+    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = t->call.a0};
+    struct cg_obj *o = p ? objs.lookup(&k) : 0;
+    t->call.a4 = GONE_UNKNOWN;
+    if (!o || o->gen != p->gen)
+        return 0;
+    if (o->maps > 0) {
+        t->call.a4 = o->released ? GONE_AGAIN : GONE_MARKED;
         o->released = 1;
-        emit(id, c.api, OP_FREE, EF_DEFERRED, o->dev, c.a0, 0, 0, 0);
-    } else {
-        obj_free(id, p, c.api, NS_VMM, c.a0);
+        return 0;
     }
-    release(&c);
+    struct cg_obj gone = *o;
+    if (obj_del(&k, gone.quota) != 0)   // a racing release of the same handle took it first
+        return 0;
+    t->call.a1 = gone.size;
+    t->call.a2 = gone.gen;
+    t->call.a3 = ((u64)(u32)gone.dev << 32) | gone.tid;
+    t->call.a4 = GONE_TAKEN;
     return 0;
 }
+int enter_cuMemRelease(struct pt_regs *ctx) { return handle_enter(ctx, API_cuMemRelease, NS_VMM); }
+int enter_cuArrayDestroy(struct pt_regs *ctx) { return handle_enter(ctx, API_cuArrayDestroy, NS_ARRAY); }
+int enter_cuMipmappedArrayDestroy(struct pt_regs *ctx)
+{
+    return handle_enter(ctx, API_cuMipmappedArrayDestroy, NS_ARRAY);
+}
+
+static __always_inline int handle_return(struct pt_regs *ctx, u32 ns)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct cg_call c = {};
+    s32 dev = 0;
+    struct cg_proc *p = settle(ctx, id, &c, &dev);   // NULL: failed (c is the call all the same)
+    release(&c);
+    if (!c.api)
+        return 0;
+    u32 tgid = id >> 32;
+    int failed = (u32)PT_REGS_RC(ctx) != 0;
+    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = c.a0};
+    if (c.a4 == GONE_TAKEN) {
+        struct cg_obj o = {.size = c.a1, .gen = c.a2, .dev = (s32)(c.a3 >> 32), .tid = (u32)c.a3,
+                           .api = c.api};
+        struct cg_proc *q = p ? p : procs.lookup(&tgid);
+        if (!q || q->gen != o.gen)
+            return 0;
+        if (failed) {
+            struct cg_obj was = {};
+            obj_put(&k, &o, q, &was);   // unrecorded: its bytes stay charged until the process exits
+        } else {
+            bytes_gone(id, q, c.api, &o, c.a0, 1);
+        }
+    } else if (c.a4 == GONE_MARKED) {
+        struct cg_obj *o = objs.lookup(&k);
+        if (failed && o && o->released)
+            o->released = 0;
+        else if (!failed && o)
+            emit(id, c.api, OP_FREE, EF_DEFERRED, o->dev, c.a0, 0, 0, 0);
+    } else if (c.a4 == GONE_UNKNOWN && p) {
+        stat_inc(ST_UNKNOWN_FREE);
+        emit(id, c.api, OP_FREE, EF_UNKNOWN, current_dev(id, p), c.a0, 0, 0, 0);
+    }
+    return 0;
+}
+int exit_vmm_release(struct pt_regs *ctx) { return handle_return(ctx, NS_VMM); }
+int exit_array_destroy(struct pt_regs *ctx) { return handle_return(ctx, NS_ARRAY); }
 
 // CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 //                   CUmemGenericAllocationHandle handle, unsigned long long flags)
@@ -1491,15 +1567,6 @@ int exit_array(struct pt_regs *ctx)
     SETTLE();
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     obj_add(id, p, c.api, NS_ARRAY, v, array_bytes(c.api, c.a1, (u32)c.a2), dev, EF_ESTIMATE);
-    release(&c);
-    return 0;
-}
-
-// CUresult cuArrayDestroy(CUarray hArray); cuMipmappedArrayDestroy(CUmipmappedArray h)
-int exit_array_destroy(struct pt_regs *ctx)
-{
-    SETTLE();
-    obj_free(id, p, c.api, NS_ARRAY, c.a0);
     release(&c);
     return 0;
 }

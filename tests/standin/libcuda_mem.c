@@ -55,6 +55,20 @@ static CUresult do_alloc(CUdeviceptr *dptr, uint64_t bytes, int dev)
     return CUDA_SUCCESS;
 }
 
+static uintptr_t g_handles = 0x4000; /* handle values given out (under tab_lock) */
+static uintptr_t g_reused_handle;     /* one released: the next to give out again */
+
+/* CONVGPU_STANDIN_FREE_RETURN_MS: the bytes are back, the call not yet: its address (handle)
+ * can be taken again meanwhile */
+static void free_returning(void)
+{
+    if (g_free_return_ms) {
+        struct timespec ts = {.tv_sec = g_free_return_ms / 1000, .tv_nsec = (g_free_return_ms % 1000) * 1000000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
+}
+
 static CUresult do_free(CUdeviceptr dptr)
 {
     tab_lock();
@@ -70,11 +84,7 @@ static CUresult do_free(CUdeviceptr dptr)
     munmap((void *)o->key, o->size);
     acct_uncharge(o->dev, o->size);
     free(o);
-    if (g_free_return_ms) {   /* the bytes are back, the call not yet: its address can be taken again */
-        struct timespec ts = {.tv_sec = g_free_return_ms / 1000, .tv_nsec = (g_free_return_ms % 1000) * 1000000};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-            ;
-    }
+    free_returning();
     return CUDA_SUCCESS;
 }
 
@@ -286,11 +296,14 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         acct_uncharge(dev, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    o->key = (uintptr_t)o;
     o->kind = K_HANDLE;
     o->dev = dev;
     o->size = size;
     tab_lock();
+    /* the value of the last handle released is given out again, as a driver may: a release
+     * still returning on another thread when its value comes back is a race to settle right */
+    o->key = g_reused_handle ? g_reused_handle : ++g_handles;
+    g_reused_handle = 0;
     tab_insert(o);
     tab_unlock();
     *handle = (CUmemGenericAllocationHandle)o->key;
@@ -310,10 +323,13 @@ API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     h->released = 1;
     if (h->mapcount == 0) /* else the last cuMemUnmap frees it */
         dead = tab_remove(h->key, K_HANDLE);
+    if (dead)
+        g_reused_handle = dead->key;
     tab_unlock();
     if (dead) {
         acct_uncharge(dead->dev, dead->size);
         free(dead);
+        free_returning();   /* the value is free to come back before this call returns */
     }
     return CUDA_SUCCESS;
 }

@@ -218,6 +218,36 @@ def test_recheck_sits_on_the_emulated_push_r12_like_the_driver(build):
     assert c.ok and c.detail.endswith(f"+4 emulated: {len(ADMITTED)} symbol(s)"), c
 
 
+VMM_LINES = (   # cuMemCreate's CUmemAllocationProp: pinned, on device 0 (location at offset 8)
+    "prop=(ctypes.c_int*16)(); prop[0]=1; prop[2]=1; prop[3]=0\n"
+    "def create(n):\n"
+    "    h=ctypes.c_uint64(); assert cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(n), prop, ctypes.c_ulonglong(0)) == 0; return h.value\n")
+
+
+def test_a_handle_given_out_again_before_its_release_returns_is_the_new_object(tracer, build, caller_env):
+    """The same race for VMM handles: thread A's cuMemRelease of H has given the memory back
+    but not yet returned (CONVGPU_STANDIN_FREE_RETURN_MS; the stand-in gives the last released
+    handle value out again, as a driver may) when the main thread's cuMemCreate gets H. That
+    object's 64 MiB stay counted after A's release returns. Before, the release's return
+    looked H up then and released the new object: its bytes left the books while held."""
+    code = (cuda_prelude(build / "standin" / "libcuda.so.1") + VMM_LINES +
+            "import threading, time\n"
+            "x=create(64<<20); go=threading.Event()\n"
+            "t=threading.Thread(target=lambda: (cu.cuCtxSetCurrent(c), go.wait(), cu.cuMemRelease(ctypes.c_uint64(x)))); t.start()\n"
+            "go.set(); time.sleep(0.3); y=create(64<<20); t.join()\n"
+            "print('ready', x == y, flush=True); input()")
+    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="1000")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().split() == ["ready", "True"]     # the same handle, again
+        assert usage_of(tracer, p.pid)[0].live == 64 * MiB
+        frees = [e for e in events_of(tracer, p.pid) if e.op == "free"]
+        assert [(e.api, e.size) for e in frees] == [("cuMemRelease", 64 * MiB)]   # x's object, once
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_an_address_taken_again_before_the_free_returns_is_the_new_block(tracer, build, caller_env):
     """The driver gives a freed address out again before the free returns: thread A's free of X
     is still running (CONVGPU_STANDIN_FREE_RETURN_MS) when the main thread allocates the same
