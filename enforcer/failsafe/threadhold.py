@@ -51,8 +51,7 @@ PTRACE_O_TRACECLONE = 0x8
 PTRACE_EVENT_CLONE, PTRACE_EVENT_STOP = 3, 128
 WALL = 0x40000000            # __WALL: clone children (threads) too
 STOPSIGS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
-POLL = 0.0005                # s between waitpid rounds while anything is traced and moving,
-POLL_MAX = 0.016             # doubling to this while nothing is (a seized process only lingering)
+POLL = 0.0005                # s between waitpid rounds while anything is traced
 LINGER = 0.5                 # s a process stays seized after its last hold (seizing again costs)
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
@@ -160,17 +159,9 @@ class ThreadHolder:
     # ---- the ptrace thread ----
     def _run(self):
         closing = False
-        quiet = 0   # rounds in a row with no command and no tracee's stop
         while True:
-            # A hold or release wakes this at once (the queue); only a tracee's own stop (a
-            # clone, a signal, the stops of a detach) waits for the next round. Polling every
-            # POLL for the LINGER of each seized process was about 2,000 wake-ups a second
-            # (issue 32, the H100's breakdown), so a quiet round doubles the wait, to POLL_MAX.
-            wait = min(POLL * (1 << min(quiet, 6)), POLL_MAX) if self._procs else 0.5
-            moved = False
             try:
-                cmd = self._q.get(timeout=wait)
-                moved = True
+                cmd = self._q.get(timeout=POLL if self._procs else 0.5)
                 while True:
                     closing = self._command(*cmd) or closing
                     cmd = self._q.get_nowait()
@@ -178,8 +169,8 @@ class ThreadHolder:
                 pass
             except Exception:   # never let the thread die with threads held
                 log.exception("ptrace holder")
-            moved = self._reap() | self._linger(closing) | moved
-            quiet = 0 if moved else quiet + 1
+            self._reap()
+            self._linger(closing)
             if closing and not self._procs:
                 return
 
@@ -311,19 +302,15 @@ class ThreadHolder:
         p.detaching = False
         return True
 
-    def _reap(self) -> bool:
-        """Whether any tracee stopped or exited."""
-        moved = False
+    def _reap(self):
         for pid, p in list(self._procs.items()):
             for tid in list(p.tids):
                 st = _wait(tid)
                 if st is not None:
-                    moved = True
                     self._on_stop(pid, p, tid, st)
             if not p.tids:
                 del self._procs[pid]
                 self.traced.discard(pid)
-        return moved
 
     def _on_stop(self, pid: int, p: _Proc, tid: int, st: int):
         log.debug("pid %d thread %d: status %#x held %s", pid, tid, st, p.held)
@@ -366,19 +353,17 @@ class ThreadHolder:
         else:
             ptrace(PTRACE_CONT, tid, 0, sig)
 
-    def _linger(self, closing: bool) -> bool:
-        """Whether a detach began (its stops come next)."""
-        now, began = time.monotonic(), False
+    def _linger(self, closing: bool):
+        now = time.monotonic()
         for pid, p in self._procs.items():
             if p.detaching or p.held or not p.idle_since:
                 continue
             if any(self.held_seq(pid, t) is not None for t in p.tids):
                 continue   # a stop released but not yet past its recheck, or one on its way
             if closing or now - p.idle_since >= LINGER:
-                p.detaching = began = True
+                p.detaching = True
                 for t in p.tids:
                     ptrace(PTRACE_INTERRUPT, t)   # DETACH needs a ptrace-stop: at its trap
-        return began
 
 
 def _wait(tid: int) -> int | None:
