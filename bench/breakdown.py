@@ -48,6 +48,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 from convgpu.paths import build_dir
 from convgpu.units import parse_size
@@ -192,6 +193,8 @@ def measure(mode: str, w: Workload, a, libs: tuple, bystander_n: int) -> dict:
                 counted["events"] += sum(1 for e in tracer.poll() if e.pid == w.pid)
         w.block(max(1, a.pairs // 10), consume)   # warm: the enforcer places the workload here
         consume()
+        if mode == "enforced":
+            out_of_holder(w.pid)
         counted.update(events=0, wakeups=0)
         owner = pids[0] if pids else None
         s0 = bpf_stats.snapshot(owner) if owner else {}
@@ -222,6 +225,27 @@ def measure(mode: str, w: Workload, a, libs: tuple, bystander_n: int) -> dict:
                                            "switches_per_pair": (e1[3].get(k, [0, 0])[1] - e0[3].get(k, [0, 0])[1]) / a.pairs}
                                        for k in e0[3].keys() | e1[3].keys()}}   # a thread gone: its share negative, as in the total
     return out
+
+
+def out_of_holder(pid: int, timeout: float = 10.0) -> None:
+    """Waits until no thread of pid is ptrace-seized. A workload with threads of its own (any
+    CUDA process: the driver's) is seized by the enforcer's holder at its placement stop and let
+    go 0.5 s after (enforcer/failsafe/threadhold.py LINGER), polled every 0.5 ms meanwhile: a block
+    measured inside that linger counted its ~2,000 wake-ups a second as the enforcer's cost per
+    pair (the H100, 2026-11-27: 12 us of CPU a pair, against 0.2-0.8 us of steady state)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        traced = False
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    traced = traced or any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in f)
+            except OSError:
+                continue
+        if not traced:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the workload (pid {pid}) is still ptrace-seized {timeout:.0f} s after its placement")
 
 
 def layer_of(prog: str) -> str:
