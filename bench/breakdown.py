@@ -232,20 +232,13 @@ def out_of_holder(pid: int, timeout: float = 10.0) -> None:
     CUDA process: the driver's) is seized by the enforcer's holder at its placement stop and let
     go 0.5 s after (enforcer/failsafe/threadhold.py LINGER), polled every 0.5 ms meanwhile: a block
     measured inside that linger counted its ~2,000 wake-ups a second as the enforcer's cost per
-    pair (the H100, 2026-11-27: 12 us of CPU a pair, against 0.2-0.8 us of steady state)."""
+    pair (the H100, 2026-11-27: 12 us of CPU a pair, against 0.5 us in steady state on the H200)."""
+    from bench.e2e_modes import traced
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        traced = False
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    traced = traced or any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in f)
-            except OSError:
-                continue
-        if not traced:
-            return
+    while traced(pid):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the workload (pid {pid}) is still ptrace-seized {timeout:.0f} s after its placement")
         time.sleep(0.05)
-    raise SystemExit(f"the workload (pid {pid}) is still ptrace-seized {timeout:.0f} s after its placement")
 
 
 def layer_of(prog: str) -> str:

@@ -31,7 +31,7 @@ import threading
 import time
 
 from bench import e2e_stats
-from bench.e2e_modes import Control, Hooks, Mode
+from bench.e2e_modes import Control, Hooks, Mode, traced
 from bench.machine import machine
 
 BENCH_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,6 +134,7 @@ def toggled(a, w: Workload, control: Control, libs: tuple, deadline: float, bloc
             start = time.monotonic_ns() + settle
             time.sleep(a.settle + a.block)
             stop = time.monotonic_ns()
+            seized = traced(w.pid)   # still held by the enforcer's ptrace holder, long after its linger
             t1 = time.monotonic()
         finally:   # also on SIGTERM or an error: no enforcer or tracer outlives the harness
             m.stop()
@@ -145,7 +146,8 @@ def toggled(a, w: Workload, control: Control, libs: tuple, deadline: float, bloc
             print(f"the workload was left stopped after {mode}: SIGCONT", file=sys.stderr, flush=True)
             os.kill(w.pid, signal.SIGCONT)
             m.info["left_stopped"] = True
-        b = block_of(w, mode, start, stop, ready_s=ready_s, off_s=off_s, detach_wait_s=gone_s, **m.info)
+        b = block_of(w, mode, start, stop, ready_s=ready_s, off_s=off_s, detach_wait_s=gone_s,
+                     traced_at_stop=seized, **m.info)
         if mode == "delay":
             b["delay_ns"] = delay_ns
         if mode == "probed":
@@ -154,7 +156,8 @@ def toggled(a, w: Workload, control: Control, libs: tuple, deadline: float, bloc
         (dropped if b.get("dropped") else blocks).append(b)
         if not b.get("dropped"):
             print(f"{len(blocks):3d} {mode:>9} {b['steps']:6d} steps, median {b['median_ns'] / 1e6:.4f} ms, "
-                  f"ready {ready_s:.2f} s, off {off_s:.2f} s", file=sys.stderr, flush=True)
+                  f"ready {ready_s:.2f} s, off {off_s:.2f} s{', ptrace-seized at its end' if seized else ''}",
+                  file=sys.stderr, flush=True)
         a.save(blocks, dropped)
 
 

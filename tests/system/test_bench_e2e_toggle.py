@@ -85,6 +85,8 @@ def test_toggled_modes_recover_an_injected_delay_and_count_the_running_process(r
     p = blocks[1]
     assert p["traced_allocs"] > 0 and p["traced_allocs"] == pytest.approx(p["own_allocs"], rel=0.05)
     assert p["ready_s"] > 0 and p["off_s"] > 0
+    # a single-threaded workload: never seized by an enforcer's holder (the flag a GPU run reads)
+    assert [b["traced_at_stop"] for b in blocks] == [False] * len(blocks)
     # the method recovers the truth: the delay's interval contains it, in ratio and in us
     # (the 99.9 % interval, recomputed from the blocks: a test on the 95 % one fails 1 run in 20
     # by construction), and the 95 % interval excludes 1: the delay was seen
