@@ -198,6 +198,15 @@ class Caller:
         return self.p.wait(timeout=30)
 
 
+@pytest.fixture
+def private_copy(build, tmp_path):
+    """A copy of the stand-in driver: a new inode nobody has probed."""
+    d = tmp_path / "drv"
+    d.mkdir()
+    shutil.copy(build / "standin" / "libcuda.so.1", d / "libcuda.so.1")
+    return d / "libcuda.so.1"
+
+
 @pytest.fixture(scope="session")
 def caller_env(build):
     env = dict(os.environ)
