@@ -218,6 +218,21 @@ def test_recheck_sits_on_the_emulated_push_r12_like_the_driver(build):
     assert c.ok and c.detail.endswith(f"+4 emulated: {len(ADMITTED)} symbol(s)"), c
 
 
+def taken_again(tracer, code, caller_env, frees):
+    """Runs `code`, whose thread frees X while the driver holds the free's return for 1 s
+    (CONVGPU_STANDIN_FREE_RETURN_MS) and whose main thread meanwhile gets X again: the new
+    object stays counted, and the frees seen are `frees` [(api, bytes)]."""
+    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="1000")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().split() == ["ready", "True"]     # the same address or handle, again
+        assert usage_of(tracer, p.pid)[0].live == frees[0][1]
+        assert [(e.api, e.size) for e in events_of(tracer, p.pid) if e.op == "free"] == frees
+    finally:
+        p.kill()
+        p.wait()
+
+
 VMM_LINES = (   # cuMemCreate's CUmemAllocationProp: pinned, on device 0 (location at offset 8)
     "prop=(ctypes.c_int*16)(); prop[0]=1; prop[2]=1; prop[3]=0\n"
     "def create(n):\n"
@@ -236,16 +251,7 @@ def test_a_handle_given_out_again_before_its_release_returns_is_the_new_object(t
             "t=threading.Thread(target=lambda: (cu.cuCtxSetCurrent(c), go.wait(), cu.cuMemRelease(ctypes.c_uint64(x)))); t.start()\n"
             "go.set(); time.sleep(0.3); y=create(64<<20); t.join()\n"
             "print('ready', x == y, flush=True); input()")
-    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="1000")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert p.stdout.readline().split() == ["ready", "True"]     # the same handle, again
-        assert usage_of(tracer, p.pid)[0].live == 64 * MiB
-        frees = [e for e in events_of(tracer, p.pid) if e.op == "free"]
-        assert [(e.api, e.size) for e in frees] == [("cuMemRelease", 64 * MiB)]   # x's object, once
-    finally:
-        p.kill()
-        p.wait()
+    taken_again(tracer, code, caller_env, [("cuMemRelease", 64 * MiB)])   # x's object, once
 
 
 def test_an_address_taken_again_before_the_free_returns_is_the_new_block(tracer, build, caller_env):
@@ -261,13 +267,4 @@ def test_an_address_taken_again_before_the_free_returns_is_the_new_block(tracer,
             "cu.cuMemAlloc_v2(ctypes.byref(x), ctypes.c_size_t(128<<20)); go.set(); time.sleep(0.3)\n"
             "y=ctypes.c_uint64(); cu.cuMemAlloc_v2(ctypes.byref(y), ctypes.c_size_t(128<<20)); t.join()\n"
             "print('ready', x.value == y.value, flush=True); input()")
-    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="1000")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert p.stdout.readline().split() == ["ready", "True"]     # the same address, again
-        assert usage_of(tracer, p.pid)[0].live == 128 * MiB
-        frees = [e for e in events_of(tracer, p.pid) if e.op == "free"]
-        assert [e.size for e in frees] == [128 * MiB]                 # X's first block, once
-    finally:
-        p.kill()
-        p.wait()
+    taken_again(tracer, code, caller_env, [("cuMemFree_v2", 128 * MiB)])   # X's first block, once
