@@ -18,6 +18,7 @@ POINTS = ("place", "grant", "resume", "save", "held", "ack")   # core/faults.py'
 class Setup:
     lib: str                       # the libcuda.so.1 the enforcer probes
     turns: str                     # build/turns: threads that allocate, hold and free, in rounds
+                                   # (every other process of a container with VMM handles: -v)
     env: dict                      # the workload's environment (which driver, the stand-in's settings)
     counts: object                 # () -> {(pid, gpu): bytes}: the driver's own per-process counts
     containers: int = 3            # at once; as one finishes, a new one starts (while kills remain)
@@ -185,7 +186,10 @@ class Job:
     def __init__(self, s: Setup, kind: str, name: str, run_dir: str, base: str):
         self.kind, self.name, self.limit = kind, name, s.limit
         turns = f"{s.turns} -t {s.threads} -r {s.rounds} -s {s.size} -h {s.hold_ms}"
-        script = "echo started; " + " ".join(f"{turns} & p{i}=$!;" for i in range(s.procs)) + " rc=0; " + \
+        # every other process takes VMM handles (cuMemCreate/cuMemRelease), the others pointers:
+        # the stand-in gives a released handle's value out again, so its releases race creates
+        script = "echo started; " + " ".join(f"{turns}{' -v' if i % 2 else ''} & p{i}=$!;" for i in range(s.procs)) + \
+            " rc=0; " + \
             " ".join(f"wait $p{i} || rc=$?;" for i in range(s.procs)) + " exit $rc"
         if kind == "run":
             self.p = subprocess.Popen([*python_argv(), "run", "--limit", str(s.limit), "--name", name, "--run-dir", run_dir,

@@ -56,14 +56,14 @@ struct cg_thread {                  // one entry per thread that ever called CUD
                                     // anyone): what no sibling thread can give back for it
     struct cg_call call;            // kept here, not in a map of its own: one hash lookup
                                     // at entry and one at return (probe cost, FACTS.md)
-    u64 freeing;                    // a free in the driver: its pointer (0: none), apart from
-    u16 free_api;                   // `call`, so that a free inside another call loses nothing
-    u16 pad3;
-    u32 free_tid;                   // the freed object, out of `objs` from the free's entry to
-    u64 free_size;                  //   its return (free_enter): what exit_free settles
-    u64 free_gen;
-    s32 free_dev;
-    u32 pad4;
+    u64 freeing;                    // a free in the driver: its pointer or handle (0: none),
+    u16 free_api;                   // apart from `call`, so that a free inside another call
+    u16 pad3;                       // loses nothing, and a second program at the same entry
+    u32 free_tid;                   // (two enforcers' during a take-over) cannot overwrite it
+    u64 free_size;                  // the freed object, out of `objs` from the free's entry to
+    u64 free_gen;                   //   its return (free_enter, handle_enter): what the return
+    s32 free_dev;                   //   settles
+    u32 free_how;                   // STASH_*: what the entry did
 };
 
 // The enforcer pins the state (accounting, calls in flight, containers) under PIN_DIR: its
@@ -1172,6 +1172,21 @@ static __always_inline int settle_now(u32 tgid, struct cg_obj *o, struct cg_cont
     return taken + spare <= a->assigned;
 }
 
+// What a free's or a release's entry did with its object (cg_thread.free_how).
+#define STASH_FREE 1                // a pointer's block, out of objs: settled at the return
+#define STASH_TAKEN 2               // a handle's object, out of objs: dropped at the return, or put back
+#define STASH_MARKED 3              // a handle still mapped, marked released (undone if the call fails)
+static __always_inline void stash(struct cg_thread *t, u64 key, u16 api, struct cg_obj *o, u32 how)
+{
+    t->freeing = key;
+    t->free_api = api;
+    t->free_tid = o->tid;
+    t->free_size = o->size;
+    t->free_gen = o->gen;
+    t->free_dev = o->dev;
+    t->free_how = how;
+}
+
 // session: the program is a uprobe session's (free_session): 1 asks the kernel to skip the
 // return (settled here), 0 to run this program again there.
 static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
@@ -1210,12 +1225,7 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
     struct cg_obj gone = *o;
     if (obj_del(&k, gone.quota) != 0)   // a racing free of the same pointer took it first
         return 1;
-    t->freeing = addr;
-    t->free_api = api;
-    t->free_tid = gone.tid;
-    t->free_size = gone.size;
-    t->free_gen = gone.gen;
-    t->free_dev = gone.dev;
+    stash(t, addr, api, &gone, STASH_FREE);
     struct cg_usage *u = find_usage(tgid, gone.dev, p->gen);
     if (u)                          // moving: NVML's measurement waits (Tracer.calls_in_flight)
         u->last_ns = bpf_ktime_get_ns();
@@ -1229,7 +1239,7 @@ static __always_inline int free_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
-    if (!t || !t->freeing || retired())
+    if (!t || !t->freeing || t->free_how != STASH_FREE || retired())
         return 0;
     u64 addr = t->freeing;
     u16 api = t->free_api;
@@ -1412,13 +1422,11 @@ int exit_vmm_create(struct pt_regs *ctx)
 // may give the same handle value to another thread's cuMemCreate (cuArrayCreate) before this
 // call returns, and that create, settled first, is another object. Looked up at the return, as
 // before, the new object was the one released: its bytes left the books while the driver
-// held them. Between the two ends the bytes stay charged. The object rides in the recorded
-// call's spare arguments (a1 size, a2 generation, a3 device and thread, a4 what was done).
-// A handle still mapped is only marked released: its bytes go at the last unmap.
-#define GONE_UNKNOWN 0              // not ours at the entry: nothing is settled at the return
-#define GONE_TAKEN 1                // out of objs: dropped at the return, or put back
-#define GONE_MARKED 2               // mapped: marked released (undone if the call fails)
-#define GONE_AGAIN 3                // mapped and released already
+// held them. Between the two ends the bytes stay charged. The object waits in the thread's
+// free slot (stash), not in the call's spare arguments: while two enforcers' programs both
+// act at an entry (a take-over), the second one's record of the call overwrote those, and the
+// return found nothing to settle (the kill -9 torture with VMM jobs: books over the driver's
+// count for good). A handle still mapped is only marked released: its bytes go at the last unmap.
 static __always_inline int handle_enter(struct pt_regs *ctx, u16 api, u32 ns)
 {
     struct cg_thread *t = call_enter(ctx, api);
@@ -1427,23 +1435,21 @@ static __always_inline int handle_enter(struct pt_regs *ctx, u16 api, u32 ns)
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     struct cg_proc *p = procs.lookup(&tgid);
-    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = t->call.a0};
+    u64 handle = t->call.a0;
+    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = handle};
     struct cg_obj *o = p ? objs.lookup(&k) : 0;
-    t->call.a4 = GONE_UNKNOWN;
-    if (!o || o->gen != p->gen)
+    if (!o || o->gen != p->gen)     // not ours (or another program at this entry took it first)
         return 0;
     if (o->maps > 0) {
-        t->call.a4 = o->released ? GONE_AGAIN : GONE_MARKED;
-        o->released = 1;
+        if (!o->released) {
+            o->released = 1;
+            stash(t, handle, api, o, STASH_MARKED);
+        }
         return 0;
     }
     struct cg_obj gone = *o;
-    if (obj_del(&k, gone.quota) != 0)   // a racing release of the same handle took it first
-        return 0;
-    t->call.a1 = gone.size;
-    t->call.a2 = gone.gen;
-    t->call.a3 = ((u64)(u32)gone.dev << 32) | gone.tid;
-    t->call.a4 = GONE_TAKEN;
+    if (obj_del(&k, gone.quota) == 0)   // else a racing release of the same handle took it first
+        stash(t, handle, api, &gone, STASH_TAKEN);
     return 0;
 }
 int enter_cuMemRelease(struct pt_regs *ctx) { return handle_enter(ctx, API_cuMemRelease, NS_VMM); }
@@ -1463,11 +1469,20 @@ static __always_inline int handle_return(struct pt_regs *ctx, u32 ns)
     if (!c.api)
         return 0;
     u32 tgid = id >> 32;
+    struct cg_thread *t = threads.lookup(&id);
+    u32 how = 0;
+    struct cg_obj o = {.api = c.api};
+    if (t && (t->free_how == STASH_TAKEN || t->free_how == STASH_MARKED)) {
+        if (t->freeing == c.a0 && t->free_api == c.api) {   // this call's (else one whose return was lost)
+            how = t->free_how;
+            o.size = t->free_size, o.gen = t->free_gen, o.dev = t->free_dev, o.tid = t->free_tid;
+        }
+        t->freeing = 0;
+        t->free_how = 0;
+    }
     int failed = (u32)PT_REGS_RC(ctx) != 0;
     struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = c.a0};
-    if (c.a4 == GONE_TAKEN) {
-        struct cg_obj o = {.size = c.a1, .gen = c.a2, .dev = (s32)(c.a3 >> 32), .tid = (u32)c.a3,
-                           .api = c.api};
+    if (how == STASH_TAKEN) {
         struct cg_proc *q = p ? p : procs.lookup(&tgid);
         if (!q || q->gen != o.gen)
             return 0;
@@ -1477,13 +1492,13 @@ static __always_inline int handle_return(struct pt_regs *ctx, u32 ns)
         } else {
             bytes_gone(id, q, c.api, &o, c.a0, 1);
         }
-    } else if (c.a4 == GONE_MARKED) {
-        struct cg_obj *o = objs.lookup(&k);
-        if (failed && o && o->released)
-            o->released = 0;
-        else if (!failed && o)
-            emit(id, c.api, OP_FREE, EF_DEFERRED, o->dev, c.a0, 0, 0, 0);
-    } else if (c.a4 == GONE_UNKNOWN && p) {
+    } else if (how == STASH_MARKED) {
+        struct cg_obj *m = objs.lookup(&k);
+        if (failed && m && m->released)
+            m->released = 0;
+        else if (!failed && m)
+            emit(id, c.api, OP_FREE, EF_DEFERRED, m->dev, c.a0, 0, 0, 0);
+    } else if (p && !failed) {      // not ours at the entry: nothing to settle
         stat_inc(ST_UNKNOWN_FREE);
         emit(id, c.api, OP_FREE, EF_UNKNOWN, current_dev(id, p), c.a0, 0, 0, 0);
     }

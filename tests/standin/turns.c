@@ -10,7 +10,9 @@
  * -w MS: wait that long after the context, before the threads start (a framework's start-up:
  * CuPy's on the H100 takes long enough that four processes started together all make their
  * contexts before any allocates).
- * usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS]
+ * -v: VMM physical memory instead, cuMemCreate and cuMemRelease (expandable segments, NCCL):
+ * a handle's value may be given out again while another thread's release still returns.
+ * usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS] [-v]
  * stdout: "done ALLOCS BYTES pid=PID" once every thread finished; exit 0.
  * Unexpected CUresult: "error API CODE" on stderr, exit status 2.
  * Linked against "libcuda.so.1" by name: the stand-in here, the real driver on a GPU host.
@@ -24,7 +26,7 @@
 
 #include "cuda_min.h"
 
-static int threads = 8, rounds = 3, per = 1, lockstep;
+static int threads = 8, rounds = 3, per = 1, lockstep, vmm;
 static pthread_barrier_t step;
 static uint64_t size = 256ull << 20;
 static long hold_ms = 500, wait_ms;
@@ -52,6 +54,30 @@ static uint64_t parse_size(const char *s)
     }
 }
 
+/* size bytes: a pointer (cuMemAlloc_v2), or with -v a VMM handle (cuMemCreate, on device 0) */
+static void get(CUdeviceptr *p)
+{
+    if (!vmm) {
+        check("cuMemAlloc_v2", cuMemAlloc_v2(p, size));
+        return;
+    }
+    CUmemAllocationProp prop = {0};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h;
+    check("cuMemCreate", cuMemCreate(&h, size, &prop, 0));
+    *p = (CUdeviceptr)h;
+}
+
+static void put(CUdeviceptr p)
+{
+    if (vmm)
+        check("cuMemRelease", cuMemRelease((CUmemGenericAllocationHandle)p));
+    else
+        check("cuMemFree_v2", cuMemFree_v2(p));
+}
+
 static void *run(void *arg)
 {
     (void)arg;
@@ -59,13 +85,13 @@ static void *run(void *arg)
     for (int i = 0; i < rounds; i++) {
         CUdeviceptr p[64];
         for (int j = 0; j < per; j++) {
-            check("cuMemAlloc_v2", cuMemAlloc_v2(&p[j], size));
+            get(&p[j]);
             if (lockstep)
                 pthread_barrier_wait(&step);
         }
         usleep((useconds_t)hold_ms * 1000);
         for (int j = 0; j < per; j++)
-            check("cuMemFree_v2", cuMemFree_v2(p[j]));
+            put(p[j]);
         pthread_mutex_lock(&mu);
         allocs += per, bytes += size * per;
         pthread_mutex_unlock(&mu);
@@ -76,7 +102,7 @@ static void *run(void *arg)
 int main(int argc, char **argv)
 {
     int c;
-    while ((c = getopt(argc, argv, "t:r:n:s:h:bw:")) != -1) {
+    while ((c = getopt(argc, argv, "t:r:n:s:h:bw:v")) != -1) {
         switch (c) {
         case 't': threads = atoi(optarg); break;
         case 'r': rounds = atoi(optarg); break;
@@ -85,8 +111,9 @@ int main(int argc, char **argv)
         case 'n': per = atoi(optarg); break;
         case 'b': lockstep = 1; break;
         case 'w': wait_ms = atol(optarg); break;
+        case 'v': vmm = 1; break;
         default:
-            fprintf(stderr, "usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS]\n");
+            fprintf(stderr, "usage: turns [-t THREADS] [-r ROUNDS] [-n N] [-s SIZE] [-h HOLD_MS] [-b] [-w MS] [-v]\n");
             return 1;
         }
     }
