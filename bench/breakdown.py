@@ -62,6 +62,29 @@ BPF_MAP_GET_FD_BY_ID = 14
 TRAPPED = {"cuda": (b"cuMemAlloc_v2", b"cuMemFree_v2"), "cudart": (b"cudaMalloc", b"cudaFree")}
 SIZES = (4096,)   # cycled; bench.breakdown --sizes 4K,16K,64K,256K,1M for a framework's mix
 
+def workload_env(standin: bool, cudart: str | None = None) -> tuple[dict, str, str | None, str | None]:
+    """(environment, libcuda, libcudart, the stand-in's copy to remove or None) for a Workload:
+    the host's driver, or a copy of the stand-in of its own (uprobes are per inode: a test or
+    helper probing the build's stand-in would otherwise hook, and count, this workload too)."""
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    copy = None
+    if standin:
+        copy = tempfile.mkdtemp(prefix="convgpu-workload-")
+        shutil.copytree(build_dir() / "standin", copy, symlinks=True, dirs_exist_ok=True)
+        env["LD_LIBRARY_PATH"] = copy
+        libcuda = os.path.join(copy, "libcuda.so.1")
+        cudart = cudart or os.path.join(copy, "libcudart.so.13")
+    else:
+        from convgpu.probes.libs import system_drivers
+        from bench.probe_latency import find_cudart
+        libcuda = os.path.realpath((system_drivers() or ["libcuda.so.1"])[0])
+        cudart = cudart or find_cudart()
+    env["BREAKDOWN_LIBCUDA"] = libcuda
+    if cudart:
+        env["CONVGPU_CUDART"] = cudart
+    return env, libcuda, cudart, copy
+
+
 class Workload:
     def __init__(self, kind: str, env: dict, sizes=SIZES):
         self.p = subprocess.Popen([sys.executable, "-m", "bench.breakdown_child", "pairs", kind,
@@ -356,23 +379,7 @@ def main(argv=None) -> int:
     kind = a.workload or ("driver" if a.standin else "torch")
     if a.standin and kind in ("torch", "cupy"):
         raise SystemExit(f"--workload {kind} needs the GPU: on the stand-in use driver or runtime")
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    if a.standin:
-        # a copy of its own: uprobes are per inode, and a test or helper probing the build's
-        # stand-in would otherwise hook (and count) this workload too
-        standin = tempfile.mkdtemp(prefix="convgpu-breakdown-")
-        shutil.copytree(build_dir() / "standin", standin, symlinks=True, dirs_exist_ok=True)
-        env["LD_LIBRARY_PATH"] = standin
-        libcuda = os.path.join(standin, "libcuda.so.1")
-        cudart = a.cudart or os.path.join(standin, "libcudart.so.13")
-    else:
-        from convgpu.probes.libs import system_drivers
-        from bench.probe_latency import find_cudart
-        libcuda = os.path.realpath((system_drivers() or ["libcuda.so.1"])[0])
-        cudart = a.cudart or find_cudart()
-    env["BREAKDOWN_LIBCUDA"] = libcuda
-    if cudart:
-        env["CONVGPU_CUDART"] = cudart
+    env, libcuda, cudart, standin = workload_env(a.standin, a.cudart)
     libs = (libcuda,) + ((os.path.realpath(cudart),) if cudart else ())
     meta = {"workload": kind, "pairs": a.pairs, "rounds": a.rounds, "standin": a.standin, "libs": libs,
             "sizes": sizes, "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
@@ -389,7 +396,7 @@ def main(argv=None) -> int:
                         json.dump(res, f, indent=1)
     finally:
         w.close()
-        if a.standin:
+        if standin:
             shutil.rmtree(standin, ignore_errors=True)
     print(table(res))
     return 0

@@ -21,14 +21,12 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 
 from convgpu.enforcer.failsafe import threadhold as th
-from convgpu.paths import build_dir
 
-from bench.breakdown import Workload
+from bench.breakdown import Workload, workload_env
 from bench.machine import machine
 
 
@@ -119,17 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     kind = a.workload or ("driver" if a.standin else "torch")
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    standin = None
-    if a.standin:   # a copy of its own, as bench.breakdown's: no other test's probes on it
-        standin = tempfile.mkdtemp(prefix="convgpu-seized-")
-        shutil.copytree(build_dir() / "standin", standin, symlinks=True, dirs_exist_ok=True)
-        env["LD_LIBRARY_PATH"] = standin
-        env["BREAKDOWN_LIBCUDA"] = os.path.join(standin, "libcuda.so.1")
-        env["CONVGPU_CUDART"] = os.path.join(standin, "libcudart.so.13")
-    else:
-        from convgpu.probes.libs import system_drivers
-        env["BREAKDOWN_LIBCUDA"] = os.path.realpath((system_drivers() or ["libcuda.so.1"])[0])
+    env, _, _, standin = workload_env(a.standin)
     w = Workload(kind, env)
     try:
         threads = len(th._tids(w.pid))
