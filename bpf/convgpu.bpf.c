@@ -1187,6 +1187,31 @@ static __always_inline void stash(struct cg_thread *t, u64 key, u16 api, struct 
     t->free_how = how;
 }
 
+// The stash, taken back at its call's return (the slot free again).
+static __always_inline void unstash(struct cg_thread *t, struct cg_obj *o)
+{
+    o->size = t->free_size, o->gen = t->free_gen, o->dev = t->free_dev, o->tid = t->free_tid;
+    t->freeing = 0;
+    t->free_how = 0;
+}
+
+// A stashed object at its call's return: its bytes leave the books or, the call having failed,
+// it is the books' again (unrecorded: its bytes stay charged until the process exits).
+static __always_inline void settle_stashed(u64 id, u16 api, u32 ns, u64 key, struct cg_obj *o, int failed)
+{
+    u32 tgid = id >> 32;
+    struct cg_proc *p = procs.lookup(&tgid);
+    if (!p || p->gen != o->gen)
+        return;
+    if (failed) {
+        struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = key};
+        struct cg_obj was = {};
+        obj_put(&k, o, p, &was);
+        return;
+    }
+    bytes_gone(id, p, api, o, key, 1);
+}
+
 // session: the program is a uprobe session's (free_session): 1 asks the kernel to skip the
 // return (settled here), 0 to run this program again there.
 static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
@@ -1243,20 +1268,9 @@ static __always_inline int free_return(struct pt_regs *ctx)
         return 0;
     u64 addr = t->freeing;
     u16 api = t->free_api;
-    struct cg_obj o = {.size = t->free_size, .gen = t->free_gen, .dev = t->free_dev, .tid = t->free_tid,
-                       .api = API_cuMemAlloc_v2};
-    t->freeing = 0;
-    u32 tgid = id >> 32;
-    struct cg_proc *p = procs.lookup(&tgid);
-    if (!p || p->gen != o.gen)
-        return 0;
-    if ((u32)PT_REGS_RC(ctx) != 0) {     // a failed free gave nothing back
-        struct cg_obj_key k = {.tgid = tgid, .ns = NS_PTR, .addr = addr};
-        struct cg_obj was = {};
-        obj_put(&k, &o, p, &was);       // unrecorded: its bytes stay charged until the process exits
-        return 0;
-    }
-    bytes_gone(id, p, api, &o, addr, 1);
+    struct cg_obj o = {.api = API_cuMemAlloc_v2};
+    unstash(t, &o);
+    settle_stashed(id, api, NS_PTR, addr, &o, (u32)PT_REGS_RC(ctx) != 0);
     return 0;
 }
 
@@ -1473,26 +1487,15 @@ static __always_inline int handle_return(struct pt_regs *ctx, u32 ns)
     u32 how = 0;
     struct cg_obj o = {.api = c.api};
     if (t && (t->free_how == STASH_TAKEN || t->free_how == STASH_MARKED)) {
-        if (t->freeing == c.a0 && t->free_api == c.api) {   // this call's (else one whose return was lost)
-            how = t->free_how;
-            o.size = t->free_size, o.gen = t->free_gen, o.dev = t->free_dev, o.tid = t->free_tid;
-        }
-        t->freeing = 0;
-        t->free_how = 0;
+        // this call's, or one whose return was lost (then dropped)
+        how = t->freeing == c.a0 && t->free_api == c.api ? t->free_how : 0;
+        unstash(t, &o);
     }
     int failed = (u32)PT_REGS_RC(ctx) != 0;
-    struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = c.a0};
     if (how == STASH_TAKEN) {
-        struct cg_proc *q = p ? p : procs.lookup(&tgid);
-        if (!q || q->gen != o.gen)
-            return 0;
-        if (failed) {
-            struct cg_obj was = {};
-            obj_put(&k, &o, q, &was);   // unrecorded: its bytes stay charged until the process exits
-        } else {
-            bytes_gone(id, q, c.api, &o, c.a0, 1);
-        }
+        settle_stashed(id, c.api, ns, c.a0, &o, failed);
     } else if (how == STASH_MARKED) {
+        struct cg_obj_key k = {.tgid = tgid, .ns = ns, .addr = c.a0};
         struct cg_obj *m = objs.lookup(&k);
         if (failed && m && m->released)
             m->released = 0;
