@@ -254,6 +254,29 @@ def test_a_handle_given_out_again_before_its_release_returns_is_the_new_object(t
     taken_again(tracer, code, caller_env, [("cuMemRelease", 64 * MiB)])   # x's object, once
 
 
+def test_one_handle_released_by_eight_threads_at_once_leaves_the_books_once(tracer, build, caller_env):
+    """A container's own race on one handle: eight threads release the same 64 MiB handle at
+    once (the driver's return held 0.3 s, so all eight are inside it together). The driver
+    takes one release, refuses seven; the books give the 64 MiB back exactly once, and keep the
+    other handle's 64 MiB."""
+    code = (cuda_prelude(build / "standin" / "libcuda.so.1") + VMM_LINES +
+            "import threading\n"
+            "x=create(64<<20); keep=create(64<<20); go=threading.Barrier(8); rcs=[]\n"
+            "def rel():\n    cu.cuCtxSetCurrent(c); go.wait(); rcs.append(cu.cuMemRelease(ctypes.c_uint64(x)))\n"
+            "ts=[threading.Thread(target=rel) for _ in range(8)]; [t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print('ready', sorted(rcs).count(0), flush=True); input()")
+    env = dict(caller_env, CONVGPU_STANDIN_FREE_RETURN_MS="300")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().split() == ["ready", "1"]          # one release taken by the driver
+        assert usage_of(tracer, p.pid)[0].live == 64 * MiB            # `keep` alone
+        frees = [e for e in events_of(tracer, p.pid) if e.op == "free"]
+        assert [(e.api, e.size) for e in frees if e.size] == [("cuMemRelease", 64 * MiB)]
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_an_address_taken_again_before_the_free_returns_is_the_new_block(tracer, build, caller_env):
     """The driver gives a freed address out again before the free returns: thread A's free of X
     is still running (CONVGPU_STANDIN_FREE_RETURN_MS) when the main thread allocates the same
