@@ -14,10 +14,21 @@ def test_footprint_is_bpfs():
     assert [footprint(s) for s in (4096, MiB, MiB + 1, 3 * MiB, 4 * MiB)] == [4096, MiB, 2 * MiB, 4 * MiB, 4 * MiB]
 
 
+def exec_done(pid: int, led: Ledger):
+    """Waits until pid runs `sleep` (Popen forks, then execs) and the ledger has read that exec:
+    under load the exec came after the watch (a fresh clone: an 'exec' event among the test's)."""
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/comm").read().strip() != "sleep":
+        assert time.monotonic() < deadline, "the child never exec'd sleep"
+        time.sleep(0.005)
+    led.poll()
+
+
 def test_reports_charge_the_container_and_an_exit_takes_everything_back():
     led = Ledger().start()
     child = subprocess.Popen(["sleep", "30"])
     try:
+        exec_done(child.pid, led)   # its exec, seen after the watch, would be a new image: empty
         cg = led.b[b"cgstate"]
         led.b[b"members"][ct.c_uint(child.pid)] = ct.c_ulonglong(7 | SHIM_MEMBER)
         led.watch(child.pid)
