@@ -5,6 +5,7 @@ experiment's real form (bench/sched/real.py), issue 3's resume / CPU benchmark
 in tests/unit/test_sim.py."""
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -150,6 +151,39 @@ def test_latency_without_runtime_reports_it_unavailable(build, tmp_path):
     assert all("no-libcudart" in why for why in res["unavailable"].values())
     assert [(c["api"], c["op"], c["n"]) for c in res["cells"]] == [("cuMemAlloc_v2", "alloc", 20),
                                                                   ("cuMemAlloc_v2", "free", 20)]
+
+
+@pytest.mark.parametrize("wait_ms", [5000, 0])
+def test_alloc_bench_times_nothing_while_traced(root, build, wait_ms):
+    """Under the enforcer a new CUDA process stays seized by its ptrace holder for 0.5 s after
+    its placement: alloc_bench waits that out before its first cell, so that the cells time the
+    calls, not the holder's polling beside them. Here a tracer (bench.seized's, as the holder
+    seizes) holds it for 400 ms after its exec; with the wait turned off (0) it times at once."""
+    import os
+    import subprocess
+    import time
+
+    from bench.seized import Seizer
+    env = {**os.environ, "LD_LIBRARY_PATH": str(build / "standin"), "CONVGPU_BENCH_UNTRACED_MS": str(wait_ms)}
+    p = subprocess.Popen(["sh", "-c", f'kill -STOP $$; exec {build / "alloc_bench"} 20 cuMemAlloc_v2:4096'],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.005)
+        s = Seizer(p.pid, 0.0005)
+        os.kill(p.pid, signal.SIGCONT)
+        time.sleep(0.4)
+        s.stop()
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert out.startswith("cell cuMemAlloc_v2 4096 bytes 4096 n 20 "), out
+    waited = [int(line.split()[1]) for line in err.splitlines() if line.startswith("untraced_ms ")]
+    if wait_ms:
+        assert len(waited) == 1 and 300 <= waited[0] <= 5000, err
+    else:
+        assert waited == [] and "traced" not in err, err
 
 
 def test_event_throughput_shape(root, build, tmp_path):
