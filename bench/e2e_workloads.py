@@ -1,10 +1,11 @@
 """The long-running workloads of bench.e2e_toggle: one process that trains (or calls the
 driver) step after step for minutes while the harness switches the host's mode under it.
 
-    python -m bench.e2e_workloads NAME [--batch N] [--allocs N] [--work N] [--lib PATH]
+    python -m bench.e2e_workloads NAME [--batch N] [--allocs N] [--work N] [--hold N] [--lib PATH]
 
 NAME: `standin` (the stand-in driver through ctypes: `--allocs` cuMemAlloc_v2 + cuMemFree_v2
-pairs of 4 KiB and `--work` iterations of Python arithmetic per step, the CPU machine's check),
+pairs of 4 KiB and `--work` iterations of Python arithmetic per step, the CPU machine's check;
+`--hold N` keeps N blocks of 4 KiB for its whole life),
 `torch` (torchvision's ResNet-50 without weights, else a ResNet-50-sized net of our own, SGD on
 synthetic 224x224 images; run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the worst case),
 `jax` (an MLP's training step under jit; XLA_PYTHON_CLIENT_PREALLOCATE=false is set here).
@@ -48,7 +49,7 @@ def spin(ns: int) -> None:
         pass
 
 
-def standin_step(lib: str, allocs: int, work: int):
+def standin_step(lib: str, allocs: int, work: int, hold: int = 0):
     cu = ctypes.CDLL(lib)
     ctx, dev, ptr = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_uint64()
     for call in (lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
@@ -58,6 +59,14 @@ def standin_step(lib: str, allocs: int, work: int):
     alloc, free, size = cu.cuMemAlloc_v2, cu.cuMemFree_v2, ctypes.c_size_t(4096)
     alloc.argtypes, free.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t], [ctypes.c_uint64]
     ref = ctypes.byref(ptr)
+    # held for the process's life: on a real driver an alternating 4 KiB allocation and free with
+    # nothing held maps and unmaps a device page every pair (77-111 us, and steps that flip
+    # between two speeds for seconds, in bare blocks too: H200, 2026-11-27c run5); with one
+    # block held the page stays and each pair is the sub-allocation a framework that holds its
+    # weights makes
+    for _ in range(hold):
+        if alloc(ctypes.byref(ctypes.c_uint64()), size) != 0:
+            raise SystemExit("cuMemAlloc_v2 of a held block failed")
 
     def step() -> int:
         for _ in range(allocs):
@@ -158,12 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--allocs", type=int, default=20, help="standin: alloc+free pairs per step")
     ap.add_argument("--work", type=int, default=20000, help="standin: arithmetic iterations per step")
     ap.add_argument("--lib", default="libcuda.so.1", help="standin: the stand-in driver")
+    ap.add_argument("--hold", type=int, default=0, help="standin: 4 KiB blocks held for the process's life")
     ap.add_argument("--warmup", type=float, default=WARMUP_S, help="seconds of steps before `ready`")
     a = ap.parse_args(argv)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)   # a framework's prints must not mix with the step lines
     if a.name == "standin":
-        step = standin_step(a.lib, a.allocs, a.work)
+        step = standin_step(a.lib, a.allocs, a.work, a.hold)
     elif a.name == "torch":
         step = torch_step(a.batch or 128)
     else:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,24 @@ def test_hooks_see_probes_come_and_go_in_a_running_process(root, own_standin):
     finally:
         w.kill()
         w.wait()
+
+
+def test_the_standin_workload_holds_what_it_is_told_for_its_life(root, own_standin):
+    """--hold N: N blocks of 4 KiB allocated before the steps and never freed (on a real driver
+    the page stays mapped and each pair is a sub-allocation, not a map and unmap)."""
+    from convgpu.probes.tracer import Tracer
+    t = Tracer(libraries=(str(own_standin),), discover=False, selftest=False).start()
+    w = subprocess.Popen([sys.executable, "-m", "bench.e2e_workloads", "standin", "--lib", str(own_standin),
+                          "--hold", "3", "--allocs", "0", "--warmup", "0.2"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout.readline().startswith("ready ")
+        time.sleep(0.3)
+        rows = [u for u in t.usage() if u.pid == w.pid]
+        assert [(u.n_alloc, u.n_free, u.live) for u in rows] == [(3, 0, 3 * 4096)]
+    finally:
+        w.kill()
+        w.wait()
+        t.close()
 
 
 def test_toggled_modes_recover_an_injected_delay_and_count_the_running_process(root, own_standin, tmp_path):
