@@ -1,7 +1,7 @@
 """The long-running workloads of bench.e2e_toggle: one process that trains (or calls the
 driver) step after step for minutes while the harness switches the host's mode under it.
 
-    python -m bench.e2e_workloads NAME [--batch N] [--allocs N] [--work N] [--hold N] [--lib PATH]
+    python -m bench.e2e_workloads NAME [--batch N] [--allocs N] [--work N] [--hold N] [--pin CPUS] [--lib PATH]
 
 NAME: `standin` (the stand-in driver through ctypes: `--allocs` cuMemAlloc_v2 + cuMemFree_v2
 pairs of 4 KiB and `--work` iterations of Python arithmetic per step, the CPU machine's check;
@@ -168,8 +168,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=int, default=20000, help="standin: arithmetic iterations per step")
     ap.add_argument("--lib", default="libcuda.so.1", help="standin: the stand-in driver")
     ap.add_argument("--hold", type=int, default=0, help="standin: 4 KiB blocks held for the process's life")
+    ap.add_argument("--pin", help="CPUs to run on (e.g. 3 or 2,3): the step's speed stays that CPU's")
     ap.add_argument("--warmup", type=float, default=WARMUP_S, help="seconds of steps before `ready`")
     a = ap.parse_args(argv)
+    if a.pin:
+        os.sched_setaffinity(0, {int(c) for c in a.pin.split(",")})
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)   # a framework's prints must not mix with the step lines
     if a.name == "standin":
