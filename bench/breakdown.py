@@ -1,7 +1,7 @@
 """Issue 32 part 1: where the microseconds of one no-caching allocation+free pair go, in one run.
 
     python -m bench.breakdown [--standin] [--workload torch|cupy|driver|runtime] [--pairs N]
-        [--rounds R] [--sizes 4K,64K,...] [--json FILE]
+        [--rounds R] [--sizes 4K,64K,...] [--hold 1] [--json FILE]
 
 One workload process (bench/breakdown_child.py: PyTorch with PYTORCH_NO_CUDA_MEMORY_CACHING=1
 making tensors of --sizes, default 4 KiB, CuPy without its pool, or a plain driver-API /
@@ -34,8 +34,9 @@ median of (enforced - bare); the remainder is what the steps do not add up to. O
 bare itself varies 1.1-2.1 us a call from run to run (FACTS.md): compare within one run. And
 there an alternating pair costs the driver 77-93 us even at 4 KiB (each maps and unmaps device
 pages; bench/alloc_bench.c holds its allocations in batches for that reason), so the steps
-are noise around a few microseconds: the counts and the programs' run times stand, the steps
-do not (docs/BENCHMARKS.md, issue 32)."""
+were noise around a few microseconds. The workload therefore keeps --hold blocks (default 1)
+for its life, as a framework keeps its weights: the page stays mapped and a pair is a
+sub-allocation (--hold 0: the old pattern; docs/BENCHMARKS.md, issue 32)."""
 import argparse
 import contextlib
 import json
@@ -86,9 +87,9 @@ def workload_env(standin: bool, cudart: str | None = None) -> tuple[dict, str, s
 
 
 class Workload:
-    def __init__(self, kind: str, env: dict, sizes=SIZES):
+    def __init__(self, kind: str, env: dict, sizes=SIZES, hold: int = 0):
         self.p = subprocess.Popen([sys.executable, "-m", "bench.breakdown_child", "pairs", kind,
-                                   ",".join(map(str, sizes))],
+                                   ",".join(map(str, sizes)), str(hold)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         words = self.p.stdout.readline().split()
         if words[:1] != ["ready"]:
@@ -371,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=20000, help="allocation+free pairs per block")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="4K", help="allocation sizes, cycled (default 4K)")
+    ap.add_argument("--hold", type=int, default=1, help="blocks of the first size the workload keeps for its life "
+                    "(0: none, every pair maps and unmaps a device page on a real driver)")
     ap.add_argument("--bystander", type=int, default=20000, help="openat+close calls of the unrelated process")
     ap.add_argument("--cudart", help="the libcudart probed in the runtime layer (default: the workload's)")
     ap.add_argument("--json", help="write results here (after every round)")
@@ -381,9 +384,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--workload {kind} needs the GPU: on the stand-in use driver or runtime")
     env, libcuda, cudart, standin = workload_env(a.standin, a.cudart)
     libs = (libcuda,) + ((os.path.realpath(cudart),) if cudart else ())
-    meta = {"workload": kind, "pairs": a.pairs, "rounds": a.rounds, "standin": a.standin, "libs": libs,
+    meta = {"workload": kind, "pairs": a.pairs, "rounds": a.rounds, "standin": a.standin, "libs": libs, "hold": a.hold,
             "sizes": sizes, "argv": sys.argv[1:] if argv is None else argv, "machine": machine()}
-    w = Workload(kind, env, sizes)
+    w = Workload(kind, env, sizes, a.hold)
     rounds: list = []
     try:
         with bpf_stats.enabled():

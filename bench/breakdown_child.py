@@ -1,9 +1,12 @@
 """The processes bench.breakdown runs beside itself.
 
-    python -m bench.breakdown_child pairs torch|cupy|driver|runtime SIZE,SIZE,...
+    python -m bench.breakdown_child pairs torch|cupy|driver|runtime SIZE,SIZE,... [HOLD]
     python -m bench.breakdown_child bystander N
 
-`pairs`: the workload. After set-up and a warm-up of 1,000 pairs it prints `ready PID`; then for
+`pairs`: the workload. It first allocates HOLD blocks of the first size (default 0) and keeps
+them for its life, as a framework keeps its weights: on a real driver the device page then stays
+mapped, and each pair is a sub-allocation, not a page mapped and unmapped (77-111 us on the
+H100, swamping a few us of probes). After set-up and a warm-up of 1,000 pairs it prints `ready PID`; then for
 every line K on its stdin it makes K allocation+free pairs (the sizes cycled) and prints
 `WALL_NS CPU_NS` (CPU: this thread's user + system time; a trap is system time). torch: tensors
 under PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the parent sets it), cupy: arrays without CuPy's pool,
@@ -28,17 +31,23 @@ def _driver():
     return cu
 
 
+_held: list = []
+
+
 def pair_of(kind: str):
-    """The function that makes one allocation of n bytes and frees it."""
+    """(the function that makes one allocation of n bytes and frees it, the one that makes one
+    and keeps it)."""
     if kind == "torch":
         import torch
         torch.empty(1, device="cuda")
-        return lambda n: torch.empty(n, dtype=torch.uint8, device="cuda")   # freed as it is dropped
+        make = lambda n: torch.empty(n, dtype=torch.uint8, device="cuda")   # noqa: E731
+        return make, lambda n: _held.append(make(n))   # a tensor is freed as it is dropped
     if kind == "cupy":
         import cupy
         cupy.cuda.set_allocator(None)
         cupy.empty(1, dtype=cupy.uint8)
-        return lambda n: cupy.empty(n, dtype=cupy.uint8)
+        make = lambda n: cupy.empty(n, dtype=cupy.uint8)   # noqa: E731
+        return make, lambda n: _held.append(make(n))
     cu = _driver()
     lib, names = (cu, ("cuMemAlloc_v2", "cuMemFree_v2")) if kind == "driver" else \
         (ctypes.CDLL(os.environ["CONVGPU_CUDART"]), ("cudaMalloc", "cudaFree"))
@@ -50,11 +59,17 @@ def pair_of(kind: str):
     def pair(n):
         if alloc(ref, n) or free(ptr.value):
             sys.exit(f"{names[0]}/{names[1]} failed")
-    return pair
+
+    def keep(n):
+        if alloc(ctypes.byref(ctypes.c_uint64()), n):
+            sys.exit(f"{names[0]} of a held block failed")
+    return pair, keep
 
 
-def pairs(kind: str, sizes: list[int]) -> None:
-    pair = pair_of(kind)
+def pairs(kind: str, sizes: list[int], hold: int = 0) -> None:
+    pair, keep = pair_of(kind)
+    for _ in range(hold):
+        keep(sizes[0])
     cycle = [sizes[i % len(sizes)] for i in range(1000)]
     for n in cycle:
         pair(n)
@@ -85,6 +100,6 @@ def bystander(n: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "pairs":
-        pairs(sys.argv[2], [int(x) for x in sys.argv[3].split(",")])
+        pairs(sys.argv[2], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     else:
         bystander(int(sys.argv[2]))

@@ -37,7 +37,7 @@ def test_pair_counts_are_exact(root, build, tmp_path):
     """One run (each run costs ~10 s of attaches and an enforcer start): the runtime loop, whose
     cudaMalloc/cudaFree call the stand-in driver's cuMemAlloc_v2/cuMemFree_v2."""
     res = run(tmp_path, "runtime")
-    assert [s["mode"] for s in res["steps"]] == MODES
+    assert [s["mode"] for s in res["steps"]] == MODES and res["hold"] == 1
     drv = {"driver entry": 2.0, "driver return": 1.0}
     assert traps(res) == {
         "bare": {}, "traps": {"empty": 8.0},   # entry and return of the two runtime and two driver calls
@@ -66,3 +66,28 @@ def test_pair_counts_are_exact(root, build, tmp_path):
     m = res["model"]
     assert m["traps_per_pair"] == 4.0 and m["predicted_ns"] == pytest.approx(m["traps_ns"] + m["bpf_ns"])
     assert res["remainder_ns"] == pytest.approx(res["total_ns"] - m["predicted_ns"])
+
+
+def test_the_workload_keeps_its_held_blocks_for_its_life(root, build, private_copy):
+    """HOLD blocks of the first size, allocated before the warm-up and never freed: on a real
+    driver the device page stays mapped and each timed pair is a sub-allocation. Counted by a
+    tracer on a private copy of the stand-in: 2 held + 1,000 warm-up + 50 timed allocations,
+    every one but the 2 freed, 2 x 4 KiB live."""
+    import os
+
+    from convgpu.probes.tracer import Tracer
+    t = Tracer(libraries=(str(private_copy),), discover=False, selftest=False).start()
+    w = subprocess.Popen([sys.executable, "-m", "bench.breakdown_child", "pairs", "driver", "4096", "2"], cwd=REPO,
+                         env={**os.environ, "BREAKDOWN_LIBCUDA": str(private_copy)},
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout.readline().split()[0] == "ready"
+        w.stdin.write("50\n")
+        w.stdin.flush()
+        assert len(w.stdout.readline().split()) == 2
+        rows = [(u.n_alloc, u.n_free, u.live) for u in t.usage() if u.pid == w.pid]
+        assert rows == [(1052, 1050, 2 * 4096)]
+    finally:
+        w.kill()
+        w.wait()
+        t.close()
