@@ -6,13 +6,24 @@ of the medians of the bare blocks just before and after it (paired: a drift of t
 speed over minutes cancels, as the schedule puts bare on both sides of every other block).
 Per mode, the mean of its blocks' ratios and a 95 % bootstrap interval of that mean
 (percentile method, blocks resampled with replacement, seeded: the same data give the same
-interval). The same for the added time per step (median minus the neighbours' mean)."""
+interval). The same for the added time per step (median minus the neighbours' mean).
+
+The host's speed regimes (docs/BENCHMARKS.md, "The H100's CPU regimes"): on the GPU machines a
+fixed CPU-bound step runs at one speed or about 1.3-1.85x slower for seconds at a time, pinned
+or not, in thread CPU time as in wall time, with no steal, in bare blocks as in any other. A
+block that lands in the slow regime moves its ratio by tens of percent. So per mode also its
+`slow_share`: the share of its steps slower than SLOW_FACTOR x the 10th percentile of every
+bare step of the run. A mode that spends more of its time in the slow regime than bare does
+either slows the host or drew the regime by chance: with a handful of blocks, say which. (A
+ratio of the fast steps alone was tried and dropped: cutting at a threshold biases a slower
+mode's fast median down, and it missed the injected delay in two H100 runs, 2026-11-27d.)"""
 from __future__ import annotations
 
 import random
 import statistics
 
 BARE = "bare"
+SLOW_FACTOR = 1.25   # over this x bare's 10th percentile, a step ran in the slow regime
 
 
 def steps_in(ends: list[int], start_ns: int, stop_ns: int, clock: list[int] | None = None) -> list[int]:
@@ -40,6 +51,16 @@ def paired(blocks: list[dict]) -> list[dict]:
         out.append({**b, "ref_ns": ref, "ratio": b["median_ns"] / ref, "added_ns": b["median_ns"] - ref,
                     "neighbours": len(refs)})
     return out
+
+
+def slow_shares(blocks: list[dict]) -> list[float | None]:
+    """Per block, the share of its steps in the host's slow regime (module doc); None for a
+    block without its steps' durations, or every block where no bare step was kept."""
+    bare = sorted(x for b in blocks if b["mode"] == BARE for x in b.get("durations_ns") or ())
+    if not bare:
+        return [None] * len(blocks)
+    limit = SLOW_FACTOR * bare[len(bare) // 10]
+    return [sum(x >= limit for x in d) / len(d) if (d := b.get("durations_ns")) else None for b in blocks]
 
 
 def bootstrap_mean(values: list[float], reps: int = 10000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
@@ -80,6 +101,11 @@ def summarize(blocks: list[dict], reps: int = 10000) -> dict:
         m["added_us"] = statistics.fmean(added)
         m["added_lo_us"], m["added_hi_us"] = bootstrap_mean(added, reps)
         m["paired"] = len(mine)
+    shares = slow_shares(blocks)
+    for mode, m in modes.items():
+        mine = [x for b, x in zip(blocks, shares) if b["mode"] == mode and x is not None]
+        if mine:
+            m["slow_share"] = statistics.fmean(mine)
     return modes
 
 
@@ -105,10 +131,12 @@ def summarize_run(blocks: list) -> dict:
 def table(modes: dict) -> str:
     """Plain text: one row per mode."""
     rows = [f"{'mode':>9} {'blocks':>6} {'steps':>7} {'median ms':>10} {'ratio':>8} {'95% CI':>19} {'+/- %':>7}"
-            f" {'added us':>9} {'allocs/s':>9}"]
+            f" {'added us':>9} {'allocs/s':>9} {'slow %':>6}"]
     for mode, m in modes.items():
         ci = f"{m['ratio_lo']:.4f}-{m['ratio_hi']:.4f}" if "ratio" in m else "-"
         rate = f"{m['alloc_rate']:.0f}" if m.get("alloc_rate") is not None else "-"
+        slow = f"{100 * m['slow_share']:.0f}" if "slow_share" in m else "-"
         rows.append(f"{mode:>9} {m['blocks']:>6} {m['steps']:>7} {m['median_ms']:>10.4f} {m.get('ratio', 1.0):>8.4f}"
-                    f" {ci:>19} {m.get('half_pct', 0.0):>7.3f} {m.get('added_us', 0.0):>9.2f} {rate:>9}")
+                    f" {ci:>19} {m.get('half_pct', 0.0):>7.3f} {m.get('added_us', 0.0):>9.2f} {rate:>9}"
+                    f" {slow:>6}")
     return "\n".join(rows)

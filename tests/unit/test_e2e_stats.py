@@ -100,3 +100,24 @@ def test_recorded_standin_run_recomputes_to_its_summary():
     d = data["modes"]["delay"]
     assert d["ratio_lo"] <= d["truth_ratio"] <= d["ratio_hi"]
     assert d["added_lo_us"] <= d["truth_added_us"] <= d["added_hi_us"]
+
+
+
+def tblk(mode, fast, slow, step, factor=1.8):
+    """A block of `fast` steps of `step` ns and `slow` of factor x that (the host's slow regime)."""
+    d = [step] * fast + [round(step * factor)] * slow
+    return {"mode": mode, "median_ns": statistics.median(d), "steps": len(d), "durations_ns": d}
+
+
+def test_each_mode_s_share_of_steps_in_the_host_s_slow_regime():
+    """Bare steps take 1,000 ns fast and 1,800 slow; probed adds 2 %, not enough to count as
+    slow (the line is 1.25 x bare's 10th percentile). The shares are the blocks' own, averaged
+    per mode; a block without its steps' durations has none."""
+    blocks = [tblk("bare", 10, 0, 1000), tblk("probed", 8, 2, 1020), tblk("bare", 10, 0, 1000),
+              tblk("probed", 0, 10, 1020), tblk("bare", 3, 7, 1000), tblk("probed", 10, 0, 1020),
+              tblk("bare", 10, 0, 1000)]
+    assert e2e_stats.slow_shares(blocks) == [0, 0.2, 0, 1.0, 0.7, 0, 0]
+    m = e2e_stats.summarize(blocks)
+    assert m["probed"]["slow_share"] == pytest.approx(0.4) and m["bare"]["slow_share"] == pytest.approx(0.175)
+    m = e2e_stats.summarize([blk("bare", 100), blk("probed", 105), blk("bare", 100)])
+    assert m["probed"]["ratio"] == pytest.approx(1.05) and "slow_share" not in m["probed"]
