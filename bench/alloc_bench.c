@@ -9,7 +9,11 @@
 //
 // Per cell it prints "cell API SIZE bytes B n N alloc_ns MED alloc_p99_ns P99 free_ns MED
 // free_p99_ns P99" (info APIs: "call_ns" / "call_p99_ns" instead), or "unavailable API WHY";
-// B is what one call asks the driver for (cuMemCreate rounds up to the granularity).
+// B is what one call asks the driver for (cuMemCreate rounds up to the granularity). Each line
+// ends with "ref_ns R": the median time of a fixed piece of CPU work, timed just before and just
+// after the cell. On the GPU machines the host runs a vCPU at one speed or 1.3-1.85x slower for
+// seconds at a time (docs/BENCHMARKS.md, "The GPU machines' CPU regimes"), and the modes' cells
+// run seconds apart: R lets the report put every cell at bare's speed (bench/latency_report.py).
 //
 // Before the first cell it waits until no thread of it is traced (TracerPid 0): under `convgpu
 // enforce` a new CUDA process is held at its first context until placed, and the enforcer's
@@ -188,6 +192,27 @@ static void stats(long long *t, int n, long long *med, long long *p99)
     *p99 = t[(long long)n * 99 / 100];
 }
 
+static long long ref_once(void)
+{
+    volatile unsigned long long x = 88172645463325252ull;   // volatile: the work is done, not folded
+    long long t0 = now_ns();
+    for (int i = 0; i < 20000; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+    }
+    return now_ns() - t0;
+}
+
+static long long ref_ns(void)
+{
+    long long r[9], med, p99;
+    for (int i = 0; i < 9; i++)
+        r[i] = ref_once();
+    stats(r, 9, &med, &p99);
+    return med;
+}
+
 static size_t vmm_bytes(size_t n)
 {
     size_t g = 0;
@@ -200,7 +225,7 @@ static size_t vmm_bytes(size_t n)
 static int run_cell(const struct api *a, size_t size, int iters, long long *ta, long long *tf, struct slot *sl)
 {
     size_t bytes = a->alloc == a_vmm ? vmm_bytes(size) : size;
-    long long m1, p1, m2, p2;
+    long long m1, p1, m2, p2, ref = ref_ns();
     if (a->runtime && rt_missing) {
         printf("unavailable %s %s\n", a->name, rt_missing);
         return 0;
@@ -215,7 +240,8 @@ static int run_cell(const struct api *a, size_t size, int iters, long long *ta, 
             ta[i] = now_ns() - t0;
         }
         stats(ta, iters, &m1, &p1);
-        printf("cell %s 0 bytes 0 n %d call_ns %lld call_p99_ns %lld\n", a->name, iters, m1, p1);
+        printf("cell %s 0 bytes 0 n %d call_ns %lld call_p99_ns %lld ref_ns %lld\n", a->name, iters, m1, p1,
+               (ref + ref_ns()) / 2);
         return 0;
     }
     if (!bytes || a->alloc(sl, bytes) || a->free(sl, bytes))   // untimed warm-up pair
@@ -239,8 +265,8 @@ static int run_cell(const struct api *a, size_t size, int iters, long long *ta, 
     }
     stats(ta, iters, &m1, &p1);
     stats(tf, iters, &m2, &p2);
-    printf("cell %s %zu bytes %zu n %d alloc_ns %lld alloc_p99_ns %lld free_ns %lld free_p99_ns %lld\n",
-           a->name, size, bytes, iters, m1, p1, m2, p2);
+    printf("cell %s %zu bytes %zu n %d alloc_ns %lld alloc_p99_ns %lld free_ns %lld free_p99_ns %lld ref_ns %lld\n",
+           a->name, size, bytes, iters, m1, p1, m2, p2, (ref + ref_ns()) / 2);
     return 0;
 failed:   // a benchmark that cannot allocate says so and stops: its numbers would be wrong
     fprintf(stderr, "alloc_bench: %s of %zu bytes failed\n", a->name, bytes);

@@ -135,6 +135,9 @@ def main(argv=None) -> int:
             if a.json:
                 latency_report.write(a.json, result)
     print(latency_report.table(result))
+    if scaled := latency_report.scaled_table(result):
+        print("\nat bare's CPU speed (each cell's times x bare's reference work time / its own, same round):")
+        print(scaled)
     if stats:
         print(latency_report.bpf_table(result))
     return 0

@@ -133,7 +133,10 @@ def test_latency_benchmark_shape(root, build, tmp_path):
             assert 0 < v["median_us"] <= v["p99_us"] < 1e6, (m, c)
             assert v["ratio"] > 0 and v["p99_ratio"] > 0
             assert math.isclose(v["added_us"], v["median_us"] - c["modes"]["bare"]["median_us"])
+            # every cell timed its reference work: put at bare's CPU speed (no regimes here: near 1)
+            assert 0.5 < v["speed"] < 2 and v["scaled_ratio"] > 0, (m, c)
         assert c["modes"]["bare"]["ratio"] == 1.0 and c["modes"]["bare"]["added_us"] == 0.0
+        assert c["modes"]["bare"]["speed"] == 1.0 and c["modes"]["bare"]["scaled_added_us"] == 0.0
     png = plots.plot_latency(res, out, tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -150,3 +150,27 @@ def test_bpf_table_takes_medians_over_rounds_per_mode_and_program():
     assert latency_report.bpf_table(res).splitlines() == [
         "| mode | program | runs | ns/run |", "| --- | --- | ---: | ---: |",
         "| enforced | exit_alloc | 41 | 800 |", "| enforced | recheck | 42 | 200 |"]
+
+
+def test_cells_are_put_at_bare_s_cpu_speed_by_their_reference_work():
+    """Round 2 of the shim ran while the host had slowed the CPU to half speed (its reference
+    work took 200 us, bare's 100): its times count at half. Scaled, the shim adds 1 us in every
+    round; as measured, the slow round moves the median."""
+    raw = {"bare": [[cell("cuMemAlloc_v2", 4096, alloc_ns=2000, alloc_p99_ns=4000, free_ns=1000, free_p99_ns=2000,
+                          ref_ns=100000)] for _ in range(3)],
+           "shim": [[cell("cuMemAlloc_v2", 4096, alloc_ns=a, alloc_p99_ns=2 * a, free_ns=1000 * s, free_p99_ns=2000 * s,
+                          ref_ns=100000 * s)] for a, s in ((3000, 1), (6000, 2), (3000, 1))]}
+    meta = {"modes": ["bare", "shim"]}
+    res = latency_report.summarize(meta, raw)
+    alloc = res["cells"][0]["modes"]["shim"]
+    assert alloc["rounds"] == [[3.0, 6.0], [6.0, 12.0], [3.0, 6.0]] and alloc["speed"] == 1.0
+    assert (alloc["scaled_median_us"], alloc["scaled_added_us"], alloc["scaled_ratio"]) == (3.0, 1.0, 1.5)
+    assert alloc["scaled_p99_ratio"] == 1.5
+    raw["shim"][1][0]["alloc_ns"] = 9000     # a slow round that is slower still: the median is the others'
+    assert latency_report.summarize(meta, raw)["cells"][0]["modes"]["shim"]["scaled_added_us"] == 1.0
+    table = latency_report.scaled_table(res).splitlines()
+    assert table[2] == "| cuMemAlloc_v2 | 4.0 KiB | alloc | 1.00 | 1.00 | 1.50 | 1.00 |"
+    assert table[3] == "| cuMemAlloc_v2 | 4.0 KiB | free | 0.00 | 0.00 | 1.00 | 1.00 |"
+    # without the reference work (runs before it), nothing is scaled
+    old = made_up_run()
+    assert "scaled_ratio" not in old["cells"][0]["modes"]["shim"] and latency_report.scaled_table(old) == ""
