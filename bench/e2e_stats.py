@@ -8,7 +8,7 @@ Per mode, the mean of its blocks' ratios and a 95 % bootstrap interval of that m
 (percentile method, blocks resampled with replacement, seeded: the same data give the same
 interval). The same for the added time per step (median minus the neighbours' mean).
 
-The host's speed regimes (docs/BENCHMARKS.md, "The H100's CPU regimes"): on the GPU machines a
+The host's speed regimes (docs/BENCHMARKS.md, "The GPU machines' CPU regimes"): on the GPU machines a
 fixed CPU-bound step runs at one speed or about 1.3-1.85x slower for seconds at a time, pinned
 or not, in thread CPU time as in wall time, with no steal, in bare blocks as in any other. A
 block that lands in the slow regime moves its ratio by tens of percent. So per mode also its
