@@ -11,9 +11,13 @@ interval). The same for the added time per step (median minus the neighbours' me
 The host's speed regimes (docs/BENCHMARKS.md, "The GPU machines' CPU regimes"): on the GPU machines a
 fixed CPU-bound step runs at one speed or about 1.3-1.85x slower for seconds at a time, pinned
 or not, in thread CPU time as in wall time, with no steal, in bare blocks as in any other. A
-block that lands in the slow regime moves its ratio by tens of percent. So per mode also its
-`slow_share`: the share of its steps slower than SLOW_FACTOR x the 10th percentile of every
-bare step of the run. A mode that spends more of its time in the slow regime than bare does
+block that lands in the slow regime moves its ratio by tens of percent. So every step also
+times a fixed piece of CPU work (bench/e2e_workloads.py `reference`), and a block's
+`norm_median` is the median of its steps' times over their reference's: a time at one speed.
+Per mode `norm_ratio` with its interval is the pairing above on those, and for the delay
+`norm_truth_ratio` (the wait, a fixed wall time, over the block's reference, against bare's
+normalized step). Per mode also its `slow_share`: the share of its steps slower than
+SLOW_FACTOR x the 10th percentile of every bare step of the run. A mode that spends more of its time in the slow regime than bare does
 either slows the host or drew the regime by chance: with a handful of blocks, say which. (A
 ratio of the fast steps alone was tried and dropped: cutting at a threshold biases a slower
 mode's fast median down, and it missed the injected delay in two H100 runs, 2026-11-27d.)"""
@@ -34,22 +38,27 @@ def steps_in(ends: list[int], start_ns: int, stop_ns: int, clock: list[int] | No
     return [c[i + 1] - c[i] for i in range(len(ends) - 1) if ends[i] >= start_ns and ends[i + 1] <= stop_ns]
 
 
-def paired(blocks: list[dict]) -> list[dict]:
-    """For every non-bare block (dicts with `mode` and `median_ns`, in the order they ran):
-    `ref_ns` (mean of the neighbouring bare blocks' medians), `ratio`, `added_ns`. A block
-    without a bare block on either side (none ran) is left out."""
+def refs_in(ends: list[int], refs: list[int], start_ns: int, stop_ns: int) -> list[int]:
+    """The reference work's time of each step steps_in(ends, start_ns, stop_ns) returns, in
+    the same order (a step's line carries its own)."""
+    return [refs[i + 1] for i in range(len(ends) - 1) if ends[i] >= start_ns and ends[i + 1] <= stop_ns]
+
+
+def paired(blocks: list[dict], key: str = "median_ns") -> list[dict]:
+    """For every non-bare block (dicts with `mode` and `key`, in the order they ran): `ref_ns`
+    (mean of the neighbouring bare blocks' values), `ratio`, `added_ns`. A block without a bare
+    block on either side (none ran), or without `key`, is left out."""
     out = []
     for i, b in enumerate(blocks):
-        if b["mode"] == BARE:
+        if b["mode"] == BARE or key not in b:
             continue
-        before = next((x for x in reversed(blocks[:i]) if x["mode"] == BARE), None)
-        after = next((x for x in blocks[i + 1:] if x["mode"] == BARE), None)
-        refs = [x["median_ns"] for x in (before, after) if x is not None]
+        before = next((x for x in reversed(blocks[:i]) if x["mode"] == BARE and key in x), None)
+        after = next((x for x in blocks[i + 1:] if x["mode"] == BARE and key in x), None)
+        refs = [x[key] for x in (before, after) if x is not None]
         if not refs:
             continue
         ref = statistics.fmean(refs)
-        out.append({**b, "ref_ns": ref, "ratio": b["median_ns"] / ref, "added_ns": b["median_ns"] - ref,
-                    "neighbours": len(refs)})
+        out.append({**b, "ref_ns": ref, "ratio": b[key] / ref, "added_ns": b[key] - ref, "neighbours": len(refs)})
     return out
 
 
@@ -102,10 +111,16 @@ def summarize(blocks: list[dict], reps: int = 10000) -> dict:
         m["added_lo_us"], m["added_hi_us"] = bootstrap_mean(added, reps)
         m["paired"] = len(mine)
     shares = slow_shares(blocks)
+    norm = paired(blocks, "norm_median")
     for mode, m in modes.items():
         mine = [x for b, x in zip(blocks, shares) if b["mode"] == mode and x is not None]
         if mine:
             m["slow_share"] = statistics.fmean(mine)
+        ratios = [p["ratio"] for p in norm if p["mode"] == mode]
+        if ratios:
+            m["norm_ratio"] = statistics.fmean(ratios)
+            m["norm_lo"], m["norm_hi"] = bootstrap_mean(ratios, reps)
+            m["norm_half_pct"] = 100 * (m["norm_hi"] - m["norm_lo"]) / 2
     return modes
 
 
@@ -125,18 +140,24 @@ def summarize_run(blocks: list) -> dict:
     if delays:
         modes["delay"]["truth_ratio"] = statistics.fmean(1 + p["delay_ns"] / p["ref_ns"] for p in delays)
         modes["delay"]["truth_added_us"] = statistics.fmean(p["delay_ns"] for p in delays) / 1e3
+    norm = [p for p in paired(blocks, "norm_median") if p["mode"] == "delay" and "ref_median_ns" in p]
+    if norm:
+        modes["delay"]["norm_truth_ratio"] = statistics.fmean(
+            1 + p["delay_ns"] / p["ref_median_ns"] / p["ref_ns"] for p in norm)
     return modes
 
 
 def table(modes: dict) -> str:
     """Plain text: one row per mode."""
     rows = [f"{'mode':>9} {'blocks':>6} {'steps':>7} {'median ms':>10} {'ratio':>8} {'95% CI':>19} {'+/- %':>7}"
-            f" {'added us':>9} {'allocs/s':>9} {'slow %':>6}"]
+            f" {'added us':>9} {'allocs/s':>9} {'slow %':>6} {'norm':>7} {'norm 95% CI':>15} {'+/- %':>6}"]
     for mode, m in modes.items():
         ci = f"{m['ratio_lo']:.4f}-{m['ratio_hi']:.4f}" if "ratio" in m else "-"
         rate = f"{m['alloc_rate']:.0f}" if m.get("alloc_rate") is not None else "-"
         slow = f"{100 * m['slow_share']:.0f}" if "slow_share" in m else "-"
+        norm = f"{m['norm_ratio']:.4f}" if "norm_ratio" in m else "-"
+        nci = f"{m['norm_lo']:.4f}-{m['norm_hi']:.4f}" if "norm_ratio" in m else "-"
         rows.append(f"{mode:>9} {m['blocks']:>6} {m['steps']:>7} {m['median_ms']:>10.4f} {m.get('ratio', 1.0):>8.4f}"
                     f" {ci:>19} {m.get('half_pct', 0.0):>7.3f} {m.get('added_us', 0.0):>9.2f} {rate:>9}"
-                    f" {slow:>6}")
+                    f" {slow:>6} {norm:>7} {nci:>15} {m.get('norm_half_pct', 0.0):>6.3f}")
     return "\n".join(rows)

@@ -45,6 +45,7 @@ class Workload:
         self.ends: list[int] = []
         self.allocs: list[int] = []
         self.cpu: list[int] = []
+        self.refs: list[int] = []   # per step, its reference work's ns (bench/e2e_workloads.py)
         # -P keeps a source tree's convgpu/ from shadowing the installed one; bench/ is found where
         # this module was (the GPU machine puts a folder holding only it on the path)
         path = os.pathsep.join([BENCH_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -59,9 +60,10 @@ class Workload:
 
     def _read(self):
         for line in self.proc.stdout:
-            t, a, c = line.split()
+            t, a, c, r = line.split()
             self.allocs.append(int(a))
             self.cpu.append(int(c))
+            self.refs.append(int(r))
             self.ends.append(int(t))
 
     def allocs_at(self, t_ns: int) -> int:
@@ -95,8 +97,9 @@ def schedule(modes: list[str]):
 
 
 def block_of(w: Workload, mode: str, start_ns: int, stop_ns: int, **extra) -> dict:
-    ends, allocs, cpu = list(w.ends), list(w.allocs), list(w.cpu)
+    ends, allocs, cpu, refs = list(w.ends), list(w.allocs), list(w.cpu), list(w.refs)
     durs = e2e_stats.steps_in(ends, start_ns, stop_ns, cpu[:len(ends)] if w.clock == "cpu" else None)
+    refs = e2e_stats.refs_in(ends, refs[:len(ends)], start_ns, stop_ns)
     if len(durs) < 3:   # a stall, or steps longer than the block: kept aside, and said
         print(f"dropped: a {mode} block of {(stop_ns - start_ns) / 1e9:.1f} s held {len(durs)} steps",
               file=sys.stderr, flush=True)
@@ -104,7 +107,9 @@ def block_of(w: Workload, mode: str, start_ns: int, stop_ns: int, **extra) -> di
     inside = [a for t, a in zip(ends, allocs) if start_ns <= t <= stop_ns]
     rate = (inside[-1] - inside[0]) / ((stop_ns - start_ns) / 1e9) if inside and inside[-1] else None
     return {"mode": mode, "start_ns": start_ns, "stop_ns": stop_ns, "steps": len(durs),
-            "median_ns": statistics.median(durs), "own_alloc_rate": rate, "durations_ns": durs, **extra}
+            "median_ns": statistics.median(durs), "own_alloc_rate": rate, "durations_ns": durs,
+            "norm_median": statistics.median(d / r for d, r in zip(durs, refs)),
+            "ref_median_ns": statistics.median(refs), **extra}
 
 
 def toggled(a, w: Workload, control: Control, libs: tuple, deadline: float, blocks: list, dropped: list) -> None:
@@ -258,6 +263,9 @@ def main(argv=None) -> int:
         print(f"delay: injected {d['truth_added_us']:.2f} us per step = ratio {d['truth_ratio']:.5f}; "
               f"recovered {d['ratio']:.5f} [{d['ratio_lo']:.5f}, {d['ratio_hi']:.5f}], "
               f"{d['added_us']:.2f} us [{d['added_lo_us']:.2f}, {d['added_hi_us']:.2f}]")
+        if "norm_truth_ratio" in d:
+            print(f"delay, steps over their reference work: ratio {d['norm_truth_ratio']:.5f}; recovered "
+                  f"{d['norm_ratio']:.5f} [{d['norm_lo']:.5f}, {d['norm_hi']:.5f}]")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f)

@@ -43,6 +43,20 @@ class Control:
         return struct.unpack_from("<q", self.mm, 0)[0] if self.mm else 0
 
 
+REF_ITERS = 4000
+
+
+def reference() -> int:
+    """A fixed piece of CPU work timed in every step, no driver call in it: the GPU hosts run a
+    vCPU at one speed or 1.3-1.85x slower for seconds at a time (docs/BENCHMARKS.md, "The GPU
+    machines' CPU regimes"), and a step over its reference is a time at one speed
+    (bench/e2e_stats.py: `norm`)."""
+    x = 0
+    for i in range(REF_ITERS):
+        x += i * i
+    return x
+
+
 def spin(ns: int) -> None:
     end = time.monotonic_ns() + ns
     while time.monotonic_ns() < end:
@@ -186,8 +200,11 @@ def main(argv=None) -> int:
     while time.monotonic() < end:
         step()
     out.write(f"ready {os.getpid()}\n")
-    allocs, write, cpu = 0, out.write, time.thread_time_ns
+    allocs, write, cpu, clock = 0, out.write, time.thread_time_ns, time.perf_counter_ns
     while True:
+        r0 = clock()
+        reference()
+        ref = clock() - r0
         allocs += step()
         d = ctl.delay_ns()
         if d:
@@ -195,7 +212,7 @@ def main(argv=None) -> int:
             # 40 % more than the delay to the steps here (their caches and TLB flushed)
             spin(d)
         try:
-            write(f"{time.monotonic_ns()} {allocs} {cpu()}\n")
+            write(f"{time.monotonic_ns()} {allocs} {cpu()} {ref}\n")
         except BrokenPipeError:   # the harness is done
             return 0
 

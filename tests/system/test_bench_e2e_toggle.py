@@ -123,6 +123,13 @@ def test_toggled_modes_recover_an_injected_delay_and_count_the_running_process(r
     lo, hi = e2e_stats.bootstrap_mean([p["added_ns"] / 1e3 for p in pairs], level=0.999)
     assert lo - 0.15 * DELAY_US <= DELAY_US <= hi + 0.15 * DELAY_US, d
     assert d["ratio_lo"] > 1.0, d
+    # the same over each step's reference work (the GPU hosts' CPU regimes): every block has it
+    assert all(b["norm_median"] > 0 and b["ref_median_ns"] > 0 for b in blocks)
+    npairs = [p for p in e2e_stats.paired(blocks, "norm_median") if p["mode"] == "delay"]
+    lo, hi = e2e_stats.bootstrap_mean([p["ratio"] for p in npairs], level=0.999)
+    slack = 0.15 * (d["norm_truth_ratio"] - 1)
+    assert lo - slack <= d["norm_truth_ratio"] <= hi + slack, d
+    assert d["norm_lo"] > 1.0 and "norm_ratio" in modes["probed"], d
     assert "ratio" in modes["probed"] and "ratio" not in modes["bare"]
     assert "delay:" in r.stdout and "probed" in r.stdout
     # its plot

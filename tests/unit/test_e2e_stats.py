@@ -121,3 +121,32 @@ def test_each_mode_s_share_of_steps_in_the_host_s_slow_regime():
     assert m["probed"]["slow_share"] == pytest.approx(0.4) and m["bare"]["slow_share"] == pytest.approx(0.175)
     m = e2e_stats.summarize([blk("bare", 100), blk("probed", 105), blk("bare", 100)])
     assert m["probed"]["ratio"] == pytest.approx(1.05) and "slow_share" not in m["probed"]
+
+
+def test_steps_over_their_reference_work_cancel_the_host_s_regime():
+    """Steps of 1,000 ns whose reference work takes 100 ns, and in the host's slow regime 1,800
+    and 180 (the whole CPU at 1/1.8 speed); probed adds 2 % at either speed. A probed block
+    wholly in the slow regime between fast bare blocks: its median ratio says +83.6 %, over its
+    reference +2 %. A delay block waits 40 ns of wall time more per step in the slow regime:
+    its truth, over its reference, is 40 / 180 / 10."""
+    from types import SimpleNamespace
+
+    from bench.e2e_toggle import block_of
+
+    def run(mode, n, step, ref, t0):
+        ends = [t0 + i * step for i in range(n + 1)]
+        return SimpleNamespace(ends=ends, allocs=[0] * len(ends), cpu=[0] * len(ends), refs=[ref] * len(ends),
+                               clock="wall"), ends[0], ends[-1]
+
+    blocks = []
+    for mode, step, ref, extra in (("bare", 1000, 100, {}), ("probed", 1836, 180, {}), ("bare", 1000, 100, {}),
+                                   ("delay", 1840, 180, {"delay_ns": 40}), ("bare", 1000, 100, {})):
+        w, a, b = run(mode, 20, step, ref, 10**6 * len(blocks))
+        blocks.append(block_of(w, mode, a, b, **extra))
+    assert [b["steps"] for b in blocks] == [20] * 5
+    m = e2e_stats.summarize_run(blocks)
+    assert m["probed"]["ratio"] == pytest.approx(1.836) and m["probed"]["norm_ratio"] == pytest.approx(1.02)
+    assert m["delay"]["norm_ratio"] == pytest.approx(1840 / 180 / 10)
+    assert m["delay"]["norm_truth_ratio"] == pytest.approx(1 + 40 / 180 / 10)
+    assert m["probed"]["slow_share"] == 1.0 and m["bare"]["slow_share"] == 0.0
+    assert "norm_ratio" not in m["bare"]
