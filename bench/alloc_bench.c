@@ -225,11 +225,12 @@ static size_t vmm_bytes(size_t n)
 static int run_cell(const struct api *a, size_t size, int iters, long long *ta, long long *tf, struct slot *sl)
 {
     size_t bytes = a->alloc == a_vmm ? vmm_bytes(size) : size;
-    long long m1, p1, m2, p2, ref = ref_ns();
+    long long m1, p1, m2, p2, ref;
     if (a->runtime && rt_missing) {
         printf("unavailable %s %s\n", a->name, rt_missing);
         return 0;
     }
+    ref = ref_ns();
     if (!a->free) {
         if (a->alloc(sl, 0))   // one untimed call first: lazy set-up of the path is not the cost
             goto failed;
@@ -300,13 +301,12 @@ static int traced_threads(void)
 static void wait_untraced(void)
 {
     const char *env = getenv("CONVGPU_BENCH_UNTRACED_MS");
-    long long limit = env ? atoll(env) : 5000, t0 = now_ns(), ms = 0;
+    long long limit = env ? atoll(env) : 5000, t0 = now_ns();
     if (limit <= 0)
         return;
-    while (traced_threads() && (ms = (now_ns() - t0) / 1000000) < limit)
+    while (traced_threads() && now_ns() - t0 < limit * 1000000)
         nanosleep(&(struct timespec){0, 5000000}, NULL);
-    ms = (now_ns() - t0) / 1000000;
-    fprintf(stderr, "%s %lld\n", traced_threads() ? "still_traced_ms" : "untraced_ms", ms);
+    fprintf(stderr, "%s %lld\n", traced_threads() ? "still_traced_ms" : "untraced_ms", (now_ns() - t0) / 1000000);
 }
 
 static const struct api *find_api(const char *name, size_t len)

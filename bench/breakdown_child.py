@@ -4,10 +4,10 @@
     python -m bench.breakdown_child bystander N
 
 `pairs`: the workload. It first allocates HOLD blocks of the first size (default 0) and keeps
-them for its life, as a framework keeps its weights: on a real driver the device page then stays
-mapped, and each pair is a sub-allocation, not a page mapped and unmapped (77-111 us on the
-H100, swamping a few us of probes). After set-up and a warm-up of 1,000 pairs it prints `ready PID`; then for
-every line K on its stdin it makes K allocation+free pairs (the sizes cycled) and prints
+them for its life, as a framework keeps its weights: on a real driver the device page then
+stays mapped, and each pair is a sub-allocation, not a page mapped and unmapped (77-111 us on
+the H100, swamping a few us of probes). After a warm-up of 1,000 pairs it prints `ready PID`;
+then for every line K on its stdin it makes K allocation+free pairs (the sizes cycled) and prints
 `WALL_NS CPU_NS` (CPU: this thread's user + system time; a trap is system time). torch: tensors
 under PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the parent sets it), cupy: arrays without CuPy's pool,
 driver: cuMemAlloc_v2/cuMemFree_v2 of $BREAKDOWN_LIBCUDA through ctypes, runtime:

@@ -8,19 +8,19 @@ Per mode, the mean of its blocks' ratios and a 95 % bootstrap interval of that m
 (percentile method, blocks resampled with replacement, seeded: the same data give the same
 interval). The same for the added time per step (median minus the neighbours' mean).
 
-The host's speed regimes (docs/BENCHMARKS.md, "The GPU machines' CPU regimes"): on the GPU machines a
-fixed CPU-bound step runs at one speed or about 1.3-1.85x slower for seconds at a time, pinned
-or not, in thread CPU time as in wall time, with no steal, in bare blocks as in any other. A
-block that lands in the slow regime moves its ratio by tens of percent. So every step also
-times a fixed piece of CPU work (bench/e2e_workloads.py `reference`), and a block's
+The host's speed regimes (docs/BENCHMARKS.md, "The GPU machines' CPU regimes"): on the GPU
+machines a fixed CPU-bound step runs at one speed or about 1.3-1.85x slower for seconds at a
+time, pinned or not, in thread CPU time as in wall time, with no steal, in bare blocks as in
+any other. A block that lands in the slow regime moves its ratio by tens of percent. So every
+step also times a fixed piece of CPU work (bench/e2e_workloads.py `reference`), and a block's
 `norm_median` is the median of its steps' times over their reference's: a time at one speed.
 Per mode `norm_ratio` with its interval is the pairing above on those, and for the delay
 `norm_truth_ratio` (the wait, a fixed wall time, over the block's reference, against bare's
 normalized step). Per mode also its `slow_share`: the share of its steps slower than
-SLOW_FACTOR x the 10th percentile of every bare step of the run. A mode that spends more of its time in the slow regime than bare does
-either slows the host or drew the regime by chance: with a handful of blocks, say which. (A
-ratio of the fast steps alone was tried and dropped: cutting at a threshold biases a slower
-mode's fast median down, and it missed the injected delay in two H100 runs, 2026-11-27d.)"""
+SLOW_FACTOR x the 10th percentile of every bare step of the run; a mode with more of them
+than bare either slows the host or drew the regime by chance (2026-11-27d: chance, 63 against
+59 % in 31 blocks each). A ratio of the fast steps alone was tried and dropped: cutting at a
+threshold biases a slower mode's fast median down, and it missed the injected delay twice."""
 from __future__ import annotations
 
 import random

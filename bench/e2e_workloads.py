@@ -11,11 +11,12 @@ synthetic 224x224 images; run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1 for the w
 `jax` (an MLP's training step under jit; XLA_PYTHON_CLIENT_PREALLOCATE=false is set here).
 
 Protocol (nothing else is written to stdout: the workload's own prints go to stderr): after its
-warm-up, one line `ready PID` on stdout, then one line per step, `T_END_NS ALLOCS CPU_NS`,
+warm-up, one line `ready PID` on stdout, then one line per step, `T_END_NS ALLOCS CPU_NS REF_NS`,
 T_END_NS the CLOCK_MONOTONIC end of the step (the harness's clock too), ALLOCS the driver
 allocations the workload made itself so far (the stand-in's; 0 where a framework allocates) and
 CPU_NS the stepping thread's CPU time (user and system: a uprobe's trap is the thread's system
-time), which waiting for a CPU does not stretch (bench.e2e_toggle --clock cpu). A step is the
+time), which waiting for a CPU does not stretch (bench.e2e_toggle --clock cpu), and REF_NS the
+time of the step's fixed reference work (`reference`, part of the step). A step is the
 time from one end to the next, so nothing the loop does falls between steps. The file named by
 E2E_CONTROL (8 bytes, mmapped) holds an injected delay in ns that every step busy-waits at its
 end: the harness's known truth."""
