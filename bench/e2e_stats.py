@@ -30,18 +30,23 @@ BARE = "bare"
 SLOW_FACTOR = 1.25   # over this x bare's 10th percentile, a step ran in the slow regime
 
 
+def _inside(ends: list[int], start_ns: int, stop_ns: int) -> list[int]:
+    """The steps (index of the end stamp each began at) that began and ended inside the block."""
+    return [i for i in range(len(ends) - 1) if ends[i] >= start_ns and ends[i + 1] <= stop_ns]
+
+
 def steps_in(ends: list[int], start_ns: int, stop_ns: int, clock: list[int] | None = None) -> list[int]:
     """Durations (ns) of the steps that began and ended inside [start_ns, stop_ns]: a step is
     the time between two consecutive end stamps, read on `clock` (stamps taken with `ends`,
     e.g. the thread's CPU time) if given."""
     c = clock or ends
-    return [c[i + 1] - c[i] for i in range(len(ends) - 1) if ends[i] >= start_ns and ends[i + 1] <= stop_ns]
+    return [c[i + 1] - c[i] for i in _inside(ends, start_ns, stop_ns)]
 
 
 def refs_in(ends: list[int], refs: list[int], start_ns: int, stop_ns: int) -> list[int]:
     """The reference work's time of each step steps_in(ends, start_ns, stop_ns) returns, in
     the same order (a step's line carries its own)."""
-    return [refs[i + 1] for i in range(len(ends) - 1) if ends[i] >= start_ns and ends[i + 1] <= stop_ns]
+    return [refs[i + 1] for i in _inside(ends, start_ns, stop_ns)]
 
 
 def paired(blocks: list[dict], key: str = "median_ns") -> list[dict]:
