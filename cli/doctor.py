@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..enforcer import ctxest
 from ..enforcer.tenants.containers import cgroup_layout
@@ -14,6 +15,7 @@ from ..probes.libs import LibraryFinder
 from ..probes.nvml import Nvml
 from ..units import format_size
 from . import common
+from .view import row
 
 
 @dataclass
@@ -105,7 +107,7 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
 def context_checks(nv, cuda, state_dir: str, run_dir: str) -> list[Check]:
     """Per GPU, what a CUDA context is charged before NVML measures it, and where that comes from:
     the running enforcer's figure if one answers, else what a start would charge with the state
-    dir as it is (learned, measured-at-start, to be measured at start, table-hint, conservative;
+    dir as it is (measured-at-start, to be measured at start, table-hint, conservative;
     enforcer/ctxest.py). Conservative is a warning: 1 GiB held per context until NVML measures it."""
     from ..enforcer.serving.server import request
     try:
@@ -113,7 +115,7 @@ def context_checks(nv, cuda, state_dir: str, run_dir: str) -> list[Check]:
         running = {d: (g["ctx_estimate"], g.get("ctx_measuring", False)) for d, g in st["gpus"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         running = None
-    store = ctxest.LearnedStore(state_dir)
+    store = ctxest.MeasuredStore(state_dir)
     out = []
     gpus = nv.gpus() if nv.ok else []
     for g in gpus or [None]:
@@ -126,9 +128,9 @@ def context_checks(nv, cuda, state_dir: str, run_dir: str) -> list[Check]:
         else:
             why = ("no NVML" if not nv.ok else "MIG mode" if g.migs else "no host driver" if not cuda else "")
             measured = store.measured_at_start(dev.model_key)
-            est = ctxest.choose(store.get(dev.key), dev, None, measured, why)
+            est = ctxest.choose(dev, None, measured, why)
             where = f"a start with {state_dir}"
-            later = not why and measured is None and not store.get(dev.key)
+            later = not why and measured is None
             if later:
                 where += ": measured at start first (newcomers wait), till then"
         out.append(Check(f"context GPU{dev.index}", est.source != "conservative" or later,
@@ -204,8 +206,8 @@ def doctor(state_dir: str = typer.Option(ctxest.DEFAULT_STATE_DIR, "--state-dir"
     for col in ("check", "", "detail", "fix"):
         t.add_column(col, overflow="fold")
     for c in checks:
-        mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.fatal else "[yellow]warn[/]")
-        t.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
+        mark = Text("ok", "green") if c.ok else Text("FAIL", "red") if c.fatal else Text("warn", "yellow")
+        row(t, c.name, mark, c.detail, "" if c.ok else c.fix)   # details name files and containers: text
     Console(width=100).print(t)
     bad = [c for c in checks if c.fatal and not c.ok]
     if bad:

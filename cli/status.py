@@ -7,6 +7,7 @@ from rich.table import Table
 
 from ..units import format_size
 from . import common
+from .view import row, text
 
 
 def table(st: dict) -> Table:
@@ -40,17 +41,19 @@ def table(st: dict) -> Table:
             notes.append(f"pid {m['pid']}: its CUDA devices are not established as host GPUs "
                          f"({m.get('contradiction') or m['how']}): {where}")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
-              title_justify="left", caption_justify="left", caption="\n".join(notes) or None)
+              title_justify="left", caption_justify="left", caption=text("\n".join(notes)) if notes else None)
     for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "ctx from", "state", "stalled", "stalls"):
         t.add_column(col, justify="left" if col in ("container", "state") else "right")
     for c in st["containers"]:
         for dev, g in c["gpus"].items():
             state = ("over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
                      if g["waiting"] else "running")
-            t.add_row(c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
+            row(t, c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"]), format_size(g["context_overhead"]),
                       g.get("context_source", "-"), state,
                       f"{c['stalled_s']:.1f}s", str(c["stalls"]))
+    for r in st.get("registered", []):   # `convgpu run` jobs with no CUDA call yet
+        row(t, r["name"], "-", format_size(r["limit"]), "", "", "", "", "registered", "", "")
     return t
 
 

@@ -17,6 +17,17 @@ MODES = {
 }
 
 
+def text(x) -> Text:
+    """A cell as text, never markup: names, comms, paths and notes come from processes and
+    containers (issue 39 attack 2: a process named `[/x]` ended the live view with rich's
+    MarkupError; every string rich is handed as a str is parsed as markup)."""
+    return x if isinstance(x, Text) else Text(str(x))
+
+
+def row(t: Table, *cells):
+    t.add_row(*map(text, cells))
+
+
 def _age(s: float | None) -> str:
     if s is None:
         return "-"
@@ -37,9 +48,9 @@ def gpu_table(s: Snapshot) -> Table:
                    ("tracked", "right")):
         t.add_column(col, justify=j)
     if not s.gpus:
-        t.add_row("-", "no GPU activity seen yet", "", "", "")
+        row(t, "-", "no GPU activity seen yet", "", "", "")
     for g in s.gpus:
-        t.add_row(str(g.index), g.name[:36], format_size(g.total), format_size(g.used), format_size(g.tracked))
+        row(t, str(g.index), g.name[:36], format_size(g.total), format_size(g.used), format_size(g.tracked))
     return t
 
 
@@ -51,18 +62,18 @@ def container_table(s: Snapshot) -> Table:
     for col, w in (("live", 10), ("context", 11), ("total", 10), ("peak", 10), ("alloc/s", 7), ("last", 6)):
         t.add_column(col, justify="right", min_width=w, no_wrap=True)
     if not s.containers:
-        t.add_row(Text("no CUDA process yet", style="dim"), "", "", "", "", "", "", "")
+        row(t, Text("no CUDA process yet", style="dim"), "", "", "", "", "", "", "")
     for c in s.containers:
         gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
         n = len(c.pids)
         label = Text(c.name, style="bold")   # kind and id are in --json; processes below
         label.append(f" [{n}]" if n > 1 else "", style="dim")
-        t.add_row(label, gpus,
+        row(t, label, gpus,
                   format_size(c.live), format_size(c.overhead), format_size(c.total),
                   format_size(c.peak), f"{c.rate:.1f}", _age(c.last_event_age))
         for p in c.processes:
             src = {"nvml": "", "estimate": " ~", "none": ""}[p.overhead_source]
-            t.add_row(Text(f"  {p.pid} {p.comm}", style="dim"), str(p.gpu), format_size(p.live),
+            row(t, Text(f"  {p.pid} {p.comm}", style="dim"), str(p.gpu), format_size(p.live),
                       format_size(p.overhead) + src, format_size(p.total), format_size(p.peak),
                       f"{p.rate:.1f}", _age(p.last_event_age))
     return t
@@ -78,7 +89,7 @@ def events_table(s: Snapshot, rows: int = 8) -> Table:
     for e in list(s.events)[-rows:]:
         call = e.api + (f" ({e.rt_api})" if e.rt_api else "")
         op = e.op + ("~" if e.estimate else "") + ("?" if e.unknown else "")
-        t.add_row(f"-{(mono_now - e.ts_ns) / 1e9:.1f}s", str(e.pid), e.comm[:12], op, call[:34],
+        row(t, f"-{(mono_now - e.ts_ns) / 1e9:.1f}s", str(e.pid), e.comm[:12], op, call[:34],
                   format_size(e.size) if e.size else "", format_size(e.live) if e.op in ("alloc", "free") else "")
     return t
 
@@ -94,14 +105,16 @@ def enforce_table(s: Snapshot) -> Table:
     t.add_column("GPU", justify="right", min_width=3, no_wrap=True)
     for col, w in (("limit", 10), ("assigned", 10), ("used", 10), ("state", 16), ("stalled", 8), ("stalls", 6)):
         t.add_column(col, justify="left" if col == "state" else "right", min_width=w, no_wrap=True)
-    if not e["containers"]:
-        t.add_row(Text("no container placed yet", style="dim"), "", "", "", "", "", "", "")
+    if not e["containers"] and not e.get("registered"):
+        row(t, Text("no container placed yet", style="dim"), "", "", "", "", "", "", "")
     for c in e["containers"]:
         for dev, g in c["gpus"].items():
             state = (Text("over limit", style="bold red") if g["over_limit"] else
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
-            t.add_row(Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
+            row(t, Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
+    for r in e.get("registered", []):   # `convgpu run` jobs with no CUDA call yet
+        row(t, Text(r["name"], style="bold"), "-", format_size(r["limit"]), "", "", Text("registered", style="dim"), "", "")
     return t
 
 

@@ -165,14 +165,20 @@ class Books:
     def assigned(self, dev: int) -> int:
         return sum(b.assigned.get(dev, 0) for b in self.boxes.values())
 
+    def committed(self, dev: int) -> int:
+        """What containers hold or may take on dev: each its assignment, or what it holds where
+        that is more (memory obtained by calls no admission sized, as NVML measured it: issue
+        39). Nobody is granted memory that is not there."""
+        return sum(max(b.assigned[dev], self.held(b, dev)) for b in self.boxes.values() if dev in b.assigned)
+
     def room(self, dev: int) -> int:
         """The card's physical room once every container fills its assignment, with what
         exiting processes still hold: a resume needs it >= 0 (a grant, too, after it)."""
-        return self.physical.get(dev, 0) - self.assigned(dev) - self.tearing(dev)
+        return self.physical.get(dev, 0) - self.committed(dev) - self.tearing(dev)
 
     def free(self, dev: int) -> int:
         """What may be assigned on dev: the capacity's unassigned memory, within the room."""
-        return max(0, min(self.capacity.get(dev, 0) - self.assigned(dev), self.room(dev)))
+        return max(0, min(self.capacity.get(dev, 0) - self.committed(dev), self.room(dev)))
 
     def claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
         """The banker's view of dev (policies.schedule says why): a running container holds its

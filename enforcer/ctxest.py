@@ -1,4 +1,4 @@
-"""What a CUDA context costs on each GPU before NVML has measured it (issues 14 and 31).
+"""What a CUDA context costs on each GPU before NVML has measured it (issues 14, 31 and 39).
 
 A context takes half a gigabyte on an H100 the moment it exists (FACTS.md: 518-550 MiB per
 process), and no allocation call shows it; NVML shows it about a sample later. A container
@@ -6,38 +6,35 @@ that allocates its whole assignment in that second has that much more on the car
 given, and on a full card that is someone else's out-of-memory error. So every context is
 charged an estimate from its first moment, chosen per device, best first:
 
-1. learned: the median of what NVML measured for earlier processes on this device (this GPU
-   and driver), kept across restarts in the state directory;
-2. operator: an explicit --ctx-overhead (the operator's word, where nothing was learned);
-3. measured at start: a bare context the enforcer made itself on this GPU model and driver
-   (enforcer/ctxmeasure.py), once per model and driver, kept in the state directory. Newcomers
-   on a GPU whose measurement runs wait for it (Enforcer._measure_hold);
-4. table hint: the table below, where nothing could be measured (no NVML, MIG, a child that
+1. operator: an explicit --ctx-overhead (the operator's word);
+2. measured at start: a bare context the enforcer made itself on this GPU model and driver
+   (enforcer/ctxmeasure.py), once per model and driver, kept in the state directory, plus a
+   margin for what frameworks load into theirs. Newcomers on a GPU whose measurement runs
+   wait for it (Enforcer._measure_hold);
+3. table hint: the table below, where nothing could be measured (no NVML, MIG, a child that
    failed) and the model and driver are in it;
-5. conservative: CONSERVATIVE, where nothing could be measured or is known.
-Before issue 31 the last fallback was --ctx-overhead, default 0: a model missing from the
-table (two H200s) let a process hold its 518 MiB context + 1,536 MiB under a 1,536 MiB limit.
+4. conservative: CONSERVATIVE, where nothing could be measured or is known.
 
-Once NVML has measured a process, its measured overhead replaces the estimate for it (the
-enforcer charges the difference, enforcer/overhead.py _measure_overhead). The choice is a pure
-function; LearnedStore is the only part that touches a file.
+Nothing a tenant's process does moves this figure (issue 39). Before, the estimate was the
+median of what NVML had measured for earlier processes: one job whose graph node took 2.5 GiB
+beside its 518 MiB context made the next context on that GPU cost 1.5 GiB for everyone, and the
+figure was kept across restarts. What a process holds above the estimate is measured by NVML
+within a second and charged to its own container (enforcer/overhead.py), and past its limit
+the backstop stops it (enforcer/backstop.py): the estimate only has to cover that second.
 
 The *ceiling* (`ceiling`) is a second, higher figure: what the preload shim takes off the
-total it reports for each unmeasured context (issue 18, enforcer/serving/memview.py). Admission may
-charge the median and correct it a second later; a framework reads the total once, early,
-and sizes itself from it for good, so that figure must cover a context larger than the median
-(PyTorch with cuBLAS: 612 MiB against a 518-550 MiB median on the H100)."""
+total it reports for each unmeasured context (issue 18, enforcer/serving/memview.py). A
+framework reads the total once, early, and sizes itself from it for good, so that figure must
+cover a context larger than the estimate (PyTorch with cuBLAS: 612 MiB on the H100)."""
 import contextlib
 import json
 import logging
 import os
-import statistics
 import tempfile
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-KEEP = 32            # measurements kept per device: the median of the recent ones
 STATE_FILE = "ctx-overhead.json"
 DEFAULT_STATE_DIR = "/var/lib/convgpu"
 
@@ -58,10 +55,13 @@ ARCH_DEFAULTS = (
 # holds memory back until NVML measures the process (a second); too low lets a container past
 # its limit, so it errs high.
 CONSERVATIVE = 1024 * MiB
-# A context measured at start is a bare driver-API one; a framework's is larger (CuPy and JAX
-# 518-550 MiB where the bare one is 518 MiB on the H100: 1/16 covers it, and 518 + 1/16 is the
-# table's 550 MiB). The ceiling's 1/8 on top reaches 1.195 x bare: PyTorch with cuBLAS was 1.18.
-MEASURED_MARGIN = 16         # the charge adds 1/MEASURED_MARGIN to the bare context
+# A context measured at start is a bare driver-API one; a framework's is larger: CuPy and JAX
+# 518-550 MiB where the bare one is 518 MiB on the H100, PyTorch with cuBLAS loaded 612 MiB
+# (1.18 x bare). With the backstop (issue 39) a context charged below what NVML then measures
+# can put a job that filled its limit in that first second over it, so the margin covers the
+# largest framework context measured: 1/4 (518 -> 648 MiB). Too high holds 130 MiB back for a
+# second, until NVML measures the process.
+MEASURED_MARGIN = 4          # the charge adds 1/MEASURED_MARGIN to the bare context
 PAGE = 2 * MiB               # the device's allocation granularity: charges in whole pages
 TABLE_ENV = "CONVGPU_CTX_TABLE"   # "off": the table is empty (tests of a model never seen)
 # The ceiling's margin over the largest figure known: a context grows as a framework loads more
@@ -72,7 +72,7 @@ CEILING_MARGIN = 8           # the ceiling adds 1/CEILING_MARGIN
 
 @dataclass(frozen=True)
 class Device:
-    """What NVML tells about a GPU: enough to key what was learned and to find a default."""
+    """What NVML tells about a GPU: enough to key a measurement and to find a default."""
     index: int
     name: str = ""
     uuid: str = ""
@@ -80,7 +80,7 @@ class Device:
 
     @property
     def key(self) -> str:
-        """Learned values belong to this card and driver (a new driver: learned again)."""
+        """This card and driver."""
         ident = self.uuid or f"GPU{self.index}" + (f" {self.name}" if self.name else "")
         return f"{ident} driver {self.driver}" if self.driver else ident
 
@@ -97,7 +97,7 @@ class Device:
 @dataclass(frozen=True)
 class Estimate:
     bytes: int
-    source: str      # "learned" | "operator" | "measured-at-start" | "table-hint" | "conservative"
+    source: str      # "operator" | "measured-at-start" | "table-hint" | "conservative"
     detail: str
 
     def to_json(self) -> dict:
@@ -138,16 +138,12 @@ def measured_charge(bare: int) -> int:
     return -(-(bare + bare // MEASURED_MARGIN) // PAGE) * PAGE
 
 
-def choose(learned: list[int], dev: Device, operator: int | None = None, measured: int | None = None,
-           why: str = "") -> Estimate:
+def choose(dev: Device, operator: int | None = None, measured: int | None = None, why: str = "") -> Estimate:
     """The estimate in force for a device's next context. operator: --ctx-overhead if given;
     measured: the bare context measured at start on this model and driver; why: why nothing
     is measured (yet), said with the fallback."""
-    if learned:
-        med = int(statistics.median(learned))
-        return Estimate(med, "learned", f"median of {len(learned)} measured on {dev.key}")
     if operator is not None:
-        return Estimate(operator, "operator", f"--ctx-overhead (the operator's figure; nothing learned on {dev})")
+        return Estimate(operator, "operator", f"--ctx-overhead (the operator's figure on {dev})")
     if measured is not None:
         return Estimate(measured_charge(measured), "measured-at-start",
                         f"a bare context measured {measured} bytes on {dev.model_key}, + 1/{MEASURED_MARGIN}")
@@ -159,19 +155,15 @@ def choose(learned: list[int], dev: Device, operator: int | None = None, measure
                     "context measured (an NCCL rank ~966 MiB, FACTS.md)")
 
 
-def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estimate:
+def ceiling(dev: Device, est: Estimate, page: int) -> Estimate:
     """What the shim's reported total leaves for each context NVML has not measured (issue 18):
-    the largest of the estimate in force, the learned values' 90th percentile (nearest rank)
-    and the architecture table's largest context, plus 1/8, rounded up to whole pages (`page`).
-    Only --ctx-overhead is taken as it is: the operator's figure, nothing known beside it.
-    Never below the estimate, so a reported total never promises what admission would refuse."""
+    the larger of the estimate in force and the architecture table's largest context, plus
+    1/8, rounded up to whole pages (`page`). Only --ctx-overhead is taken as it is: the
+    operator's figure, nothing known beside it. Never below the estimate, so a reported total
+    never promises what admission would refuse."""
     if est.source == "operator":
         return Estimate(est.bytes, "operator", "--ctx-overhead (no margin: the operator's figure)")
     figures = {"estimate": est.bytes}
-    if learned:   # a percentile, not the maximum: one stray high reading (a free in flight read
-        #           as context, docs/SCHEDULING.md) must not set it alone once 10 are kept
-        ranked = sorted(learned)
-        figures["learned p90"] = ranked[max(0, -(-len(ranked) * 9 // 10) - 1)]
     top = arch_top(dev.name, dev.driver)
     if top is not None:
         figures["architecture top"] = top
@@ -181,46 +173,39 @@ def ceiling(learned: list[int], dev: Device, est: Estimate, page: int) -> Estima
                     f"(the estimate: {est.source})")
 
 
-class LearnedStore:
-    """Measured per-context overheads per device key, and the bare context measured at start
-    per model key, in <state dir>/ctx-overhead.json: {"version": 1, "devices": {key: [bytes,
-    ...]}, "measured": {model key: bytes}} (an older convgpu reads "devices" and ignores the
-    rest). No directory: kept in memory only. A file that cannot be read is one warning and a
-    fresh start (and is replaced at the next save)."""
+class MeasuredStore:
+    """The bare context measured at start per model key, in <state dir>/ctx-overhead.json:
+    {"version": 2, "measured": {model key: bytes}}. A version-1 file's "devices" (figures
+    learned from tenants' processes, which issue 39 stopped using) is read past, once said. No
+    directory: kept in memory only. A file that cannot be read is one warning and a fresh
+    start (and is replaced at the next save)."""
 
     def __init__(self, state_dir: str | None):
         self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
-        self.values: dict[str, list[int]] = {}
         self.measured: dict[str, int] = {}
         self.dirty = False
         if self.path:
-            self.values, self.measured = self._load()
+            self.measured = self._load()
 
-    def _load(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+    def _load(self) -> dict[str, int]:
         try:
             with open(self.path) as f:
                 doc = json.load(f)
         except FileNotFoundError:
-            return {}, {}
+            return {}
         except (OSError, ValueError) as e:
             log.warning("ignoring %s (%s): context estimates start from defaults", self.path, e)
-            return {}, {}
-        devs = doc.get("devices") if isinstance(doc, dict) else None
+            return {}
         measured = doc.get("measured", {}) if isinstance(doc, dict) else None
-        if not isinstance(devs, dict) or not all(
-                isinstance(v, list) and all(_size(x) for x in v) for v in devs.values()) or not (
-                isinstance(measured, dict) and all(_size(v) for v in measured.values())):
+        if not (isinstance(measured, dict) and all(_size(v) for v in measured.values())):
             log.warning("ignoring %s (not a convgpu context file): context estimates start from "
                         "defaults", self.path)
-            return {}, {}
-        return {k: v[-KEEP:] for k, v in devs.items()}, dict(measured)
-
-    def get(self, key: str) -> list[int]:
-        return self.values.get(key, [])
-
-    def add(self, key: str, nbytes: int):
-        self.values[key] = (self.values.get(key, []) + [int(nbytes)])[-KEEP:]
-        self.dirty = True
+            return {}
+        if doc.get("devices"):
+            log.info("%s: figures learned from earlier processes are not used (one tenant could move "
+                     "them); contexts are charged what the enforcer measured itself", self.path)
+            self.dirty = True   # written again without them
+        return dict(measured)
 
     def measured_at_start(self, model_key: str) -> int | None:
         return self.measured.get(model_key)
@@ -240,8 +225,7 @@ class LearnedStore:
             os.makedirs(d, mode=0o755, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".ctx-", dir=d)
             with os.fdopen(fd, "w") as f:
-                json.dump({"version": 1, "devices": self.values, "measured": self.measured}, f, indent=1,
-                          sort_keys=True)
+                json.dump({"version": 2, "measured": self.measured}, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 
-from . import ctxest, policies
+from . import backstop, ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
 LOOP_LATE = 1.0          # s between two passes of the loop that gets a warning
 LOOP_HUNG = 30.0         # s without a pass: the heartbeat stops (enforcer/failsafe/heartbeat.py)
-MEASURE_EVERY = 1.0      # s; NVML's per-process memory, for the measured context overhead
+MEASURE_EVERY = 1.0      # s; the measured context overhead from NVML's latest sample
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
@@ -136,7 +136,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
         self.excess: dict[tuple[int, int], tuple[int, int]] = {}
         # what a context costs before NVML measures it, per device (enforcer/ctxest.py)
-        self.learned = ctxest.LearnedStore(state_dir)
+        self.measured = ctxest.MeasuredStore(state_dir)
         self.devices = self._devices()
         self._unmeasured: dict[str, str] = {}   # model key -> why no context is measured there (yet)
         self.est = {d: self._choose(d) for d in self.devices}
@@ -146,8 +146,12 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         self._measuring = 0                      # its child's pid: admission skips it (control.measuring)
         self._held_new: dict = {}                # (pid, tid) -> (event, also): waiting for a measurement
         self._nvml_failing = False               # said once: NVML stopped answering (overhead.py)
-        self._peak: dict[tuple[int, int], int] = {}    # (pid, dev) -> largest measured per context
-        self._learn_saved = 0.0
+        # the driver's own count as the last word: over a limit however obtained (backstop.py)
+        self.backstop = backstop.Backstop(self.books, self.stopper, self._place_stray, self.kill, self._waits_whole,
+                                          self._own_pids, self._calls_of, self._accounted,
+                                          lambda: self.decider.over_limit)
+        self.backstop.off = self._backstop_off()
+        self.calls_seen: dict[int, dict[str, int]] = {}   # pid -> calls no admission sizes, seen in events
 
     # ---- the books' readers (enforcer/books.py) ----
     def _share(self, box: Box, dev: int) -> int:
@@ -226,7 +230,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         if self.nvml is not None and self.nvml.ok:   # once the probes' maps exist: a sample reads
             from ..probes.nvml import Sampler         # them, and failed until then, which read as
             # "NVML has not answered for 7 s" at every start on a GPU host
-            self.sampler = Sampler(self.nvml, MEASURE_EVERY, self._tracked, self.tracer.calls_in_flight,
+            self.sampler = Sampler(self.nvml, backstop.SAMPLE_EVERY, self._tracked, self.tracer.calls_in_flight,
                                    contexts=True).start()
         self._wake_fd = self.tracer.fileno()
         self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
@@ -285,10 +289,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self.sampler.close()
         if self._measuring_now is not None:   # its child goes (newcomers it held: _resume_unplaced)
             self._measuring_now.result(float("inf"))
-        for (pid, dev), per_ctx in sorted(self._peak.items()):   # still running: learned too
-            self.learned.add(self.devices[dev].key, per_ctx)
-        self._peak.clear()
-        self._save_learned(force=True)
+        self._save_measured()
         self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             # first, while our probes hold every event: its duplicates then go with it at once, and
@@ -329,6 +330,8 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self._changed()
         if self._measuring_now is not None or self._measure_queue:
             self._measure_step(now)
+        if self.sampler is not None and self.sampler.seq != self.backstop.seq:   # the driver's count
+            dirty |= self.backstop.step(self.sampler.raw, self.sampler.seq, now)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
@@ -337,7 +340,6 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
-            self._save_learned()
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         self._sweep_decisions(now)

@@ -81,12 +81,20 @@ class Events:
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
         return dirty
 
-    def _box_for(self, pid: int) -> Box | None:
+    def _box_for(self, pid: int, keep: bool = True) -> Box | None:
+        """pid's container's record, made where there is none. keep=False: a record made here is
+        not kept (a shim's message from a process that has opened no GPU, issue 39 attack 1:
+        each such message used to leave a record with an assignment and no process, for good)."""
         try:
             c = self.container_of(pid)
         except Exception:
             return None
         box = self.boxes.get(c.id)
+        if box is None and not keep:
+            meta = self.engines.lookup_sync(c) if self.engines is not None else None
+            name = meta.name if meta and meta.name else self.names.get(c.cgroup, c.short)
+            limit, source = self.rules.limit_for(c, name, meta.labels if meta else None)
+            return Box(0, c, name, time.monotonic(), self.books.capped(name, limit), source)
         if box is None:
             if self.durable.sweep((c.id, c.cgroup)):   # a new cgroup where a gone one was decided for
                 self._decided()
@@ -223,8 +231,8 @@ class Events:
                     "before its %s ran", e.pid, f" of {box.name}" if box else "", e.api)
 
     def _gone(self, pid: int):
-        self._learn(pid)
         self.contradicted.pop(pid, None)
+        self.calls_seen.pop(pid, None)
         if pid in self.shimmed:
             self.broker.shim_gone(pid)
         box = self.pid_box.pop(pid, None)

@@ -40,6 +40,9 @@ GAUGES = (   # name, help, field of a container's per-GPU row (or the container'
      "context_overhead"),
     ("convgpu_container_stalled_seconds", "time the container has spent stalled", "stalled_s"),
     ("convgpu_container_waiting", "1 while the container has a request stalled on the GPU", "waiting"),
+    ("convgpu_container_over_limit_bytes", "how far the driver's count (NVML) of the container's processes is "
+     "above its limit (0: within it)", "over_by"),
+    ("convgpu_container_over_limit_seconds", "how long the driver's count has been above its limit", "over_s"),
 )
 COUNTERS = (   # per container; the family's name gets `_total` on the wire
     ("convgpu_stalls", "times the container was stalled", "stalls"),

@@ -1,8 +1,8 @@
 """Context overhead: what a context is charged before NVML measures it (the device's
-estimate, learned from earlier processes or measured at start: enforcer/ctxest.py), and the
+estimate, measured at start or given: enforcer/ctxest.py), and the
 measurement that replaces it once NVML has one.
 
-On a GPU whose model and driver have nothing learned or measured, the enforcer measures a
+On a GPU whose model and driver have nothing measured, the enforcer measures a
 context at start (enforcer/ctxmeasure.py, once per model and driver) and holds newcomers on
 that GPU at their first context until it has (_measure_hold, at most ctxmeasure.TIMEOUT); a
 process placed with nothing known was charged 0 before (issue 31: 518 MiB over its limit)."""
@@ -17,7 +17,6 @@ from . import ctxest, ctxmeasure
 from .actions import alive
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
-LEARN_SAVE_EVERY = 10.0  # s at most between two writes of the learned context estimates
 NVML_STALE = 3.0         # s without an NVML sample (one a second) that is said in the log
 
 
@@ -32,11 +31,11 @@ class ContextOverhead:
         try:
             return {g.index: g for g in self.nvml.gpus()}
         except Exception as e:
-            log.warning("NVML cannot list the GPUs (%s): no context is measured, none learned", e)
+            log.warning("NVML cannot list the GPUs (%s): no context is measured", e)
             return {}
 
     def _devices(self) -> dict[int, ctxest.Device]:
-        """Each GPU's model and driver as NVML tells them (keys of what is learned)."""
+        """Each GPU's model and driver as NVML tells them (keys of what is measured)."""
         gpus = self._gpu_infos
         driver = getattr(self.nvml, "driver", "") or ""
         return {d: ctxest.Device(d, gpus[d].name, gpus[d].uuid, driver) if d in gpus else ctxest.Device(d)
@@ -44,12 +43,12 @@ class ContextOverhead:
 
     def _choose(self, dev: int) -> ctxest.Estimate:
         d = self.devices[dev]
-        return ctxest.choose(self.learned.get(d.key), d, self.ctx_overhead,
-                             self.learned.measured_at_start(d.model_key), self._unmeasured.get(d.model_key, ""))
+        return ctxest.choose(d, self.ctx_overhead, self.measured.measured_at_start(d.model_key),
+                             self._unmeasured.get(d.model_key, ""))
 
     def _estimate(self, dev: int) -> ctxest.Estimate:
         e = self.est.get(dev)
-        return e if e is not None else ctxest.choose([], ctxest.Device(dev), self.ctx_overhead)
+        return e if e is not None else ctxest.choose(ctxest.Device(dev), self.ctx_overhead)
 
     def _ctx(self, dev: int) -> int:
         """Bytes charged per context on dev until NVML measures it."""
@@ -57,11 +56,10 @@ class ContextOverhead:
 
     # ---- a context measured at start, where nothing is known (enforcer/ctxmeasure.py) ----
     def _plan_measurements(self):
-        """At start: each GPU model and driver with nothing learned on a card of it, no
-        measurement kept and no --ctx-overhead is measured once; newcomers on its GPUs wait."""
+        """At start: each GPU model and driver with no measurement kept and no --ctx-overhead
+        is measured once; newcomers on its GPUs wait."""
         for dev, d in sorted(self.devices.items()):
-            if (self.learned.get(d.key) or self.ctx_overhead is not None
-                    or self.learned.measured_at_start(d.model_key) is not None):
+            if self.ctx_overhead is not None or self.measured.measured_at_start(d.model_key) is not None:
                 continue
             why = self._unmeasurable(dev)
             if why:
@@ -121,7 +119,7 @@ class ContextOverhead:
             g = self._gpu_infos[dev]
             self._measuring_now = ctxmeasure.Measurement(model, dev, g.uuid or str(dev), self._host_driver(), self.nvml,
                                                          self._measure_exempt).start()
-            log.info("GPU%d: measuring what a context costs on %s (nothing learned or measured; newcomers "
+            log.info("GPU%d: measuring what a context costs on %s (nothing measured; newcomers "
                      "there wait for it, at most %g s)", dev, model, ctxmeasure.TIMEOUT)
 
     def _measure_exempt(self, pid: int, on: bool):
@@ -136,9 +134,9 @@ class ContextOverhead:
     def _measured_at_start(self, m: "ctxmeasure.Measurement", out: "ctxmeasure.Outcome"):
         devs = sorted(d for d in self._measure_wait if self.devices[d].model_key == m.model_key)
         if out.nbytes:
-            self.learned.set_measured(m.model_key, out.nbytes)
+            self.measured.set_measured(m.model_key, out.nbytes)
             self._unmeasured.pop(m.model_key, None)
-            self._save_learned(force=True)
+            self._save_measured()
             log.info("GPU%d: a context measured %s on %s (%s)", m.dev, format_size(out.nbytes), m.model_key, out.why)
         else:
             self._unmeasured[m.model_key] = f"its measurement failed: {out.why}"
@@ -191,12 +189,6 @@ class ContextOverhead:
             return False
         self.excess = nv
         self._check_mappings({pid for pid, _ in nv}, {(pid, dev) for pid, dev in nv})
-        for (pid, dev), (over, n) in nv.items():
-            # a member only: the sample may be older than an exit already learned (_gone), and
-            # its pid would be learned again at its next _gone (a CuPy run on the H100 learned
-            # 9 contexts from 6 processes)
-            if n > 0 and dev in self.devices and pid in self.pid_box:
-                self._peak[(pid, dev)] = max(self._peak.get((pid, dev), 0), over // n)
         return self._recharge()
 
     def _nvml_health(self, now: float):
@@ -241,14 +233,6 @@ class ContextOverhead:
                     changed = True
         return changed
 
-    def _learn(self, pid: int):
-        """A process leaves: what NVML measured for its contexts (at their largest) is learned
-        for its device, and the device's estimate follows the new median."""
-        for dev in sorted(d for p, d in self._peak if p == pid):
-            per_ctx = self._peak.pop((pid, dev))
-            self.learned.add(self.devices[dev].key, per_ctx)
-            self._reestimate(dev)
-
     def _reestimate(self, dev: int):
         new = self._choose(dev)
         old = self.est.get(dev)
@@ -262,13 +246,62 @@ class ContextOverhead:
                 self._recharge({dev})   # extra is relative to the estimate: both change at once
                 self._control(bool(self._leaf.get("enforcing")))
 
-    def _save_learned(self, force: bool = False):
-        now = time.monotonic()
-        if self.learned.dirty and (force or now - self._learn_saved >= LEARN_SAVE_EVERY):
-            self._learn_saved = now
-            self.learned.save()
+    def _save_measured(self):
+        self.measured.save()
 
     def _tracked(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(pid, dev) -> (live bytes, contexts) as the probes track them: NVML's excess over
         the bytes is the process's measured overhead, for that many contexts."""
         return {(u.pid, u.dev): (u.live, max(u.contexts, 0)) for u in self.tracer.usage()}
+
+    # ---- what the backstop (enforcer/backstop.py) is handed ----
+    def _backstop_off(self) -> dict[int, str]:
+        """GPU -> why NVML cannot count its processes' memory (the backstop is off there)."""
+        if self.nvml is None or not getattr(self.nvml, "ok", False):
+            return {d: "no NVML" for d in self.capacity}
+        return {d: "MIG mode: NVML counts no process's memory on the whole GPU" for d in self.capacity
+                if self._gpu_infos.get(d) is not None and self._gpu_infos[d].migs}
+
+    def _backstop_state(self) -> dict:
+        """Whether the backstop runs, per GPU, and why not (status, doctor)."""
+        s = self.sampler
+        if s is not None and s.seq == 0 and s.error:   # never one answer: NVML lists no process here
+            return {str(d): f"off: NVML gives no per-process memory ({s.error})" for d in self.capacity}
+        return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
+                "on" if s is not None else "off: no NVML sampler" for d in self.capacity}
+
+    def _place_stray(self, pid: int):
+        """A process NVML counts memory for, never placed (no admitted call): its container's."""
+        box = self._box_for(pid)
+        if box is None or self._process_quota_full(box, pid):
+            return None
+        self._join(box, pid)
+        log.warning("pid %d of %s holds GPU memory and made no call convgpu admits: placed by what it holds",
+                    pid, box.name)
+        return box
+
+    def _waits_whole(self, box, pid: int) -> bool:
+        """pid is stopped at a call BPF holds, its whole process stopped with it: a SIGCONT
+        would let it into its call (its recheck would stop it again), so the decider resumes it."""
+        return any(a.pid == pid for w in box.waiting.values() for a in w.asks.values()) and self._held_whole(pid)
+
+    def _own_pids(self) -> set[int]:
+        return {os.getpid(), self._exempt, self._measuring} | ({self.watchdog.pid} if self.watchdog else set())
+
+    def _accounted(self) -> dict[tuple[int, int], int]:
+        """(pid, GPU) -> what the probes account for: its live bytes and contexts at the estimate."""
+        return {(u.pid, u.dev): u.live + max(u.contexts, 0) * self._ctx(u.dev) for u in self.tracer.usage()}
+
+    def _calls_of(self, pid: int, dev: int) -> str:
+        """What a process did, for the line that says it is over its limit."""
+        rows = [u for u in self.tracer.usage() if u.pid == pid and u.dev == dev]
+        nv = self.sampler.raw.get((pid, dev), 0) if self.sampler is not None else 0
+        text = f"{format_size(nv)} by the driver's count"
+        if rows:
+            u = rows[0]
+            text += (f", {format_size(u.live)} in {u.n_alloc - u.n_free} live admitted allocations"
+                     f" ({u.n_alloc} made), {max(u.contexts, 0)} contexts")
+        seen = self.calls_seen.get(pid)
+        if seen:
+            text += ", other calls: " + ", ".join(f"{api} x{n}" for api, n in sorted(seen.items()))
+        return text

@@ -15,27 +15,33 @@ class Reporting:
 
     def status(self) -> dict:
         now = time.monotonic()
-        gpus = {}
+        gpus, backstop = {}, self._backstop_state()
         for dev, cap in sorted(self.capacity.items()):
             assigned = self.books.assigned(dev)
             est = self._estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
                               "unassigned": cap - assigned,
                               "physical": self.physical[dev], "tearing_down": self.books.tearing(dev),
-                              "ctx_estimate": est.to_json(), "ctx_measuring": dev in self._measure_wait}
+                              "ctx_estimate": est.to_json(), "ctx_measuring": dev in self._measure_wait,
+                              "backstop": backstop[str(dev)]}
         rows = []
+        raw = self.sampler.raw if self.sampler is not None else None
         for box in sorted(self.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
                 used, contexts, reserved = self.books.usage(box, dev)
                 w = box.waiting.get(dev)
+                over = self.backstop.status(box.key, dev, now)
                 per[str(dev)] = {
                     "limit": self.books.limit(box, dev), "assigned": box.assigned[dev], "used": used,
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
                     "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "shim_credit": self.broker.unspent(box, dev),
-                    "over_limit": bool(w and w.over_limit),
+                    "over_limit": bool(w and w.over_limit) or over["over_by"] > 0,
+                    # the driver's count (NVML) against the limit: the backstop (enforcer/backstop.py)
+                    "nvml_used": sum(raw.get((p, dev), 0) for p in box.pids) if raw is not None else None,
+                    "over_by": over["over_by"], "over_s": over["over_s"],
                     "circular": bool(w and w.circular),
                     "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
@@ -69,6 +75,8 @@ class Reporting:
                 # per GPU, what the shim's memory queries leave for a context NVML has not measured
                 "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},
                 "gpus": gpus, "containers": rows,
+                # `convgpu run` jobs known by name before their first CUDA call (issue 39 part 4)
+                "registered": self.registered(),
                 # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
                 "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status(),
                 **self._mapping_status()}
@@ -137,6 +145,9 @@ class Reporting:
                 if not isinstance(self.stopper, SignalStopper):
                     pids |= box.pids
                     cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
+        stopped, frozen = self.backstop.held()   # over a limit by the driver's count
+        pids |= stopped
+        cgroups |= frozen
         boxes = {str(b.key): {"name": b.name, "created": int(time.time() - (time.monotonic() - b.created)),
                               "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
                               "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}

@@ -7,6 +7,7 @@ import logging
 from ..units import format_size
 from .books import Box
 from .tenants import durable
+from .tenants.containers import container_of_path
 
 SWEEP_EVERY = 2.0   # s between looks for containers gone that left a decision behind
 
@@ -16,15 +17,46 @@ log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "
 class RuntimeChanges:
     """Part of Enforcer (enforcer/daemon.py): limits and rules changed while it runs."""
 
-    def set_limit(self, container: str, limit: int) -> Box:
-        """`convgpu limit set`: until the container is gone, beats every other source."""
-        box = self.books.find(container)
-        c = box.container
+    def set_limit(self, container: str, limit: int) -> tuple[str, int]:
+        """`convgpu limit set`: until the container is gone, beats every other source. A job
+        registered by `convgpu run` is found before its first CUDA call too (issue 39 part 4:
+        before, "no container is known" until the job had placed a process). (name, limit)."""
+        try:
+            box = self.books.find(container)
+        except KeyError:
+            cgroup = self._registered(container)
+            if cgroup is None:
+                raise
+            c, name, box = container_of_path(cgroup), self.names.get(cgroup) or cgroup, None
+        else:
+            c, name = box.container, box.name
         entry = durable.LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
-        self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {box.name}")
+        self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {name}")
         self._decided()
-        self._apply_limit(box, self.books.capped(box.name, limit), "convgpu limit set")
-        return box
+        limit = self.books.capped(name, limit)
+        if box is None:
+            log.info("limit of %s set to %s (convgpu limit set; no CUDA call yet)", name, format_size(limit))
+        else:
+            self._apply_limit(box, limit, "convgpu limit set")
+        return name, limit
+
+    def _registered(self, container: str) -> str | None:
+        """The cgroup of a `convgpu run` job not placed yet, by its name or its cgroup."""
+        placed = {b.container.cgroup for b in self.boxes.values()}
+        return next((cg for cg, run in sorted(self.durable.value.runs.items())
+                     if container in (run.name, cg) and cg not in placed), None)
+
+    def registered(self) -> list[dict]:
+        """`convgpu run` jobs registered and not placed yet (no CUDA call so far), for status."""
+        placed = {b.container.cgroup for b in self.boxes.values()}
+        out = []
+        for cg, run in sorted(self.durable.value.runs.items()):
+            if cg in placed:
+                continue
+            c = container_of_path(cg)
+            limit, source = self.rules.limit_for(c, run.name, None)
+            out.append({"id": c.id, "name": run.name or cg, "cgroup": cg, "limit": limit, "source": source})
+        return out
 
     def _apply_limit(self, box: Box, limit: int, source: str):
         """A new limit: an over-limit waiter may now fit; a lower one takes effect at the next

@@ -125,7 +125,8 @@ class Sampler:
         self.contexts = contexts   # tracked() gives (bytes, contexts): see sample()
         self.ok_at = time.monotonic()   # the last sample NVML answered (stale: Enforcer._nvml_health)
         self.error = ""                 # why the last sample failed, "" if it did not
-        self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached)
+        self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached, the backstop)
+        self.seq = 0                                  # answers so far: a new one is looked at once
         self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
@@ -141,6 +142,7 @@ class Sampler:
             try:
                 self._latest = self.sample()
                 self.ok_at, self.error = time.monotonic(), ""
+                self.seq += 1   # after raw: a reader that sees the count sees its answer
             except Exception as e:   # GPU lost, unknown error: the last sample stays in force
                 self.error = f"{type(e).__name__}: {e}"
                 log.debug("process_memory: %s", e)

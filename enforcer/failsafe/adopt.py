@@ -94,7 +94,7 @@ class Adopt:
         for box in self.boxes.values():
             for dev in box.assigned:
                 # its extra was relative to the old per-context charge (our estimate may differ,
-                # e.g. a median learned but not yet saved): keep the container's total as it was
+                # e.g. a measurement at start that came in meanwhile): keep the container's total as it was
                 _, contexts, _ = self.books.usage(box, dev)
                 box.extra[dev] += contexts * (charge.get((box.key, dev), self._ctx(dev)) - self._ctx(dev))
                 self.write_assign(box, dev)

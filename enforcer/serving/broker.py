@@ -47,11 +47,14 @@ class ShimBroker:
                 enf._take([e], time.monotonic())
         box = enf.pid_box.get(pid)
         if box is None:
-            box = enf._box_for(pid)
+            mapped = self._mapped(pid)
+            # not a member yet, and it has opened no GPU: BPF places (and maps) it at its first
+            # call; its messages until then are answered from a record that is not kept
+            box = enf._box_for(pid, keep=mapped)
             if box is None:
                 raise LookupError(f"pid {pid} has gone")
-            if not self._mapped(pid):
-                return box      # not a member yet: BPF places (and maps) it at its first call
+            if not mapped:
+                return box
             enf._join(box, pid)
         if pid not in enf.shimmed:
             if not self._mapped(pid):
@@ -109,6 +112,8 @@ class ShimBroker:
         box = self._box(pid)
         if dev not in enf.capacity:
             return {"deny": f"no GPU{dev} under the enforcer"}
+        if enf.pid_box.get(pid) is not box:   # an allocation comes after cuInit opened its GPUs
+            return {"deny": f"pid {pid} has opened no GPU: nothing to allocate on"}
         if dev not in box.assigned:
             enf._new_device(box, dev)
         self.asks += 1
@@ -208,8 +213,8 @@ class ShimBroker:
         enf = self.enf
         est = enf._estimate(dev)
         if dev not in enf.devices:
-            return ctxest.ceiling([], ctxest.Device(dev), est, DEV_PAGE)
-        return ctxest.ceiling(enf.learned.get(enf.devices[dev].key), enf.devices[dev], est, DEV_PAGE)
+            return ctxest.ceiling(ctxest.Device(dev), est, DEV_PAGE)
+        return ctxest.ceiling(enf.devices[dev], est, DEV_PAGE)
 
     def caught(self, pid: int):
         """BPF stopped pid, a shim user, at a call it made outside the shim's wrappers (or above

@@ -40,12 +40,11 @@ class ControlHandler(Handler):
         name = msg.get("container")
         size = parse_size(msg.get("size"), "limit")
         try:
-            box = self.enf.set_limit(str(name), size)
+            name, limit = self.enf.set_limit(str(name), size)
         except KeyError:
             raise ConvgpuError(f"no container {name!r} is known to the enforcer",
                                "see `convgpu status` for names and ids") from None
-        return {"container": box.name, "limit": box.limit,
-                "message": f"limit of {box.name} set to {format_size(box.limit)}"}
+        return {"container": name, "limit": limit, "message": f"limit of {name} set to {format_size(limit)}"}
 
     def cmd_reload(self, msg):
         if not self.enf.reload():

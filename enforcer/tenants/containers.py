@@ -3,6 +3,7 @@
 the cgroup path alone names the container, so accounting works with no engine socket at all."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -40,7 +41,7 @@ _ENGINE_PREFIX_KIND = {"docker": "docker", "cri-containerd": "kubernetes", "crio
 @dataclass(frozen=True)
 class Container:
     kind: str          # one of KINDS
-    id: str            # 64-hex engine id | pod uid | systemd unit | cgroup path | "host"
+    id: str            # 64-hex engine id | pod uid | cgroup path (systemd units too) | "host"
     cgroup: str        # the full cgroup path, v2 style "/..."
     pod: str | None = None  # kubernetes pod uid (dashes) the cgroup lies in, whatever the kind
 
@@ -51,8 +52,8 @@ class Container:
             return self.id[:12]
         if self.kind == "kubernetes":  # pod level: the id is the pod uid
             return "pod-" + self.id[:8]
-        if self.kind == "systemd":
-            return re.sub(r"\.(scope|service)$", "", self.id)
+        if self.kind == "systemd":   # its id is its path: the unit's name is the last component
+            return re.sub(r"\.(scope|service)$", "", self.id.rsplit("/", 1)[-1])
         if self.kind == "host":
             return "host"
         return self.id.rstrip("/").rsplit("/", 1)[-1] or self.id
@@ -77,10 +78,12 @@ def container_of_path(path: str) -> Container:
     found = runtime_container(parts)
     if found is not None:
         kind, cid, n, pod = found
-        return Container(kind, cid, "/" + "/".join(parts[:n]), pod)
+        cg = "/" + "/".join(parts[:n])
+        return Container(kind, cg if kind == "systemd" else cid, cg, pod)
     for i, comp in enumerate(parts):
-        if _UNIT.fullmatch(comp):
-            return Container("systemd", comp, "/" + "/".join(parts[:i + 1]))
+        if _UNIT.fullmatch(comp):   # identified by its path, never by its name (issue 39 attack 3)
+            cg = "/" + "/".join(parts[:i + 1])
+            return Container("systemd", cg, cg)
     if parts[0] == "convgpu.run" and len(parts) > 2:
         path = "/" + "/".join(parts[:2])
     return Container("cgroup", path, path)
@@ -255,7 +258,7 @@ def container_of_pid(pid: int, proc: str = "/proc") -> Container:
         if hit is not None:
             _cache.move_to_end(key)
             return hit
-    c = container_of_path(cgroup_of_pid(pid, proc))
+    c = container_of_path(delegation_cut(cgroup_of_pid(pid, proc)))
     if _start_time(pid, proc) != start:  # the pid was reused between the two reads
         raise _gone(pid)
     if c.kind in ENGINE_KINDS:
@@ -264,6 +267,34 @@ def container_of_pid(pid: int, proc: str = "/proc") -> Container:
             while len(_cache) > _CACHE_MAX:
                 _cache.popitem(last=False)
     return c
+
+
+@functools.cache
+def _v2_mount() -> str | None:
+    return cgroup_layout().v2_root
+
+
+def delegation_cut(path: str, root: str | None = None) -> str:
+    """path cut at the outermost cgroup delegated to someone (its directory is not root's, or
+    others may write it): everything below one is made and named by its delegate, so no name
+    there (a unit's, an engine's, a pod's) may say whose it is. Issue 39 attack 3: a tenant made
+    TENANT/victim.service, moved itself into it, and was charged as /system.slice/victim.service.
+    A delegated tree is one container, its delegate's, with its delegate's limit (rootless
+    podman's containers of one user too: that user names them all). root: the cgroup2 mount."""
+    root = root if root is not None else _v2_mount()
+    parts = [p for p in _norm(path).split("/") if p]
+    if root is None or not parts:
+        return path
+    at = root
+    for i, comp in enumerate(parts):
+        at = os.path.join(at, comp)
+        try:
+            st = os.stat(at, follow_symlinks=False)
+        except OSError:   # gone, or not in this hierarchy: the path as it is
+            return path
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return "/" + "/".join(parts[:i + 1])
+    return path
 
 
 @dataclass(frozen=True)

@@ -339,3 +339,28 @@ def test_a_restart_at_once_waits_for_the_old_watchdog(cgroups, build, env5):
         assert (c["name"], c["gpus"]["0"]["used"], c["pids"]) == ("x", GiB, [p.pid])
     finally:
         end([p], enf2, enf)
+
+
+def test_limit_set_finds_a_run_job_before_its_first_cuda_call(build, env5):
+    """Issue 39 part 4: `convgpu limit set t1 2GiB` right after `convgpu run --name t1` started,
+    before the job's first CUDA call. Before, "no container 't1' is known to the enforcer", and
+    the job ran under its 1 GiB. Now `status` lists it as registered, the new limit is kept and
+    in force from its first call: 1,536 MiB in two contexts' worth of room run at once."""
+    enf = enforcing(build, *ARGS)
+    job = None
+    try:
+        job = run_job(enf, env5, "t1", "1GiB", "/bin/sh", "-c", f'read x; exec {build}/cgcaller alloc -n 1 -s 1536M --hold')
+        until(lambda: any(r["name"] == "t1" for r in status(enf).get("registered", [])), 20, "t1 registered")
+        r = enf.cli("limit", "set", "t1", "2GiB")
+        assert "limit of t1 set to 2.0 GiB" in r.stdout
+        st = status(enf)
+        assert [(r["name"], r["limit"], r["source"]) for r in st["registered"]] == [("t1", 2 * GiB, "convgpu limit set")]
+        assert "registered" in enf.cli("status").stdout
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        assert "allocated 1 1610612736" in ready(job)
+        (row,) = [c for c in status(enf)["containers"] if c["name"] == "t1"]
+        assert (row["limit"], row["source"], row["gpus"]["0"]["used"]) == (2 * GiB, "convgpu limit set", 1536 * MiB)
+        assert status(enf)["registered"] == []
+    finally:
+        end([job], enf)

@@ -98,8 +98,7 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
                                                               "tearing_down": 0, "ctx_measuring": False,
                                                               "ctx_estimate": {
                                                                   "bytes": 0, "source": "operator",
-                                                                  "detail": "--ctx-overhead (the operator's figure; "
-                                                                            "nothing learned on GPU0)"}}
+                                                                  "detail": "--ctx-overhead (the operator's figure on GPU0)"}}
         [c] = st["containers"]
         g = c["gpus"]["0"]
         assert (c["name"], c["limit"], c["source"], c["pids"]) == ("small", GiB, "--limit small", [p.pid])

@@ -39,7 +39,7 @@ PATHS = [
     (f"/docker/{H2}/docker/{H1}", "docker", H2, None, H2[:12]),  # docker-in-docker: the outer one
     # docker-in-docker inside a pod's container: the pod's container
     (f"/kubepods/besteffort/pod{UID}/{H2}/docker/{H1}", "kubernetes", H2, UID, H2[:12]),
-    ("/system.slice/docker.service", "systemd", "docker.service", None, "docker"),
+    ("/system.slice/docker.service", "systemd", "/system.slice/docker.service", None, "docker"),
     # containerd (nerdctl / ctr)
     (f"/default/{H1}", "containerd", H1, None, H1[:12]),
     (f"/system.slice/nerdctl-{H1}.scope", "containerd", H1, None, H1[:12]),
@@ -57,7 +57,7 @@ PATHS = [
     (f"/kubepods.slice/kubepods-pod{UID_}.slice/docker-{H1}.scope", "kubernetes", H1, UID,
      H1[:12]),
     (BURST, "kubernetes", UID, UID, "pod-0f2b5c8e"),  # the pod (sandbox) level
-    (f"{BEST}/crio-conmon-{H1}.scope", "systemd", f"crio-conmon-{H1}.scope", UID,
+    (f"{BEST}/crio-conmon-{H1}.scope", "systemd", f"{BEST}/crio-conmon-{H1}.scope", UID,
      f"crio-conmon-{H1}"),
     # kind seen from the host: the node is one docker container (inside it, with its own cgroup
     # namespace, the pods are at /kubelet.slice/kubelet-kubepods.slice: KIND_IN_NODE)
@@ -67,7 +67,7 @@ PATHS = [
      "/kubepods.slice/kubepods-besteffort.slice", None, "kubepods-besteffort.slice"),
     # cri-o outside kubernetes
     (f"/system.slice/crio-{H1}.scope", "crio", H1, None, H1[:12]),
-    (f"/system.slice/crio-conmon-{H1}.scope", "systemd", f"crio-conmon-{H1}.scope", None,
+    (f"/system.slice/crio-conmon-{H1}.scope", "systemd", f"/system.slice/crio-conmon-{H1}.scope", None,
      f"crio-conmon-{H1}"),
     # podman
     (f"/libpod_parent/libpod-{H1}", "podman", H1, None, H1[:12]),
@@ -80,15 +80,15 @@ PATHS = [
     (f"/machine.slice/machine-libpod_pod_{H2}.slice/libpod-{H1}.scope", "podman", H1, None,
      H1[:12]),
     (ROOTLESS, "podman", H1, None, H1[:12]),
-    (f"/machine.slice/libpod-conmon-{H1}.scope", "systemd", f"libpod-conmon-{H1}.scope", None,
+    (f"/machine.slice/libpod-conmon-{H1}.scope", "systemd", f"/machine.slice/libpod-conmon-{H1}.scope", None,
      f"libpod-conmon-{H1}"),
     ("/libpod_parent/conmon", "cgroup", "/libpod_parent/conmon", None, "conmon"),
     # systemd units
-    ("/system.slice/ssh.service", "systemd", "ssh.service", None, "ssh"),
-    ("/user.slice/user-0.slice/session-3.scope", "systemd", "session-3.scope", None, "session-3"),
-    ("/system.slice/run-r1234.scope", "systemd", "run-r1234.scope", None, "run-r1234"),
+    ("/system.slice/ssh.service", "systemd", "/system.slice/ssh.service", None, "ssh"),
+    ("/user.slice/user-0.slice/session-3.scope", "systemd", "/user.slice/user-0.slice/session-3.scope", None, "session-3"),
+    ("/system.slice/run-r1234.scope", "systemd", "/system.slice/run-r1234.scope", None, "run-r1234"),
     ("/user.slice/user-1000.slice/user@1000.service/app.slice/app-org.gnome.Terminal.slice/"
-     "vte-spawn-1.scope", "systemd", "user@1000.service", None, "user@1000"),  # the outermost unit
+     "vte-spawn-1.scope", "systemd", "/user.slice/user-1000.slice/user@1000.service", None, "user@1000"),  # the outermost unit
     ("/convgpu.run/job1/sub", "cgroup", "/convgpu.run/job1", None, "job1"),
     # plain cgroups and the root
     ("/process_api/adbab065d2549530a65208195c99c9e4", "cgroup",
@@ -103,8 +103,8 @@ PATHS = [
      "kubernetes", H1, UID, H1[:12]),
     (f"/convgpu-test/a/libpod_parent/libpod-{H2}", "cgroup", f"/convgpu-test/a/libpod_parent/libpod-{H2}",
      None, f"libpod-{H2}"),
-    (f"/system.slice/ssh.service/docker-{H2}.scope", "systemd", "ssh.service", None, "ssh"),
-    (f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}", "systemd", "ssh.service", None, "ssh"),
+    (f"/system.slice/ssh.service/docker-{H2}.scope", "systemd", "/system.slice/ssh.service", None, "ssh"),
+    (f"/system.slice/ssh.service/kubepods/pod{UID}/{H2}", "systemd", "/system.slice/ssh.service", None, "ssh"),
     (f"/docker/{H1}/kubepods/pod{UID}/{H2}", "docker", H1, None, H1[:12]),
     # a kubepods tree below plain directories (a test's prefix) is still the kubelet's
     (f"/convgpu-test/kubepods/besteffort/pod{UID}/{H1}", "kubernetes", H1, UID, H1[:12]),
@@ -283,7 +283,7 @@ def test_container_of_pid_cache(tmp_path):
     (tmp_path / "77" / "cgroup").write_text("0::/\n")
     assert container_of_pid(77, proc) is first  # same pid and start time: cached
     _fake_proc(tmp_path, 77, 5001, "0::/system.slice/ssh.service\n")  # pid reused
-    assert container_of_pid(77, proc) == Container("systemd", "ssh.service",
+    assert container_of_pid(77, proc) == Container("systemd", "/system.slice/ssh.service",
                                                    "/system.slice/ssh.service")
     (tmp_path / "77" / "cgroup").write_text(f"0::/docker/{H2}\n")  # moved: not cached
     assert container_of_pid(77, proc) == Container("docker", H2, f"/docker/{H2}")

@@ -1,13 +1,12 @@
 """The enforcer's context charge, without BPF (the ledger stands in for the maps): every
 context costs its device's estimate from its first moment; once NVML has measured a process,
-extra_overhead turns its estimate into the measurement, never both; a process that leaves
-teaches its device's estimate. charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
+extra_overhead turns its estimate into the measurement, never both; what a process holds above
+the estimate is its own container's charge, and teaches no one's estimate (issue 39). charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
 + extra_overhead: charged() below is the same sum over what the enforcer wrote."""
 import os
 import subprocess
 
 from convgpu.enforcer.tenants.containers import Container
-from convgpu.enforcer.ctxest import STATE_FILE, LearnedStore
 from convgpu.enforcer.daemon import Enforcer
 from convgpu.enforcer.tenants.limits import LimitRules
 from convgpu.probes.ledger import Ledger
@@ -69,28 +68,29 @@ def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
     assert enf.books.demand(b, 0) == 600 * MiB and enf.books.held(a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
 
 
-def test_a_process_that_leaves_teaches_its_device(tmp_path):
+def test_what_a_process_holds_above_the_estimate_is_its_own_containers_never_the_next_tenants(tmp_path):
+    """Issue 39 part 3: a job whose graph node took 2 GiB beside its context left, and the
+    learned median of its device moved to 1.5 GiB for every context after it, across restarts.
+    Now the excess is its container's charge while it runs, and the estimate stays."""
     enf, led = enforcer(tmp_path)
     enf._control(True)
     for pid in (10, 20):
         led.context(pid, 0, True)
         enf._place(pid, 0, 0)
-    enf.sampler = sampler({(10, 0): (530 * MiB, 1), (20, 0): (520 * MiB, 1)})
+    enf.sampler = sampler({(10, 0): (518 * MiB + 2048 * MiB, 1), (20, 0): (520 * MiB, 1)})
     enf._measure_overhead()
-    enf.sampler = sampler({(10, 0): (540 * MiB, 1), (20, 0): (520 * MiB, 1)})
-    enf._measure_overhead()                         # grew: the largest reading is what is learned
+    a, b = enf.boxes["a"], enf.boxes["b"]
+    assert charged(enf, a, 0) == 2566 * MiB and charged(enf, b, 0) == 520 * MiB   # each its own
     enf._gone(10)
-    e = enf.est[0]
-    assert (e.source, e.bytes) == ("learned", 540 * MiB) and enf._leaf["ctx_overhead"] == 1024 * MiB   # GPU1's
-    b = enf.boxes["b"]
-    assert charged(enf, b, 0) == 520 * MiB          # still its measurement, relative to the new estimate
-    assert enf._t("assign")[enf._t("assign").Key(container=b.key, dev=0)].ctx_charge == 540 * MiB
-    enf._save_learned(force=True)
-    assert LearnedStore(str(tmp_path)).get("GPU-0 driver 580.159.04") == [540 * MiB]
-    assert os.path.exists(tmp_path / STATE_FILE)
-    # a new enforcer on the same state dir starts from it
-    enf2, _ = enforcer(tmp_path)
-    assert (enf2.est[0].source, enf2.est[0].bytes, enf2.est[1].source) == ("learned", 540 * MiB, "conservative")
+    enf._measure_overhead()
+    assert (enf.est[0].source, enf.est[0].bytes) == ("table-hint", 550 * MiB)
+    led.context(21, 0, True)
+    box_of = {21: "c"}
+    enf.container_of = lambda pid: Container("cgroup", box_of[pid], "/" + box_of[pid])
+    enf._place(21, 0, 0)
+    assert charged(enf, enf.boxes["c"], 0) == 550 * MiB
+    enf2, _ = enforcer(tmp_path)           # and the same after a restart
+    assert (enf2.est[0].source, enf2.est[0].bytes) == ("table-hint", 550 * MiB)
 
 
 def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
@@ -141,7 +141,7 @@ def test_status_table_names_the_estimate_and_where_each_charge_comes_from():
 def test_doctor_says_per_gpu_what_a_context_is_charged_and_why(tmp_path):
     """No enforcer answers: what a start would charge with the state dir as it is."""
     from convgpu.cli.doctor import context_checks
-    from convgpu.enforcer.ctxest import LearnedStore
+    from convgpu.enforcer.ctxest import MeasuredStore
 
     class H200:
         ok, driver = True, "580.159.04"
@@ -155,10 +155,10 @@ def test_doctor_says_per_gpu_what_a_context_is_charged_and_why(tmp_path):
     assert fresh["context GPU0"].ok and "measured at start first" in fresh["context GPU0"].detail
     assert "(conservative;" in fresh["context GPU0"].detail               # until it is measured
     assert "(table-hint;" in checks(H200(), cuda=())["context GPU1"].detail   # no driver to measure with
-    store = LearnedStore(str(tmp_path))
+    store = MeasuredStore(str(tmp_path))
     store.set_measured("NVIDIA H200 driver 580.159.04", 518 * MiB)
     store.save()
     kept = checks(H200())["context GPU0"]
-    assert kept.ok and kept.detail.startswith("552.0 MiB per context (measured-at-start; a start with")
+    assert kept.ok and kept.detail.startswith("648.0 MiB per context (measured-at-start; a start with")
     none = checks(type("NoNvml", (), {"ok": False, "driver": ""})())
     assert list(none) == ["context GPU0"] and not none["context GPU0"].ok and "(no NVML)" in none["context GPU0"].detail

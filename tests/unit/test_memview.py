@@ -10,51 +10,34 @@ H100 = Device(0, "NVIDIA H100 80GB HBM3", "GPU-5e1d", "580.159.04")
 
 
 def test_h100_ceiling_is_the_pytorch_context_plus_an_eighth():
-    # no learned values: estimate 550 MiB (architecture), largest measured 612 MiB (PyTorch with
+    # nothing measured: estimate 550 MiB (architecture), largest measured 612 MiB (PyTorch with
     # cuBLAS); 612 + 76.5 = 688.5 MiB, rounded up to 2 MiB pages: 690 MiB
-    est = choose([], H100)
-    c = ceiling([], H100, est, PAGE)
+    c = ceiling(H100, choose(H100), PAGE)
     assert (c.bytes, c.source) == (690 * MiB, "architecture top")
-    # learned bare contexts (median 518) do not lower it: the table's top still counts
-    assert ceiling([518 * MiB] * 5, H100, choose([518 * MiB] * 5, H100, 0), PAGE).bytes == 690 * MiB
 
 
 def test_a_context_measured_at_start_leaves_room_for_pytorch_with_cublas():
-    # a model the table lacks (the H200): the bare 518 MiB measured at start is charged 552 MiB,
-    # and the ceiling 552 + 69 = 621 MiB (622 in pages) covers PyTorch with cuBLAS (612 MiB on the H100)
+    # a model the table lacks (the H200): the bare 518 MiB measured at start is charged 648 MiB
+    # (+1/4), above PyTorch with cuBLAS (612 MiB on the H100); the ceiling 648 + 81 = 729 (730 in pages)
     h200 = Device(0, "NVIDIA H200", "GPU-h2", "580.159.04")
-    c = ceiling([], h200, choose([], h200, measured=518 * MiB), PAGE)
-    assert (c.bytes, c.source) == (622 * MiB, "estimate") and c.bytes >= 612 * MiB
+    c = ceiling(h200, choose(h200, measured=518 * MiB), PAGE)
+    assert (c.bytes, c.source) == (730 * MiB, "estimate") and c.bytes >= 612 * MiB
     # nothing known: the conservative gigabyte + 1/8
-    assert ceiling([], h200, choose([], h200), PAGE).bytes == 1152 * MiB
-
-
-def test_learned_ceiling_is_the_90th_percentile_plus_an_eighth():
-    plain = Device(0)
-    learned = [100 * MiB, 112 * MiB, 128 * MiB]
-    est = choose(learned, plain, 0)
-    assert est.bytes == 112 * MiB
-    c = ceiling(learned, plain, est, PAGE)
-    assert (c.bytes, c.source) == (144 * MiB, "learned p90")      # 128 + 16
-    assert ceiling([100 * MiB, 120 * MiB], plain, choose([100 * MiB, 120 * MiB], plain, 0), PAGE).bytes == \
-        136 * MiB                                                   # 120 + 15 = 135: whole pages
-    # ten values, one stray reading of 2 GiB: the 90th percentile (9th of 10) is 128 MiB
-    ten = [120 * MiB] * 8 + [128 * MiB, 2 * GiB]
-    assert ceiling(ten, plain, choose(ten, plain, 0), PAGE).bytes == 144 * MiB
+    assert ceiling(h200, choose(h200), PAGE).bytes == 1152 * MiB
 
 
 def test_ctx_overhead_alone_is_taken_as_given():
-    est = choose([], Device(0), 64 * MiB)
-    assert ceiling([], Device(0), est, PAGE) == Estimate(64 * MiB, "operator",
-                                                          "--ctx-overhead (no margin: the operator's figure)")
-    assert ceiling([], Device(0), choose([], Device(0), 0), PAGE).bytes == 0
+    est = choose(Device(0), 64 * MiB)
+    assert ceiling(Device(0), est, PAGE) == Estimate(64 * MiB, "operator",
+                                                     "--ctx-overhead (no margin: the operator's figure)")
+    assert ceiling(Device(0), choose(Device(0), 0), PAGE).bytes == 0
 
 
 def test_ceiling_is_never_below_the_estimate():
-    for learned in ([], [300 * MiB], [518 * MiB, 900 * MiB]):
+    for measured in (None, 300 * MiB, 900 * MiB):
         for dev in (H100, Device(0)):
-            est = choose(learned, dev, 7 * MiB)
-            assert ceiling(learned, dev, est, PAGE).bytes >= est.bytes
+            est = choose(dev, measured=measured)
+            assert ceiling(dev, est, PAGE).bytes >= est.bytes
     assert ctxest.arch_top("NVIDIA A100-SXM4-80GB", "580.159.04") is None
 
 

@@ -95,3 +95,28 @@ def test_snapshot_json_round_trip_and_enforce_table():
     row = next(line for line in text.splitlines() if line.lstrip().startswith("trainer "))
     assert row.split() == ["trainer", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting", "1.5s", "3.2s", "2"]
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_names_from_processes_and_containers_are_text_never_markup():
+    """Issue 39 attack 2: a process named `[/x]` (PR_SET_NAME) ended `convgpu trace` with rich's
+    MarkupError, and `[bold]` in a container's name restyled the view. Every such string is text."""
+    import dataclasses
+    from convgpu.cli.status import table
+    s = snapshot()
+    a = dataclasses.replace(s.containers[0], name="[/x]",
+                            processes=tuple(dataclasses.replace(p, comm="[/x]") for p in s.containers[0].processes))
+    ev = dataclasses.replace(s.events[0], comm="[/x]") if dataclasses.is_dataclass(s.events[0]) \
+        else s.events[0]._replace(comm="[/x]")
+    enforce = {"pid": 1, "policy": "bf", "stall": "signal", "gpus": {"0": {"assigned": 0, "capacity": 1}},
+               "containers": [{"name": "[bold red]ab[/]", "limit": MiB, "stalled_s": 0.0, "stalls": 0,
+                               "gpus": {"0": {"assigned": MiB, "used": 0, "context_overhead": 0,
+                                              "over_limit": False, "waiting": False, "waiting_s": 0}}}]}
+    out = text_of(dataclasses.replace(s, containers=(a,), events=(ev,), enforce=enforce,
+                                      notes=("lib [/y] not probed",)))
+    assert out.count("[/x]") >= 4 and "[bold red]ab[/]" in out and "[/y]" in out
+    st = dict(enforce, containers=enforce["containers"], unmapped_charge="all", gpu_mappings=[
+        {"pid": 7, "certain": False, "also": [0], "how": "[/z]"}])
+    c = Console(width=200, record=True, color_system=None)
+    c.print(table(st))
+    out = c.export_text()
+    assert "[bold red]ab[/]" in out and "[/z]" in out
