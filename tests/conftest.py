@@ -408,7 +408,7 @@ def inprocess_enforcer(lib, tag: str, limit: int, capacity: dict | None = None, 
     from convgpu.enforcer.tenants.limits import LimitRules
     from convgpu.probes.tracer import Tracer
     run_dir = run_dir_for(tag)
-    kw.setdefault("state_dir", run_dir)     # learned context estimates: this test's own
+    kw.setdefault("state_dir", run_dir)     # context measurements: this test's own
     kw.setdefault("ctx_overhead", 0)        # the stand-in's contexts cost 0 (STANDIN_CTX_OVERHEAD unset)
     return Enforcer(Tracer(libraries=(str(lib),), discover=False), "fifo", capacity or {0: 4 * GiB},
                     LimitRules({}, limit), run_dir=run_dir, **kw)

@@ -112,7 +112,8 @@ def standin(root, build, caller_env):
     with open(os.path.join(state, ctxest.STATE_FILE), "w") as f:
         json.dump({"version": 2, "measured": {ctxest.Device(0).model_key: MEASURED}}, f)
     nvml = GatedNvml(env["CONVGPU_STANDIN_SHM"])
-    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "meminfo", LIMIT, nvml=nvml, state_dir=state)
+    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "meminfo", LIMIT, nvml=nvml, state_dir=state,
+                             ctx_overhead=None)
 
     def usage():
         r = subprocess.run([str(build / "standin" / "standin-usage"), "--json"], env=env, capture_output=True,
