@@ -35,6 +35,7 @@ struct galloc {
     int live;       /* made real by a launch, not freed since */
     int held;       /* GRAPH_AT=instantiate: an exec of its graph exists */
     int refs;       /* nodes (of graphs and execs) that name it */
+    const void *freed_by;   /* the one graph with a free node of it, if any */
 };
 
 struct node {
@@ -210,6 +211,8 @@ static CUresult graph_new(struct graph **out)
 static void graph_free(struct graph *g)
 {
     for (size_t i = 0; i < g->n; i++) {
+        if (g->nodes[i]->a->freed_by == g)
+            g->nodes[i]->a->freed_by = NULL;
         g->nodes[i]->a->refs--;
         drop_if_unused(g->nodes[i]->a);
         free(g->nodes[i]);
@@ -291,17 +294,17 @@ static CUresult add_alloc(struct graph *g, uint64_t bytes, int dev, CUdeviceptr 
     return CUDA_SUCCESS;
 }
 
-/* A free node: only of an address an alloc node gave, once per graph (cuGraphAddMemFreeNode's
- * documented errors). */
+/* A free node: only of an address an alloc node gave, in one graph only, once
+ * (cuGraphAddMemFreeNode's and cuGraphAddMemAllocNode's documented rules). */
 static CUresult add_free(struct graph *g, CUdeviceptr dptr, CUgraphNode *out)
 {
     struct galloc *a = (struct galloc *)find((uintptr_t)dptr, K_GALLOC);
-    if (!a)
+    if (!a || a->freed_by)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < g->n; i++)
-        if (g->nodes[i]->type == CU_GRAPH_NODE_TYPE_MEM_FREE && g->nodes[i]->a == a)
-            return CUDA_ERROR_INVALID_VALUE;
-    return add_node(g, CU_GRAPH_NODE_TYPE_MEM_FREE, a, out);
+    CUresult rc = add_node(g, CU_GRAPH_NODE_TYPE_MEM_FREE, a, out);
+    if (rc == CUDA_SUCCESS)
+        a->freed_by = g;
+    return rc;
 }
 
 static int alloc_params_ok(const CUDA_MEM_ALLOC_NODE_PARAMS *p)
