@@ -67,9 +67,10 @@ $(OUT)/libcuda.so.1: $(LIBCUDA_SRCS) $(LIBCUDA_HDRS) | $(OUT)
 		-o $@ $(LIBCUDA_SRCS) -ldl -lrt
 
 # Apart from the driver (see the file): only the shim's NVML test puts it on a library path.
-$(NVML_OUT)/libnvidia-ml.so.1: $(SI)/libnvidia-ml.c $(SI)/standin_shm.h
+$(NVML_OUT)/libnvidia-ml.so.1: $(SI)/libnvidia-ml.c $(SI)/standin_shm.c $(SI)/standin_shm.h
 	mkdir -p $(NVML_OUT)
-	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SI)/libnvidia-ml.c
+	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SI)/libnvidia-ml.c \
+		$(SI)/standin_shm.c -lrt
 
 $(OUT)/libcuda.so: | $(OUT)
 	ln -sf libcuda.so.1 $@

@@ -7,6 +7,7 @@ against CUDA 13.0's cuda.h: every layout, value and prototype.
 Each scenario runs in a child process of its own (this file run as a script, the stand-in
 loaded with ctypes, a shared segment of its own): its device memory is then the driver's whole
 count (cuMemGetInfo), and every step is seen. No root, no probes: only the build."""
+import ast
 import ctypes
 import json
 import os
@@ -149,7 +150,7 @@ def scenario_graph(cu: Cu) -> dict:
     o["second_exec"] = cu.instantiate(g)[0]
     o["launched"] = [cu.cuGraphLaunch(x, None), cu.used(), cu.attrs()]
     o["relaunch_unfreed"] = [cu.cuGraphLaunch(x, None), cu.used()]
-    o["memset"] = [cu.cuMemsetD8_v2(c_uint64(d), 0, c_size_t(8 * MiB)), cu.cuMemsetD8_v2(c_uint64(d), 0, c_size_t(8 * MiB + 1))]
+    o["memset"] = [cu.cuMemsetD8_v2(c_uint64(d), 0, c_size_t(n)) for n in (8 * MiB, 8 * MiB + 1)]
     o["freed"] = [cu.cuMemFree_v2(c_uint64(d)), cu.used(), cu.attrs()]
     o["freed_again"] = [cu.cuMemFree_v2(c_uint64(d)), cu.cuMemsetD8_v2(c_uint64(d), 0, c_size_t(1))]
     o["relaunched"] = [cu.cuGraphLaunch(x, None), cu.used(), cu.attrs()]
@@ -241,8 +242,9 @@ def scenario_capture(cu: Cu) -> dict:
     o["freed"] = [cu.cuMemFreeAsync(p, s), cu.used(), cu.cuDeviceGraphMemTrim(0), cu.used()]
     # the per-thread default stream, its _ptsz calls; a captured free too
     q, g2 = c_uint64(), c_void_p()
-    o["ptsz"] = [cu.cuStreamBeginCapture_v2_ptsz(PER_THREAD, 0), cu.cuMemAllocAsync_ptsz(byref(q), c_size_t(MiB), PER_THREAD),
-                 cu.cuMemFreeAsync_ptsz(q, PER_THREAD), cu.cuStreamIsCapturing_ptsz(PER_THREAD, byref(status)), status.value,
+    o["ptsz"] = [cu.cuStreamBeginCapture_v2_ptsz(PER_THREAD, 0),
+                 cu.cuMemAllocAsync_ptsz(byref(q), c_size_t(MiB), PER_THREAD), cu.cuMemFreeAsync_ptsz(q, PER_THREAD),
+                 cu.cuStreamIsCapturing_ptsz(PER_THREAD, byref(status)), status.value,
                  cu.cuStreamEndCapture_ptsz(PER_THREAD, byref(g2)), cu.used()]
     rc, x2 = cu.instantiate(g2)
     o["ptsz_launched"] = [rc, cu.cuGraphLaunch(x2, PER_THREAD), cu.used(), cu.attrs()]
@@ -265,14 +267,16 @@ def scenario_modules(cu: Cu) -> dict:
     o["loaded"] = [cu.cuModuleLoadData(byref(mods[0]), image(5 * MiB)), cu.used()]
     elf = ctypes.create_string_buffer(b"\x7fELF\x02\x01\x01" + bytes(57))
     o["elf"] = [cu.cuModuleLoadData(byref(mods[1]), elf), cu.used()]
-    o["malformed"] = [cu.cuModuleLoadData(byref(mods[2]), ctypes.create_string_buffer(b"CONVGPU-STANDIN-MODULE 12x\n")), cu.used()]
+    bad = ctypes.create_string_buffer(b"CONVGPU-STANDIN-MODULE 12x\n")
+    o["malformed"] = [cu.cuModuleLoadData(byref(mods[2]), bad), cu.used()]
     o["over_capacity"] = [cu.cuModuleLoadData(byref(mods[3]), image(60 * MiB)), cu.used()]
     o["ex"] = [cu.cuModuleLoadDataEx(byref(mods[3]), image(MiB), 0, None, None), cu.used()]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(f"CONVGPU-STANDIN-MODULE {3 * MiB}\n".encode() + bytes(4096))
         f.flush()
         o["file"] = [cu.cuModuleLoad(byref(mods[4]), f.name.encode()), cu.used()]
-        o["library_file"] = [cu.cuLibraryLoadFromFile(byref(lib2), f.name.encode(), None, None, 0, None, None, 0), cu.used()]
+        rc = cu.cuLibraryLoadFromFile(byref(lib2), f.name.encode(), None, None, 0, None, None, 0)
+        o["library_file"] = [rc, cu.used()]
     o["missing_file"] = cu.cuModuleLoad(byref(mods[5]), b"/nonexistent/x.cubin")
     o["unloaded"] = [[cu.cuModuleUnload(m) for m in mods[:5]], cu.cuLibraryUnload(lib2), cu.used()]
     o["unloaded_twice"] = [cu.cuModuleUnload(mods[0]), cu.cuLibraryUnload(lib2)]
@@ -463,8 +467,20 @@ def test_cgcaller_family_holds_its_peak_and_gives_it_back(build, run_caller, cal
     assert c.release() == 0
 
 
-STEPS = ["context", "stack-64KiB", "node-added", "instantiated", "launched", "memset", "exec-destroyed",
-         "graph-destroyed", "trimmed", "freed", "trimmed-after-free", "heap-4GiB"]
+def test_standin_nvml_lists_the_slots_when_asked(build, run_caller, caller_env):
+    """With CONVGPU_STANDIN_NVML_PROCS=1 the stand-in NVML lists compute processes from the
+    slots (what pynvml, and so the enforcer's sampler, reads); without it, NOT_SUPPORTED, as
+    NVML where it has no per-process figures."""
+    c = run_caller("stack", "-s", "64K", env={"CONVGPU_STANDIN_RESIDENT_THREADS": "4"})
+    code = ("import pynvml\npynvml.nvmlInit()\nh = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+            "try:\n    print({p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)})\n"
+            "except pynvml.NVMLError as e:\n    print(repr(str(e)))\n")
+    env = dict(caller_env, LD_LIBRARY_PATH=str(build / "standin-nvml"))
+    listed = [subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=30)
+              for e in (dict(env, CONVGPU_STANDIN_NVML_PROCS="1"), env)]
+    assert ast.literal_eval(listed[0].stdout)[c.pid] == 4 * (65536 - 1024), listed[0].stderr
+    assert listed[1].stdout.strip() == repr("Not Supported"), listed[1].stderr
+    c.release()
 
 
 @pytest.mark.parametrize("at", ["launch", "instantiate"])
