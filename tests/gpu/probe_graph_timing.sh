@@ -9,8 +9,12 @@
 # with one alloc node of SIZE; instantiated; launched; memset; exec destroyed; graph destroyed;
 # cuDeviceGraphMemTrim; cuMemFree_v2; trimmed again; cuCtxSetLimit heap 4 GiB. After each it
 # prints the driver's own graph figures, then this script adds NVML's per-process memory
-# (nvidia-smi, after SETTLE seconds, default 0.5) and lets it take the next step. Record the
-# whole output (docs/gpu-runs/, with machine.txt).
+# (nvidia-smi, after SETTLE seconds, default 0.5) and lets it take the next step.
+# Then (unless NO_FAMILIES=1) each of cgcaller's issue-39 families once on the real driver, held
+# at its peak: its exit status (0: the driver accepted every call) and NVML's figure there. The
+# module family loads a cubin with a __device__ array of MODULE_MIB (default 256) MiB, built
+# here with nvcc (-arch=native), or CUBIN=FILE. Record the whole output (docs/gpu-runs/, with
+# machine.txt).
 set -euo pipefail
 size=${1:-2G}
 build=${CONVGPU_BUILD:-build}
@@ -18,6 +22,9 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 mkfifo "$dir/go"
 exec 3<>"$dir/go"           # held open here: cgcaller's stdin never reads EOF between steps
+nvml_of() {
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | awk -F', *' -v p="$1" '$1 == p { print $2 }'
+}
 "$build/cgcaller" graphprobe -s "$size" --hold < "$dir/go" 2>&1 | while IFS= read -r line; do
   case $line in
   started*)
@@ -25,10 +32,26 @@ exec 3<>"$dir/go"           # held open here: cgcaller's stdin never reads EOF b
     echo "$line driver=$(awk '/libcuda/ { print $6; exit }' "/proc/$pid/maps")" ;;
   step*)
     sleep "${SETTLE:-0.5}"
-    nvml=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader |
-           awk -F', *' -v p="$pid" '$1 == p { print $2 }')
-    echo "$line nvml=${nvml:-none}"
+    echo "$line nvml=$(nvml_of "$pid")"
     echo >&3 ;;
   *) echo "$line" ;;
   esac
+done
+
+[ -z "${NO_FAMILIES:-}" ] || exit 0
+cubin=${CUBIN:-$dir/device_array.cubin}
+if [ -z "${CUBIN:-}" ]; then
+  printf '__device__ char a[%d << 20];\nextern "C" __global__ void touch() { a[threadIdx.x] = 1; }\n' \
+    "${MODULE_MIB:-256}" > "$dir/device_array.cu"
+  nvcc -cubin -arch=native -o "$cubin" "$dir/device_array.cu" || echo "nvcc failed: the module family fails too"
+fi
+for f in "stack -s 64K" "heap -s 1G" "fifo -s 64M" "graph -s 1G -n 2" "capture -s 1G -n 2 -t 2" "module -n 2 --image $cubin"; do
+  "$build/cgcaller" $f --hold < "$dir/go" > "$dir/out" 2>&1 &
+  cg=$!
+  for _ in $(seq 100); do grep -q '^ready' "$dir/out" 2>/dev/null && break; kill -0 $cg 2>/dev/null || break; sleep 0.1; done
+  sleep "${SETTLE:-0.5}"
+  held=$(nvml_of $cg)
+  echo >&3
+  rc=0; wait $cg || rc=$?
+  echo "family $f: rc=$rc nvml_at_ready=${held:-none} $(grep -v '^ready\|^exit' "$dir/out" | tr '\n' ' ')"
 done

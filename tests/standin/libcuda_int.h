@@ -88,6 +88,11 @@ struct obj *tab_find(uintptr_t key, int kind);
 void tab_insert(struct obj *o);
 struct obj *tab_remove(uintptr_t key, int kind);
 
+/* libcuda_mem.c: an object of its own address that holds `bytes` of device `dev` (an ordinal)
+ * until obj_release (arrays, modules, libraries). */
+CUresult obj_charge(int kind, int dev, uint64_t bytes, uintptr_t *out);
+CUresult obj_release(uintptr_t key, int kind);
+
 /* Contexts (libcuda.c). ctx_lock() guards the primary contexts' retain counts and every
  * context's limits. */
 void ctx_lock(void);

@@ -548,15 +548,12 @@ static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f
     return n;
 }
 
-static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
+/* An object that holds `bytes` of device `dev` until it is released: its own address is its
+ * handle (arrays here; modules and libraries in libcuda_module.c). */
+CUresult obj_charge(int kind, int dev, uint64_t bytes, uintptr_t *out)
 {
-    int dev;
-    CUresult rc = cur_dev(&dev);
-    if (rc)
-        return rc;
-    if (!out || bytes == 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = acct_charge(dev, bytes)) != CUDA_SUCCESS)
+    CUresult rc = acct_charge(dev, bytes);
+    if (rc != CUDA_SUCCESS)
         return rc;
     struct obj *o = calloc(1, sizeof *o);
     if (!o) {
@@ -574,12 +571,8 @@ static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
     return CUDA_SUCCESS;
 }
 
-static CUresult obj_destroy(uintptr_t key, int kind)
+CUresult obj_release(uintptr_t key, int kind)
 {
-    int dev;
-    CUresult rc = cur_dev(&dev);
-    if (rc)
-        return rc;
     tab_lock();
     struct obj *o = tab_remove(key, kind);
     tab_unlock();
@@ -588,6 +581,24 @@ static CUresult obj_destroy(uintptr_t key, int kind)
     acct_uncharge(o->dev, o->size);
     free(o);
     return CUDA_SUCCESS;
+}
+
+static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
+{
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    if (rc)
+        return rc;
+    if (!out || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return obj_charge(kind, dev, bytes, out);
+}
+
+static CUresult obj_destroy(uintptr_t key, int kind)
+{
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    return rc ? rc : obj_release(key, kind);
 }
 
 API CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)

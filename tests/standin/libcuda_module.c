@@ -13,7 +13,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,37 +37,6 @@ static uint64_t image_bytes(const unsigned char *img, size_t len)
         if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, (uint64_t)(img[i] - '0'), &v))
             return 0;
     return digits && i < len && img[i] == '\n' ? v : 0;
-}
-
-/* A module or library: its bytes charged to `dev` (an ordinal) until it is unloaded. */
-static CUresult load(int kind, int dev, uint64_t bytes, uintptr_t *out)
-{
-    CUresult rc = acct_charge(dev, bytes);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    struct obj *o = calloc(1, sizeof *o);
-    if (!o) {
-        acct_uncharge(dev, bytes);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    o->key = (uintptr_t)o, o->kind = kind, o->dev = dev, o->size = bytes;
-    tab_lock();
-    tab_insert(o);
-    tab_unlock();
-    *out = o->key;
-    return CUDA_SUCCESS;
-}
-
-static CUresult unload(uintptr_t handle, int kind)
-{
-    tab_lock();
-    struct obj *o = tab_remove(handle, kind);
-    tab_unlock();
-    if (!o)
-        return CUDA_ERROR_INVALID_HANDLE;
-    acct_uncharge(o->dev, o->size);
-    free(o);
-    return CUDA_SUCCESS;
 }
 
 /* The header of a file (the driver reads the caller's own file: symlinks are followed as the
@@ -103,7 +71,7 @@ static CUresult module_from(CUmodule *module, const void *image, const char *pat
         rc = file_bytes(path, &bytes);
     else
         bytes = image_bytes(image, SIZE_MAX);
-    return rc ? rc : load(K_MODULE, dev, bytes, (uintptr_t *)module);
+    return rc ? rc : obj_charge(K_MODULE, dev, bytes, (uintptr_t *)module);
 }
 
 API CUresult cuModuleLoad(CUmodule *module, const char *fname)
@@ -132,7 +100,7 @@ API CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned in
 API CUresult cuModuleUnload(CUmodule hmod)
 {
     CHECK_INIT();
-    return unload((uintptr_t)hmod, K_MODULE);
+    return obj_release((uintptr_t)hmod, K_MODULE);
 }
 
 /* Libraries are context-independent in the driver: the stand-in charges the current
@@ -152,7 +120,7 @@ static CUresult library_from(CUlibrary *library, const void *code, const char *p
         rc = file_bytes(path, &bytes);
     else if (rc == CUDA_SUCCESS)
         bytes = image_bytes(code, SIZE_MAX);
-    return rc ? rc : load(K_LIBRARY, dev, bytes, (uintptr_t *)library);
+    return rc ? rc : obj_charge(K_LIBRARY, dev, bytes, (uintptr_t *)library);
 }
 
 API CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
@@ -182,5 +150,5 @@ API CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUj
 API CUresult cuLibraryUnload(CUlibrary library)
 {
     CHECK_INIT();
-    return unload((uintptr_t)library, K_LIBRARY);
+    return obj_release((uintptr_t)library, K_LIBRARY);
 }
