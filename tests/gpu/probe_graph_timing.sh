@@ -43,7 +43,8 @@ cubin=${CUBIN:-$dir/device_array.cubin}
 if [ -z "${CUBIN:-}" ]; then
   printf '__device__ char a[%d << 20];\nextern "C" __global__ void touch() { a[threadIdx.x] = 1; }\n' \
     "${MODULE_MIB:-256}" > "$dir/device_array.cu"
-  nvcc -cubin -arch=native -o "$cubin" "$dir/device_array.cu" || echo "nvcc failed: the module family fails too"
+  nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  "$nvcc" -cubin -arch=native -o "$cubin" "$dir/device_array.cu" || echo "nvcc failed: the module family fails too"
 fi
 for f in "stack -s 64K" "heap -s 1G" "fifo -s 64M" "graph -s 1G -n 2" "capture -s 1G -n 2 -t 2" "module -n 2 --image $cubin"; do
   "$build/cgcaller" $f --hold < "$dir/go" > "$dir/out" 2>&1 &
