@@ -19,7 +19,8 @@ STANDIN_LDFLAGS := -shared -pthread -Wl,--no-undefined
 # The callers are not probed.
 CALLER_CFLAGS := -std=gnu11 -O2 -g -pthread $(WARN)
 
-LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/standin_shm.c $(SI)/visible.c
+LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/libcuda_limits.c $(SI)/libcuda_graph.c \
+	$(SI)/libcuda_module.c $(SI)/standin_shm.c $(SI)/visible.c
 LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
 
 # Symbols the stand-in driver must export (check-prologue verifies).
@@ -35,7 +36,16 @@ LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
 	cuMipmappedArrayCreate cuArrayDestroy cuMipmappedArrayDestroy \
 	cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease_v2 cuCtxCreate_v2 \
 	cuCtxCreate_v3 cuCtxCreate_v4 cuCtxDestroy_v2 cuCtxSetCurrent \
-	cuCtxGetCurrent cuCtxPushCurrent_v2 cuCtxPopCurrent_v2 cuCtxGetDevice
+	cuCtxGetCurrent cuCtxPushCurrent_v2 cuCtxPopCurrent_v2 cuCtxGetDevice \
+	cuCtxSetLimit cuCtxGetLimit cuMemsetD8_v2 cuStreamCreate cuStreamDestroy_v2 \
+	cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture \
+	cuStreamEndCapture_ptsz cuStreamIsCapturing cuStreamIsCapturing_ptsz \
+	cuGraphCreate cuGraphAddMemAllocNode cuGraphAddMemFreeNode cuGraphAddNode \
+	cuGraphAddNode_v2 cuGraphInstantiateWithFlags cuGraphInstantiateWithParams \
+	cuGraphInstantiateWithParams_ptsz cuGraphInstantiate cuGraphInstantiate_v2 \
+	cuGraphLaunch cuGraphLaunch_ptsz cuGraphExecDestroy cuGraphDestroy \
+	cuDeviceGraphMemTrim cuDeviceGetGraphMemAttribute cuModuleLoad cuModuleLoadData \
+	cuModuleLoadDataEx cuModuleUnload cuLibraryLoadData cuLibraryLoadFromFile cuLibraryUnload
 LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
 	cudaFree cudaMemGetInfo cudaSetDevice cudaDeviceSynchronize
 
@@ -57,9 +67,10 @@ $(OUT)/libcuda.so.1: $(LIBCUDA_SRCS) $(LIBCUDA_HDRS) | $(OUT)
 		-o $@ $(LIBCUDA_SRCS) -ldl -lrt
 
 # Apart from the driver (see the file): only the shim's NVML test puts it on a library path.
-$(NVML_OUT)/libnvidia-ml.so.1: $(SI)/libnvidia-ml.c $(SI)/standin_shm.h
+$(NVML_OUT)/libnvidia-ml.so.1: $(SI)/libnvidia-ml.c $(SI)/standin_shm.c $(SI)/standin_shm.h
 	mkdir -p $(NVML_OUT)
-	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SI)/libnvidia-ml.c
+	$(CC) $(STANDIN_CFLAGS) $(STANDIN_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SI)/libnvidia-ml.c \
+		$(SI)/standin_shm.c -lrt
 
 $(OUT)/libcuda.so: | $(OUT)
 	ln -sf libcuda.so.1 $@

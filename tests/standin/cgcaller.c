@@ -5,8 +5,9 @@
  * machine, the real driver, so only real-driver semantics are used here.
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
- *                 [--hold] [--no-free] [--hold-freed]
+ *                 [--hold] [--no-free] [--hold-freed] [--image FILE]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
+ *         stack heap fifo graph capture module graphprobe
  * SIZE accepts a K/M/G/T suffix (powers of 1024).
  *
  * stdout protocol (line-buffered):
@@ -18,6 +19,8 @@
  *   exit
  * fail family: first "failed cuMemAlloc_v2 CODE", then the protocol above
  *   with "allocated 0 0 ..." and "freed 0 0"; exit status 0 iff CODE != 0.
+ * graphprobe family: "started pid=PID", then one "step NAME ..." line after each step of a
+ *   graph's life (--hold: waits for a stdin line after each), then "exit".
  * The primary context is retained once and, like cudart does, never
  * released: process exit cleans it up.
  * Unexpected CUresult: "error API CODE" on stderr, exit status 2.
@@ -45,10 +48,14 @@ static struct {
     int hold;
     int nofree;
     int hold_freed;
-} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0};
+    const char *image;
+} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL};
 
 static CUdevice g_dev;
 static CUcontext g_prim;
+static size_t g_old_limit;          /* stack/heap/fifo: the value before, restored at the free */
+static void *g_image;               /* module: the image cuModuleLoadData is given */
+static uint64_t g_image_bytes;      /* ...and the device bytes it says it takes (0: not known) */
 static pthread_barrier_t b_start, b_alloc, b_free;
 
 static struct {
@@ -75,6 +82,10 @@ struct ts {
     CUdeviceptr resv;
     size_t resv_size, vsize;
     CUcontext ctx;
+    CUgraph *graphs;    /* graph/capture: count each */
+    CUgraphExec *execs;
+    CUmodule *mods;     /* module */
+    CUstream stream;
 };
 
 static void die(const char *api, long code)
@@ -294,13 +305,124 @@ static void fam_runtime(struct ts *t, int free_phase)
     RK("cudaMemGetInfo", RT.MemGetInfo(&fr, &tot));
 }
 
+/* stack/heap/fifo: memory the driver takes for a context limit (issue 39). Every thread sets
+ * the same value of the one primary context; the free sets back the value read before the
+ * threads started. Counted bytes: the value (the driver's cost is its own: README.md). */
+static void set_limit(struct ts *t, int free_phase, CUlimit which)
+{
+    CK("cuCtxSetLimit", cuCtxSetLimit(which, free_phase ? g_old_limit : O.size));
+    size_t now = 0;
+    CK("cuCtxGetLimit", cuCtxGetLimit(&now, which));
+    if (!free_phase)
+        t->acount++, t->abytes += O.size;
+    else
+        t->fcount++, t->fbytes += O.size;
+}
+
+static void fam_stack(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_STACK_SIZE); }
+static void fam_heap(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_MALLOC_HEAP_SIZE); }
+static void fam_fifo(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_PRINTF_FIFO_SIZE); }
+
+/* graph/capture: COUNT graphs of one alloc node of SIZE each, instantiated, launched into a
+ * stream of the thread's own, then memset on the legacy stream so the memory is touched (on a
+ * GPU). Free: cuMemFreeAsync each (allowed for graph memory outside its graph), then the
+ * execs and graphs destroyed and the device's graph memory trimmed, so it is given back. */
+static void graph_run(struct ts *t, long i)
+{
+    CK("cuGraphInstantiateWithFlags", cuGraphInstantiateWithFlags(&t->execs[i], t->graphs[i], 0));
+    CK("cuGraphLaunch", cuGraphLaunch(t->execs[i], t->stream));
+    t->acount++, t->abytes += O.size;
+}
+
+static void graph_touch_or_free(struct ts *t, int free_phase)
+{
+    if (!free_phase) {
+        CK("cuStreamSynchronize", cuStreamSynchronize(t->stream));
+        for (long i = 0; i < O.count; i++)
+            CK("cuMemsetD8_v2", cuMemsetD8_v2(t->ptrs[i], 0, O.size));
+        CK("cuStreamSynchronize", cuStreamSynchronize(0));
+        return;
+    }
+    for (long i = 0; i < O.count; i++) {
+        CK("cuMemFreeAsync", cuMemFreeAsync(t->ptrs[i], t->stream));
+        t->fcount++, t->fbytes += O.size;
+    }
+    CK("cuStreamSynchronize", cuStreamSynchronize(t->stream));
+    for (long i = 0; i < O.count; i++) {
+        CK("cuGraphExecDestroy", cuGraphExecDestroy(t->execs[i]));
+        CK("cuGraphDestroy", cuGraphDestroy(t->graphs[i]));
+    }
+    CK("cuDeviceGraphMemTrim", cuDeviceGraphMemTrim(g_dev));
+    CK("cuStreamDestroy_v2", cuStreamDestroy_v2(t->stream));
+}
+
+static void alloc_node_params(CUDA_MEM_ALLOC_NODE_PARAMS *p, uint64_t bytes)
+{
+    memset(p, 0, sizeof *p);
+    p->poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p->poolProps.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->poolProps.location.id = g_dev;
+    p->bytesize = bytes;
+}
+
+static void fam_graph(struct ts *t, int free_phase)
+{
+    if (!free_phase) {
+        CK("cuStreamCreate", cuStreamCreate(&t->stream, CU_STREAM_NON_BLOCKING));
+        for (long i = 0; i < O.count; i++) {
+            CUDA_MEM_ALLOC_NODE_PARAMS p;
+            CUgraphNode node;
+            alloc_node_params(&p, O.size);
+            CK("cuGraphCreate", cuGraphCreate(&t->graphs[i], 0));
+            CK("cuGraphAddMemAllocNode", cuGraphAddMemAllocNode(&node, t->graphs[i], NULL, 0, &p));
+            t->ptrs[i] = p.dptr;
+            graph_run(t, i);
+        }
+    }
+    graph_touch_or_free(t, free_phase);
+}
+
+/* The graph made by capturing one cuMemAllocAsync (relaxed mode: no other call of the
+ * process is affected by the capture). */
+static void fam_capture(struct ts *t, int free_phase)
+{
+    if (!free_phase) {
+        CK("cuStreamCreate", cuStreamCreate(&t->stream, CU_STREAM_NON_BLOCKING));
+        for (long i = 0; i < O.count; i++) {
+            CK("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2(t->stream, CU_STREAM_CAPTURE_MODE_RELAXED));
+            CK("cuMemAllocAsync", cuMemAllocAsync(&t->ptrs[i], O.size, t->stream));
+            CK("cuStreamEndCapture", cuStreamEndCapture(t->stream, &t->graphs[i]));
+            graph_run(t, i);
+        }
+    }
+    graph_touch_or_free(t, free_phase);
+}
+
+/* COUNT x cuModuleLoadData of the image (the stand-in's of SIZE bytes, or --image FILE's
+ * bytes: a real cubin or fatbin on a GPU host) / cuModuleUnload. */
+static void fam_module(struct ts *t, int free_phase)
+{
+    for (long i = 0; i < O.count; i++) {
+        if (!free_phase) {
+            CK("cuModuleLoadData", cuModuleLoadData(&t->mods[i], g_image));
+            t->acount++, t->abytes += g_image_bytes;
+        } else {
+            CK("cuModuleUnload", cuModuleUnload(t->mods[i]));
+            t->fcount++, t->fbytes += g_image_bytes;
+        }
+    }
+}
+
 static const struct {
     const char *name;
     void (*fn)(struct ts *, int);
 } g_fams[] = {
     {"alloc", fam_alloc}, {"pitch", fam_pitch}, {"managed", fam_managed},
     {"vmm", fam_vmm},     {"async", fam_async}, {"array", fam_array},
-    {"ctx", fam_ctx},     {"runtime", fam_runtime},
+    {"ctx", fam_ctx},     {"runtime", fam_runtime}, {"stack", fam_stack},
+    {"heap", fam_heap},   {"fifo", fam_fifo},   {"graph", fam_graph},
+    {"capture", fam_capture}, {"module", fam_module},
 };
 static void (*g_fn)(struct ts *, int);
 
@@ -368,6 +490,84 @@ static int run_fail(void)
     return r == CUDA_SUCCESS ? 1 : 0;
 }
 
+/* graphprobe: which call makes graph memory real on this driver? One step at a time, each
+ * followed by a line with the driver's own graph-memory figures and device free memory (and,
+ * with --hold, a wait, so that a script reads NVML's per-process memory there:
+ * tests/gpu/probe_graph_timing.sh). SIZE: the alloc node's bytes. */
+static void step(const char *name)
+{
+    cuuint64_t used = 0, reserved = 0;
+    size_t fr = 0, tot = 0;
+    CK("cuDeviceGetGraphMemAttribute",
+       cuDeviceGetGraphMemAttribute(g_dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used));
+    CK("cuDeviceGetGraphMemAttribute",
+       cuDeviceGetGraphMemAttribute(g_dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved));
+    CK("cuMemGetInfo_v2", cuMemGetInfo_v2(&fr, &tot));
+    printf("step %s graph_used=%llu graph_reserved=%llu device_free=%zu\n", name,
+           (unsigned long long)used, (unsigned long long)reserved, fr);
+    wait_for_go();
+}
+
+static int run_graphprobe(void)
+{
+    CUgraph g;
+    CUgraphNode node;
+    CUgraphExec x;
+    CUstream s;
+    CUDA_MEM_ALLOC_NODE_PARAMS p;
+    printf("started pid=%d\n", (int)getpid());
+    step("context");
+    CK("cuCtxSetLimit", cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 64 << 10));
+    step("stack-64KiB");
+    CK("cuStreamCreate", cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CK("cuGraphCreate", cuGraphCreate(&g, 0));
+    alloc_node_params(&p, O.size);
+    CK("cuGraphAddMemAllocNode", cuGraphAddMemAllocNode(&node, g, NULL, 0, &p));
+    step("node-added");
+    CK("cuGraphInstantiateWithFlags", cuGraphInstantiateWithFlags(&x, g, 0));
+    step("instantiated");
+    CK("cuGraphLaunch", cuGraphLaunch(x, s));
+    CK("cuStreamSynchronize", cuStreamSynchronize(s));
+    step("launched");
+    CK("cuMemsetD8_v2", cuMemsetD8_v2(p.dptr, 0, O.size));
+    CK("cuStreamSynchronize", cuStreamSynchronize(0));
+    step("memset");
+    CK("cuGraphExecDestroy", cuGraphExecDestroy(x));
+    step("exec-destroyed");
+    CK("cuGraphDestroy", cuGraphDestroy(g));
+    step("graph-destroyed");
+    CK("cuDeviceGraphMemTrim", cuDeviceGraphMemTrim(g_dev));
+    step("trimmed");
+    CK("cuMemFree_v2", cuMemFree_v2(p.dptr));
+    step("freed");
+    CK("cuDeviceGraphMemTrim", cuDeviceGraphMemTrim(g_dev));
+    step("trimmed-after-free");
+    CK("cuCtxSetLimit", cuCtxSetLimit(CU_LIMIT_MALLOC_HEAP_SIZE, 4ull << 30));
+    step("heap-4GiB");
+    CK("cuStreamDestroy_v2", cuStreamDestroy_v2(s));
+    printf("exit\n");
+    return 0;
+}
+
+/* --image FILE: its bytes, whole (this caller's own file). */
+static void *read_image(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        die("fopen(--image)", errno);
+    size_t cap = 1 << 20, n = 0, got;
+    char *buf = malloc(cap + 1);
+    while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0)
+        if ((n += got) == cap && !(buf = realloc(buf, (cap *= 2) + 1)))
+            break;
+    if (!buf)
+        die("malloc(--image)", ENOMEM);
+    fclose(f);
+    buf[n] = 0;         /* PTX images are NUL-terminated text */
+    fprintf(stderr, "info module-image %s %zu bytes\n", path, n);
+    return buf;
+}
+
 static uint64_t parse_size(const char *s)
 {
     char *end;
@@ -390,8 +590,9 @@ static uint64_t parse_size(const char *s)
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free] [--hold-freed]\n"
-                    "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n");
+                    " [--hold] [--no-free] [--hold-freed] [--image FILE]\n"
+                    "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n"
+                    "        stack heap fifo graph capture module graphprobe\n");
     exit(64);
 }
 
@@ -411,6 +612,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "-s")) O.size = parse_size(v), O.size_set = 1, i++;
         else if (!strcmp(a, "-t")) O.threads = atoi(v), i++;
         else if (!strcmp(a, "-d")) O.device = atoi(v), i++;
+        else if (!strcmp(a, "--image")) O.image = v, i++;
         else usage();
     }
     if (O.count < 1 || O.threads < 1)
@@ -427,6 +629,8 @@ int main(int argc, char **argv)
             O.size = 1ull << 40; /* 1 TiB: fails on any real GPU too */
         return run_fail();
     }
+    if (!strcmp(O.family, "graphprobe"))
+        return run_graphprobe();
     for (size_t i = 0; i < sizeof g_fams / sizeof g_fams[0]; i++)
         if (!strcmp(O.family, g_fams[i].name))
             g_fn = g_fams[i].fn;
@@ -441,6 +645,17 @@ int main(int argc, char **argv)
             die("dlsym(cuCtxCreate)", -1);
         fprintf(stderr, "info ctx-create %s\n", p_ctx_v4 ? "cuCtxCreate_v4" : "cuCtxCreate_v2");
     }
+    if (g_fn == fam_stack || g_fn == fam_heap || g_fn == fam_fifo)
+        CK("cuCtxGetLimit", cuCtxGetLimit(&g_old_limit, g_fn == fam_stack ? CU_LIMIT_STACK_SIZE
+                                          : g_fn == fam_heap ? CU_LIMIT_MALLOC_HEAP_SIZE
+                                                             : CU_LIMIT_PRINTF_FIFO_SIZE));
+    if (g_fn == fam_module && O.image) {
+        g_image = read_image(O.image);
+    } else if (g_fn == fam_module) {
+        static char header[64];
+        snprintf(header, sizeof header, "CONVGPU-STANDIN-MODULE %llu\n", (unsigned long long)O.size);
+        g_image = header, g_image_bytes = O.size;
+    }
     if (g_fn == fam_array)
         fprintf(stderr, "info array-bytes 2d=%llu 3d=%llu mipmap=%llu\n", ARR2D_BYTES,
                 ARR3D_BYTES, MIP_BYTES);
@@ -453,6 +668,9 @@ int main(int argc, char **argv)
         ts[i].handles = xcalloc((size_t)O.count, sizeof(CUmemGenericAllocationHandle));
         ts[i].arr = xcalloc(2 * (size_t)O.count, sizeof(CUarray));
         ts[i].mip = xcalloc((size_t)O.count, sizeof(CUmipmappedArray));
+        ts[i].graphs = xcalloc((size_t)O.count, sizeof(CUgraph));
+        ts[i].execs = xcalloc((size_t)O.count, sizeof(CUgraphExec));
+        ts[i].mods = xcalloc((size_t)O.count, sizeof(CUmodule));
     }
     pthread_barrier_init(&b_start, NULL, (unsigned)n);
     pthread_barrier_init(&b_alloc, NULL, (unsigned)n + 1);

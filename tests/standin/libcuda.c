@@ -33,6 +33,10 @@ static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
 uint64_t g_capacity = SI_DEFAULT_CAPACITY;
 uint64_t g_free_ms;
 uint64_t g_free_return_ms;
+/* An H200's 132 SMs x 2,048 resident threads: cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 64 KiB) took
+ * exactly 270,336 x (65,536 - 1,024) bytes there (driver 580.159.04, issue 39). */
+uint64_t g_resident_threads = 270336;
+int g_graph_at_instantiate;
 static uint64_t g_ctx_overhead;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -198,6 +202,9 @@ API CUresult cuInit(unsigned int Flags)
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
         g_free_return_ms = env_u64("CONVGPU_STANDIN_FREE_RETURN_MS", 0);
+        g_resident_threads = env_u64("CONVGPU_STANDIN_RESIDENT_THREADS", 270336);
+        const char *at = getenv("CONVGPU_STANDIN_GRAPH_AT");
+        g_graph_at_instantiate = at && strcmp(at, "instantiate") == 0;
         /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
          * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
          * freed when the shm file closes; host memory touched now makes exit_mm, and so the
@@ -373,6 +380,24 @@ static int ctx_valid(CUcontext c)
     return ok;
 }
 
+void ctx_lock(void) { pthread_mutex_lock(&g_ctx_mu); }
+void ctx_unlock(void) { pthread_mutex_unlock(&g_ctx_mu); }
+
+struct obj *cur_ctx(CUresult *rc)
+{
+    if (t_depth == 0) {
+        *rc = CUDA_ERROR_INVALID_CONTEXT;
+        return NULL;
+    }
+    struct obj *o = (struct obj *)t_stack[t_depth - 1];
+    if (__atomic_load_n(&o->released, __ATOMIC_ACQUIRE)) {
+        *rc = CUDA_ERROR_CONTEXT_IS_DESTROYED;
+        return NULL;
+    }
+    *rc = CUDA_SUCCESS;
+    return o;
+}
+
 CUresult cur_dev(int *dev)
 {
     if (t_depth == 0)
@@ -423,6 +448,7 @@ API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     } else if (--g_primary_ref[dev] == 0) {
         __atomic_store_n(&g_primary[dev].released, 1, __ATOMIC_RELEASE);
         acct_uncharge(dev, g_primary[dev].size);
+        limits_release(&g_primary[dev]);    /* a retain after this starts from the defaults */
     }
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;
@@ -494,6 +520,9 @@ API CUresult cuCtxDestroy_v2(CUcontext ctx)
         return CUDA_ERROR_INVALID_CONTEXT;
     __atomic_store_n(&o->released, 1, __ATOMIC_RELEASE);
     acct_uncharge(o->dev, o->size);
+    pthread_mutex_lock(&g_ctx_mu);
+    limits_release(o);
+    pthread_mutex_unlock(&g_ctx_mu);
     /* The driver pops it from the calling thread's stack. */
     int j = 0;
     for (int i = 0; i < t_depth; i++)
@@ -640,14 +669,27 @@ API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion
     CHECK_INIT();
     if (!symbol || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
-    /* Callers pass the base name ("cuMemAlloc"); map it to the ABI version
-     * we export.  Only cuCtxCreate has several versions worth choosing. */
-    const char *suffixes[4];
+    /* Callers pass the base name ("cuMemAlloc"); map it to the ABI version we export. A few
+     * names changed their signature between versions (cudaTypedefs.h's PFN_..._vNNNNN): the
+     * caller's version picks the one it was built for. */
+    static const struct {
+        const char *base;
+        int since;              /* from this cudaVersion on... */
+        const char *suffix;     /* ...this one (the first that matches) */
+    } versioned[] = {
+        {"cuCtxCreate", 12050, "_v4"}, {"cuCtxCreate", 11040, "_v3"}, {"cuCtxCreate", 0, "_v2"},
+        {"cuGraphInstantiate", 12000, "WithFlags"}, {"cuGraphInstantiate", 11000, "_v2"},
+        {"cuGraphAddNode", 12030, "_v2"}, {"cuGraphAddNode", 0, ""},
+    };
+    const char *suffixes[5];
     int n = 0;
-    if (strcmp(symbol, "cuCtxCreate") == 0)
-        suffixes[n++] = cudaVersion >= 12050 ? "_v4" : cudaVersion >= 11040 ? "_v3" : "_v2";
-    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    for (size_t i = 0; i < sizeof versioned / sizeof versioned[0] && n == 0; i++)
+        if (strcmp(symbol, versioned[i].base) == 0 && cudaVersion >= versioned[i].since)
+            suffixes[n++] = versioned[i].suffix;
+    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
+        suffixes[n++] = "_v2_ptsz";     /* cuStreamBeginCapture_v2_ptsz */
         suffixes[n++] = "_ptsz";
+    }
     suffixes[n++] = "_v2";
     suffixes[n++] = "";
     void *p = NULL;

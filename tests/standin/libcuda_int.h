@@ -41,6 +41,8 @@ void standin_open_nodes(const int *host, int n);
 extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
 extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 keeps the bytes */
 extern uint64_t g_free_return_ms;   /* CONVGPU_STANDIN_FREE_RETURN_MS: how long it runs on after */
+extern uint64_t g_resident_threads; /* CONVGPU_STANDIN_RESIDENT_THREADS: what a stack byte is multiplied by */
+extern int g_graph_at_instantiate;  /* CONVGPU_STANDIN_GRAPH_AT=instantiate: graph memory taken there */
 
 #define VMM_GRANULARITY (2ull << 20)
 
@@ -52,10 +54,16 @@ uint64_t acct_used(int ordinal);
 /* Device of the calling thread's current context. */
 CUresult cur_dev(int *dev);
 
+/* Bytes a linear allocation of `bytes` takes (whole 2 MiB pages above 1 MiB). */
+uint64_t footprint(uint64_t bytes);
+
 /* Host-side table of live objects, keyed by address (device pointer,
  * reservation base, mapping start, or the object's own address for
  * handles/arrays).  All access under tab_lock(). */
-enum obj_kind { K_MEM = 1, K_RESERVE, K_MAP, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX };
+enum obj_kind {
+    K_MEM = 1, K_RESERVE, K_MAP, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX,
+    K_STREAM, K_GRAPH, K_GEXEC, K_GALLOC, K_MODULE, K_LIBRARY /* libcuda_graph.c, libcuda_module.c */
+};
 
 struct obj {
     uintptr_t key;
@@ -68,6 +76,10 @@ struct obj {
     int released;
     /* K_MAP: the physical handle it maps; K_RESERVE: next reservation. */
     struct obj *link;
+    /* K_CTX: cuCtxSetLimit's stack, printf FIFO and heap values, those with bit l of
+     * limit_set set (else the default), under ctx_lock() */
+    uint64_t limit[3];
+    unsigned limit_set;
 };
 
 void tab_lock(void);
@@ -75,5 +87,31 @@ void tab_unlock(void);
 struct obj *tab_find(uintptr_t key, int kind);
 void tab_insert(struct obj *o);
 struct obj *tab_remove(uintptr_t key, int kind);
+
+/* libcuda_mem.c: an object of its own address that holds `bytes` of device `dev` (an ordinal)
+ * until obj_release (arrays, modules, libraries). */
+CUresult obj_charge(int kind, int dev, uint64_t bytes, uintptr_t *out);
+CUresult obj_release(uintptr_t key, int kind);
+
+/* Contexts (libcuda.c). ctx_lock() guards the primary contexts' retain counts and every
+ * context's limits. */
+void ctx_lock(void);
+void ctx_unlock(void);
+/* The calling thread's current context, or NULL and *rc = why (none, destroyed). */
+struct obj *cur_ctx(CUresult *rc);
+/* libcuda_limits.c: give back what a context's limits took (under ctx_lock: it is being
+ * destroyed, or the primary context's last retain was released). */
+void limits_release(struct obj *ctx);
+
+/* libcuda_graph.c: stream capture and graph memory, for libcuda_mem.c's calls. */
+/* A stream-ordered allocation on a capturing stream becomes an alloc node of the capture's
+ * graph (*captured = 1): a fresh address, no memory. */
+CUresult capture_alloc(CUstream s, CUdeviceptr *dptr, uint64_t bytes, int dev, int *captured);
+CUresult capture_free(CUstream s, CUdeviceptr dptr, int *captured);
+/* cuMemFree_v2 / cuMemFreeAsync of a graph allocation: 1 if it was live (now freed: its
+ * bytes stay reserved in the graph pool), 0 if addr is none of them. */
+int graph_mem_free(uintptr_t addr);
+/* Is [addr, addr+n) the start of a live graph allocation? (cuMemsetD8_v2) */
+int graph_mem_live(uintptr_t addr, uint64_t n);
 
 #endif

@@ -21,7 +21,7 @@
 
 /* Like the real driver (H100, driver 580: NVML shows 3 MiB as 4 MiB, 123 MiB as 124 MiB),
  * linear allocations above 1 MiB take whole 2 MiB pages; smaller ones are sub-allocated. */
-static uint64_t footprint(uint64_t bytes)
+uint64_t footprint(uint64_t bytes)
 {
     const uint64_t page = 2u << 20;
     return bytes > (1u << 20) ? (bytes + page - 1) / page * page : bytes;
@@ -74,8 +74,8 @@ static CUresult do_free(CUdeviceptr dptr)
     tab_lock();
     struct obj *o = tab_remove((uintptr_t)dptr, K_MEM);
     tab_unlock();
-    if (!o)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (!o) /* a graph allocation's bytes stay in the graph pool (libcuda_graph.c) */
+        return graph_mem_free((uintptr_t)dptr) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
     if (g_free_ms) {    /* a large free on the H100 runs for milliseconds, the memory still counted */
         struct timespec ts = {.tv_sec = g_free_ms / 1000, .tv_nsec = (g_free_ms % 1000) * 1000000};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
@@ -138,6 +138,24 @@ API CUresult cuMemFree_v2(CUdeviceptr dptr)
     return rc ? rc : do_free(dptr);
 }
 
+/* CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N): no page is
+ * touched; the range must start an allocation (linear or a live graph allocation) and fit
+ * in it. */
+API CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    CHECK_INIT();
+    (void)uc;
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    if (rc)
+        return rc;
+    tab_lock();
+    struct obj *o = tab_find((uintptr_t)dstDevice, K_MEM);
+    int ok = o && N <= o->size;
+    tab_unlock();
+    return ok || graph_mem_live((uintptr_t)dstDevice, N) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
     CHECK_INIT();
@@ -180,28 +198,40 @@ API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize)
+/* On a capturing stream an allocation is an alloc node of the capture's graph (no memory
+ * until that graph is launched), a free a free node. */
+static CUresult alloc_on(CUdeviceptr *dptr, size_t bytesize, int dev, CUstream hStream)
+{
+    int captured;
+    CUresult rc = capture_alloc(hStream, dptr, bytesize, dev, &captured);
+    return captured ? rc : do_alloc(dptr, bytesize, dev);
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     int dev;
     CUresult rc = cur_dev(&dev);
-    return rc ? rc : do_alloc(dptr, bytesize, dev);
+    return rc ? rc : alloc_on(dptr, bytesize, dev, hStream);
 }
 
-static CUresult alloc_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool)
+static CUresult alloc_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
     int dev;
     CUresult rc = cur_dev(&dev);
     if (rc)
         return rc;
     dev = pool_dev(pool); /* memory lands on the pool's device */
-    return dev < 0 ? CUDA_ERROR_INVALID_VALUE : do_alloc(dptr, bytesize, dev);
+    return dev < 0 ? CUDA_ERROR_INVALID_VALUE : alloc_on(dptr, bytesize, dev, hStream);
 }
 
-static CUresult free_async(CUdeviceptr dptr)
+static CUresult free_async(CUdeviceptr dptr, CUstream hStream)
 {
-    int dev;
+    int dev, captured;
     CUresult rc = cur_dev(&dev);
-    return rc ? rc : do_free(dptr);
+    if (rc)
+        return rc;
+    rc = capture_free(hStream, dptr, &captured);
+    return captured ? rc : do_free(dptr);
 }
 
 /* _ptsz twins are separate functions (not aliases) so that each name has
@@ -210,45 +240,39 @@ static CUresult free_async(CUdeviceptr dptr)
 API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return alloc_async(dptr, bytesize);
+    return alloc_async(dptr, bytesize, hStream);
 }
 
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return alloc_async(dptr, bytesize);
+    return alloc_async(dptr, bytesize, hStream);
 }
 
 API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                      CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return alloc_pool(dptr, bytesize, pool);
+    return alloc_pool(dptr, bytesize, pool, hStream);
 }
 
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                           CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return alloc_pool(dptr, bytesize, pool);
+    return alloc_pool(dptr, bytesize, pool, hStream);
 }
 
 API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return free_async(dptr);
+    return free_async(dptr, hStream);
 }
 
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     CHECK_INIT();
-    (void)hStream;
-    return free_async(dptr);
+    return free_async(dptr, hStream);
 }
 
 API CUresult cuStreamSynchronize(CUstream hStream)
@@ -524,15 +548,12 @@ static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f
     return n;
 }
 
-static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
+/* An object that holds `bytes` of device `dev` until it is released: its own address is its
+ * handle (arrays here; modules and libraries in libcuda_module.c). */
+CUresult obj_charge(int kind, int dev, uint64_t bytes, uintptr_t *out)
 {
-    int dev;
-    CUresult rc = cur_dev(&dev);
-    if (rc)
-        return rc;
-    if (!out || bytes == 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = acct_charge(dev, bytes)) != CUDA_SUCCESS)
+    CUresult rc = acct_charge(dev, bytes);
+    if (rc != CUDA_SUCCESS)
         return rc;
     struct obj *o = calloc(1, sizeof *o);
     if (!o) {
@@ -550,12 +571,8 @@ static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
     return CUDA_SUCCESS;
 }
 
-static CUresult obj_destroy(uintptr_t key, int kind)
+CUresult obj_release(uintptr_t key, int kind)
 {
-    int dev;
-    CUresult rc = cur_dev(&dev);
-    if (rc)
-        return rc;
     tab_lock();
     struct obj *o = tab_remove(key, kind);
     tab_unlock();
@@ -564,6 +581,24 @@ static CUresult obj_destroy(uintptr_t key, int kind)
     acct_uncharge(o->dev, o->size);
     free(o);
     return CUDA_SUCCESS;
+}
+
+static CUresult obj_create(int kind, uint64_t bytes, uintptr_t *out)
+{
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    if (rc)
+        return rc;
+    if (!out || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return obj_charge(kind, dev, bytes, out);
+}
+
+static CUresult obj_destroy(uintptr_t key, int kind)
+{
+    int dev;
+    CUresult rc = cur_dev(&dev);
+    return rc ? rc : obj_release(key, kind);
 }
 
 API CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)

@@ -9,7 +9,9 @@
  * driver; default 1) in host order (NVML ignores CUDA_VISIBLE_DEVICES), with the stand-in
  * driver's UUIDs (si_uuid_text: cuDeviceGetUuid gives the same 16 bytes), names, minor numbers
  * ($CONVGPU_STANDIN_MINORS="3,5": GPU 0 is /dev/nvidia3's...; default the index; probes/gpumap.py),
- * no per-process lists (NOT_SUPPORTED), MIG mode off, and for the Kubernetes agent's tests
+ * no per-process lists (NOT_SUPPORTED; with CONVGPU_STANDIN_NVML_PROCS=1, the stand-in driver's
+ * per-process slots in $CONVGPU_STANDIN_SHM, as NVML lists compute processes), MIG mode off,
+ * and for the Kubernetes agent's tests
  * (tests/system/test_kube_health.py) faults read from the file $CONVGPU_STANDIN_NVML_FAULTS, one a line:
  *   lost I     GPU I answers NVML_ERROR_GPU_IS_LOST while the line is there
  *   mig I      GPU I has MIG mode on
@@ -26,6 +28,8 @@
 #define NVML_SUCCESS 0
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_NOT_SUPPORTED 3
 
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
@@ -190,10 +194,44 @@ API int nvmlDeviceGetMinorNumber(void *device, unsigned int *minor)
     return NVML_SUCCESS;
 }
 
+/* nvml.h's nvmlProcessInfo_t (v2 and v3 alike) */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+
+/* Each live process's bytes on host GPU `gpu`, from the stand-in driver's slots (reaped first,
+ * so a killed process is gone at once): processes with none there are not listed. */
+static unsigned int slot_processes(int gpu, nvmlProcessInfo_t *out, unsigned int cap)
+{
+    static struct si_handle h = {-1, NULL};
+    unsigned int n = 0;
+    if ((!h.seg && si_open(&h, 0) != 0) || si_lock(&h) != 0)
+        return 0;   /* no stand-in process yet: none */
+    si_reap(&h, -1);
+    for (uint32_t i = 0; i < h.seg->slot_hiwater && i < SI_NSLOTS; i++) {
+        const struct si_slot *sl = &h.seg->slots[i];
+        if (sl->pid <= 0 || !sl->used[gpu])
+            continue;
+        if (out && n < cap)
+            out[n] = (nvmlProcessInfo_t){(unsigned)sl->pid, sl->used[gpu], 0xFFFFFFFF, 0xFFFFFFFF};
+        n++;
+    }
+    si_unlock(&h);
+    return n;
+}
+
 API int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned int *n, void *infos)
 {
-    (void)device, (void)n, (void)infos;
-    return 3;   /* NVML_ERROR_NOT_SUPPORTED: the stand-in keeps no per-process lists */
+    const char *on = getenv("CONVGPU_STANDIN_NVML_PROCS");
+    if (!on || strcmp(on, "1") != 0)
+        return NVML_ERROR_NOT_SUPPORTED;    /* as where NVML has no per-process figures (vGPU) */
+    if (check(device) || !n)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int cap = infos ? *n : 0, got = slot_processes(gpu_of(device), infos, cap);
+    *n = got;
+    return got > cap ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
 }
 
 API int nvmlDeviceGetMigMode(void *device, unsigned int *current, unsigned int *pending)
