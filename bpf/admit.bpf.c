@@ -103,12 +103,10 @@ static __always_inline int quota_ok(u32 tgid, struct cg_thread *t, u64 key, stru
 static __always_inline void quota_stop(u64 id, struct cg_thread *t, u16 api, s32 dev, u64 key,
                                        struct cg_control *ctl, int final)
 {
-    if (t) {
-        t->call.stalled = 1;        // recheck() lets it go once the container has room
-        t->call.want = 0;
-        t->call.wdev = dev;
-    }
-    stop_then_tell(id, api, OP_QUOTA, 0, dev, key, 0, 0, ctl, t ? final : UNTRACKED);
+    t->call.stalled = 1;            // recheck() lets it go once the container has room
+    t->call.want = 0;
+    t->call.wdev = dev;
+    stop_then_tell(id, api, OP_QUOTA, 0, dev, key, 0, 0, ctl, final);
 }
 
 // At the entry of a call that takes `size` bytes (a context: the per-context overhead).
@@ -362,9 +360,9 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     if (!t) {                       // no call that needs an entry runs untracked
         u64 key = ctl ? member_key(id >> 32) : 0;
         if (ctl && denied)          // its container is at its thread quota
-            quota_stop(id, 0, api, 0, key, ctl, 1);
+            kill_unchecked(id, api, OP_QUOTA, 0, 0, key, 0, 0, UNTRACKED);
         else if (ctl && (key || admitted(api)) && !lapsed(ctl))    // the map is full
-            stop_then_tell(id, api, OP_FULL, 0, 0, key, 0, 0, ctl, UNTRACKED);
+            kill_unchecked(id, api, OP_FULL, 0, 0, key, 0, 0, UNTRACKED);
         return 0;
     }
     if (t->call.stalled)            // its last call was stopped and is long over (no recheck probe)
