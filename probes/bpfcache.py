@@ -13,8 +13,9 @@ object it gets from a compile.
 Per-start values (the enforcer's pid, its owner number) are in the `config` map, not in the
 code (struct cg_config), and the pin directory of the enforcer's maps is applied at replay:
 one cached compile serves every start on a host. What stays compiled in is in the key: the
-source and header bytes, the remaining cflags (ring buffer size, the kernel's tracepoint
-features), the kernel (release and build), its headers and bcc's version.
+bytes of every .c and .h beside the source (the top file, the parts it includes, the
+header: an edit to any of them is a new key), the remaining cflags (ring buffer size, the
+kernel's tracepoint features), the kernel (release and build), its headers and bcc's version.
 
 The cache is only ever read from a root-owned directory that nobody else can write (what it
 holds is loaded into the kernel as root), and each file carries a checksum of its content:
@@ -72,7 +73,8 @@ def _bcc_version() -> str:
 
 
 def material(src_file: str, cflags: list[str]) -> dict:
-    """Everything the compiled program depends on."""
+    """Everything the compiled program depends on: every C file and header in src_file's
+    directory, whether it includes them or not (bpf/__init__.py source_text)."""
     stable, _ = split_flags(cflags)
     src_dir = os.path.dirname(os.path.abspath(src_file))
     files = {}

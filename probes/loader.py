@@ -1,4 +1,4 @@
-"""Compile bpf/convgpu.bpf.c with bcc and attach the probe table to libraries.
+"""Compile bpf/convgpu.bpf.c and its parts with bcc; attach the probe table to libraries.
 
 A library is verified by reading it, never by running it (probes/untrusted.py: a container's
 libcuda.so.1 is hostile, issue 24 row 1): its ELF symbol tables give each probed symbol's file
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import phases
-from ..bpf import DIR as BPF_DIR, SOURCE
+from ..bpf import DIR as BPF_DIR, SOURCE, source_text
 from ..errors import PrerequisiteError, ProbeError
 from . import bpfcache, links, prologue, untrusted
 from .libs import Library
@@ -104,7 +104,7 @@ def load_program(bcc, src: str, flags: list[str], directory: str | None):
                 raise   # an older layout under the pins: the compile would load over it blindly
             log.warning("cannot replay the cached BPF program (%s): compiling", e)
     try:
-        b = bcc.BPF(src_file=src.encode(), cflags=flags)
+        b = bcc.BPF(text=source_text(src).encode(), cflags=flags)   # src with its parts pasted in
     except Exception as e:  # bcc raises bare Exception for compile/load failures
         msg = str(e)
         if "kernel headers" in msg.lower() or "modules" in msg:

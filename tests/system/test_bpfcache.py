@@ -33,6 +33,10 @@ int enter_init(struct pt_regs *ctx)
         v->n += STEP;
     return 0;
 }
+#include "tiny_exec.bpf.c"
+"""
+# A part the program includes (bpf/__init__.py source_text): its map call and its program load
+TINY_PART = """
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 k = bpf_get_current_pid_tgid() >> 32;
@@ -48,6 +52,7 @@ def tiny(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "tiny.bpf.c").write_text(TINY)
+    (src / "tiny_exec.bpf.c").write_text(TINY_PART)
     (src / "tiny.h").write_text(TINY_H)
     cache = tmp_path / "cache"
     return src, str(cache)
@@ -91,12 +96,14 @@ def test_tiny_program_replays_with_the_same_behaviour(root, build, tiny):
         again.cleanup()
 
 
-@pytest.mark.parametrize("change", ["source", "header", "flags"])
+@pytest.mark.parametrize("change", ["source", "part", "header", "flags"])
 def test_a_cache_of_another_source_or_flags_is_not_used(root, tiny, change):
     src, cache = tiny
     load(src, cache).cleanup()
     if change == "source":
         (src / "tiny.bpf.c").write_text(TINY.replace("v->n += STEP;", "v->n += STEP + 1;"))
+    elif change == "part":
+        (src / "tiny_exec.bpf.c").write_text(TINY_PART.replace("return 0;", "return 1;"))
     elif change == "header":
         (src / "tiny.h").write_text(TINY_H.replace("pad[2]", "pad[4]"))
     b = load(src, cache, step=2 if change == "flags" else 1)

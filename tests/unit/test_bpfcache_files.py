@@ -15,7 +15,8 @@ from convgpu.probes import bpfcache
 def src(tmp_path):
     d = tmp_path / "bpf"
     d.mkdir()
-    (d / "p.bpf.c").write_text('#include "p.h"\nint f(void *ctx) { return 0; }\n')
+    (d / "p.bpf.c").write_text('#include "p.h"\n#include "q.bpf.c"\nint f(void *ctx) { return 0; }\n')
+    (d / "q.bpf.c").write_text("int g(void *ctx) { return 0; }\n")   # a part p.bpf.c includes
     (d / "p.h").write_text("struct s { int a; };\n")
     (d / "__init__.py").write_text("")
     return d
@@ -32,7 +33,9 @@ def test_key_follows_source_headers_flags_kernel_and_bcc(src, monkeypatch):
     assert bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS)) == base
     (src / "p.h").write_text("struct s { long a; };\n")
     keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS)))
-    (src / "p.bpf.c").write_text('#include "p.h"\nint f(void *ctx) { return 1; }\n')
+    (src / "q.bpf.c").write_text("int g(void *ctx) { return 1; }\n")
+    keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS)))
+    (src / "p.bpf.c").write_text('#include "p.h"\n#include "q.bpf.c"\nint f(void *ctx) { return 1; }\n')
     keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS)))
     keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS + ["-DNO_OPEN_TRACEPOINTS"])))
     keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), ["-I/x", "-DRINGBUF_PAGES=8", "-DHAVE_GROUP_DEAD"])))
@@ -42,7 +45,14 @@ def test_key_follows_source_headers_flags_kernel_and_bcc(src, monkeypatch):
     monkeypatch.setattr(os, "uname", lambda: SimpleNamespace(release=real.release, version="#2 another build",
                                                              machine=real.machine))
     keys.add(bpfcache.key_of(bpfcache.material(str(src / "p.bpf.c"), FLAGS)))
-    assert len(keys | {base}) == 7
+    assert len(keys | {base}) == 8
+
+
+def test_a_part_is_pasted_in_where_it_is_included_and_a_header_is_not(src):
+    """bcc rewrites map calls and finds programs only in the main source (bpf/__init__.py)."""
+    from convgpu.bpf import source_text
+    assert source_text(src / "p.bpf.c") == ('#include "p.h"\n#line 1 "q.bpf.c"\nint g(void *ctx) { return 0; }\n'
+                                           '#line 3 "p.bpf.c"\nint f(void *ctx) { return 0; }\n')
 
 
 def test_the_pin_directory_is_per_start_not_in_the_key(src):

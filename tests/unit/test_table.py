@@ -2,10 +2,10 @@
 API the header lists is probed, and the issue's required symbols are present."""
 import re
 
-from convgpu.bpf import SOURCE
+from convgpu.bpf import source_text
 from convgpu.probes.table import API_IDS, API_NAMES, CUDA, CUDART, PROBES
 
-SRC = SOURCE.read_text()
+SRC = source_text()    # the top file with its parts, as bcc compiles it
 DEFINED = set(re.findall(r"^int (\w+)\(struct pt_regs", SRC, re.M))
 DEFINED |= {f"enter_{n}" for n in re.findall(r"(?:ENTER|RT)\((\w+)\)", SRC) if n != "name"}
 
@@ -43,8 +43,20 @@ def test_the_calls_bpf_admits_are_the_ones_the_enforcer_rechecks():
     table.ADMITTED (the recheck probes, the shim's marks) name the same calls, and admit_call
     has a case for each."""
     from convgpu.probes.table import ADMITTED
-    src = SOURCE.read_text()
+    src = SRC
     body = re.search(r"static __always_inline int admitted\(u16 api\)\n\{(.*?)\n\}", src, re.S).group(1)
     assert set(re.findall(r"API_(\w+)", body)) == set(ADMITTED)
     call = re.search(r"static __always_inline void admit_call\((.*?)\n\}", src, re.S).group(1)
     assert set(ADMITTED) <= set(re.findall(r"case API_(\w+)", call))
+
+
+def test_every_part_is_included_once_and_none_is_over_700_lines():
+    """bpf/ by concern (issue 41): each *.bpf.c part is pasted into the one program exactly once,
+    none is left to the preprocessor (its map calls would not load), and each stays readable."""
+    from convgpu.bpf import DIR, SOURCE
+    parts = sorted(p.name for p in DIR.glob("*.bpf.c") if p != SOURCE)
+    assert len(parts) >= 6
+    assert sorted(re.findall(r'^#line 1 "(\w+\.bpf\.c)"$', SRC, re.M)) == parts
+    assert not re.search(r'^#include "[\w.]+\.bpf\.c"', SRC, re.M)
+    assert {p.name: len(p.read_text().splitlines()) for p in DIR.iterdir()
+            if p.suffix in (".c", ".h") and len(p.read_text().splitlines()) > 700} == {}
