@@ -25,7 +25,7 @@ LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
 
 # Symbols the stand-in driver must export (check-prologue verifies).
 LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
-	cuDeviceGetName cuDeviceGetUuid cuDeviceGetUuid_v2 cuDeviceTotalMem_v2 cuGetProcAddress_v2 cuGetErrorString \
+	cuDeviceGetName cuDeviceGetAttribute cuDeviceGetUuid cuDeviceGetUuid_v2 cuDeviceTotalMem_v2 cuGetProcAddress_v2 cuGetErrorString \
 	cuMemAlloc_v2 cuMemAllocPitch_v2 cuMemAllocManaged cuMemFree_v2 \
 	cuMemGetInfo_v2 cuMemCreate cuMemRelease cuMemMap cuMemUnmap \
 	cuMemAddressReserve cuMemAddressFree cuMemSetAccess \

@@ -4,6 +4,14 @@
 
 // ---- accounting helpers: objects, bytes and contexts in and out ----
 
+// Memory that is not an allocation (indirect.bpf.c): rare calls, always told, so that the
+// enforcer can name them when the driver's count finds a container over its limit.
+static __always_inline int indirect(u16 api)
+{
+    return (api >= API_cuCtxSetLimit && api <= API_cuGraphInstantiate_v2) ||
+           (api >= API_cuGraphExecDestroy && api <= API_cuLibraryLoadFromFile);
+}
+
 // Bytes obtained: remember the object, add to the (process, device) totals.
 static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr,
                                     u64 size, s32 dev, u8 flags)
@@ -40,7 +48,7 @@ static __always_inline void obj_add(u64 id, struct cg_proc *p, u16 api, u32 ns, 
     __sync_fetch_and_add(&u->n_alloc, 1);
     __sync_fetch_and_add(&u->bytes_alloc, size);
     u->last_ns = bpf_ktime_get_ns();
-    if (!quiet(0))
+    if (!quiet(0) || indirect(api))
         emit(id, api, OP_ALLOC, flags, dev, addr, size, live, 0);
 }
 

@@ -244,14 +244,6 @@ static __always_inline u64 max1(u64 x)
     return x | ((x - 1) >> 63);
 }
 
-// What a linear allocation really takes from the GPU: measured on an H100 with driver 580,
-// NVML shows 23 x 3 MiB as 92 MiB and 123 MiB as 124 MiB, so requests above 1 MiB take whole
-// 2 MiB pages; smaller ones share pages (their slack shows up in the context overhead).
-static __always_inline u64 footprint(u64 size)
-{
-    return size > SUBALLOC_MAX ? (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) : size;
-}
-
 // What an array takes, from its descriptor (the driver pads rows: an estimate, EF_ESTIMATE).
 // CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc)
 // CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc)
@@ -290,6 +282,11 @@ static __always_inline int admitted(u16 api)
     case API_cuArrayCreate_v2: case API_cuArray3DCreate_v2: case API_cuMipmappedArrayCreate:
     case API_cuDevicePrimaryCtxRetain: case API_cuCtxCreate_v2: case API_cuCtxCreate_v3:
     case API_cuCtxCreate_v4:
+    // memory that is not an allocation, sized at the entry where it can be (indirect.bpf.c)
+    case API_cuCtxSetLimit: case API_cuGraphInstantiateWithFlags: case API_cuGraphInstantiateWithParams:
+    case API_cuGraphInstantiateWithParams_ptsz: case API_cuGraphInstantiate_v2:
+    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuModuleLoadFatBinary:
+    case API_cuLibraryLoadData:
         return 1;
     }
     return 0;
@@ -338,6 +335,15 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
     case API_cuCtxCreate_v4:
         admit(id, t, api, host_of(tgid, (s32)PT_REGS_PARM4(ctx), t), 0, 1, ctl);
         break;
+    case API_cuCtxSetLimit: case API_cuGraphInstantiateWithFlags: case API_cuGraphInstantiateWithParams:
+    case API_cuGraphInstantiateWithParams_ptsz: case API_cuGraphInstantiate_v2:
+    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuModuleLoadFatBinary:
+    case API_cuLibraryLoadData: {   // not an allocation: sized where it can be (indirect.bpf.c)
+        u64 size = indirect_size(t, api, tgid, &dev);
+        if (size)
+            admit(id, t, api, dev, size, 0, ctl);
+        break;
+    }
     }
 }
 
@@ -375,6 +381,7 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     t->call.api = api;
     t->call.reserved = 0;
     t->call.stalled = 0;
+    graph_node_enter(ctx, t, api, id >> 32);   // a graph's memory node: read while it is at hand
     if (!ctl)
         return t;
     u64 key = t->quota ? 0 : member_key(id >> 32);  // a thread made before its process was placed

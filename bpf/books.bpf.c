@@ -303,3 +303,11 @@ static __always_inline void release(struct cg_call *c)
         __sync_fetch_and_add(&s->reserved, -(s64)c->reserved);
     c->reserved = 0;
 }
+
+// What a linear allocation really takes from the GPU: measured on an H100 with driver 580,
+// NVML shows 23 x 3 MiB as 92 MiB and 123 MiB as 124 MiB, so requests above 1 MiB take whole
+// 2 MiB pages; smaller ones share pages (their slack shows up in the context overhead).
+static __always_inline u64 footprint(u64 size)
+{
+    return size > SUBALLOC_MAX ? (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) : size;
+}

@@ -13,9 +13,11 @@
 //   maps.bpf.c ........ the call in flight, the shared maps (pinned under enforce), events
 //   books.bpf.c ....... map entries and their quotas, what each container is charged
 //   holds.bpf.c ....... every stop BPF makes, and the kill of a call that cannot be checked
+//   indirect.bpf.c .... what a call takes that is not an allocation: limits, graphs, modules
 //   admit.bpf.c ....... entry: admission, the recheck in the prologue, sizes of a call
 //   account.bpf.c ..... objects, bytes and contexts in and out; the return programs
 //   frees.bpf.c ....... frees and handles, settled at the return (or the entry)
+//   indirect_returns.bpf.c  their returns: charged, and given back by the call that ends them
 //   discovery.bpf.c ... a process opening a driver file or a GPU node waits until it is probed
 //   exit.bpf.c ........ the kernel's exit and exec tracepoints release what a process held
 #include <uapi/linux/ptrace.h>
@@ -24,8 +26,10 @@
 #include "maps.bpf.c"
 #include "books.bpf.c"
 #include "holds.bpf.c"
+#include "indirect.bpf.c"
 #include "admit.bpf.c"
 #include "account.bpf.c"
 #include "frees.bpf.c"
+#include "indirect_returns.bpf.c"
 #include "discovery.bpf.c"
 #include "exit.bpf.c"

@@ -42,12 +42,31 @@
     X(cuCtxPushCurrent_v2, 29)          \
     X(cuCtxPopCurrent_v2, 30)           \
     X(cuMemGetInfo_v2, 31)              \
+    X(cuCtxSetLimit, 32)                \
+    X(cuGraphAddMemAllocNode, 33)       \
+    X(cuGraphAddNode, 34)               \
+    X(cuGraphAddNode_v2, 35)            \
+    X(cuGraphInstantiateWithFlags, 36)  \
+    X(cuGraphInstantiateWithParams, 37) \
+    X(cuGraphInstantiateWithParams_ptsz, 38) \
+    X(cuGraphInstantiate_v2, 39)        \
     X(cudaMalloc, 40)                   \
     X(cudaMallocManaged, 41)            \
     X(cudaMallocPitch, 42)              \
     X(cudaMalloc3D, 43)                 \
     X(cudaFree, 44)                     \
     X(cudaMemGetInfo, 45)               \
+    X(cuGraphExecDestroy, 46)           \
+    X(cuGraphDestroy, 47)               \
+    X(cuGraphClone, 48)                 \
+    X(cuModuleLoadData, 49)             \
+    X(cuModuleLoadDataEx, 50)           \
+    X(cuModuleLoadFatBinary, 51)        \
+    X(cuLibraryLoadData, 52)            \
+    X(cuModuleUnload, 53)               \
+    X(cuLibraryUnload, 54)              \
+    X(cuModuleLoad, 55)                 \
+    X(cuLibraryLoadFromFile, 56)        \
     X(sched_process_exit, 60)           \
     X(sched_process_exec, 61)           \
     X(sys_openat, 62)
@@ -76,6 +95,9 @@ enum cg_op {
     OP_LIB_OPEN = 17,   /* a process opened a file named like the driver: stopped until it is probed */
     OP_QUOTA = 18,      /* enforce: its container is at a map quota (cg_quota): stopped or killed */
     OP_FULL = 19,       /* enforce: the threads map is full: the call cannot be tracked, killed */
+    OP_GRAPH = 20,      /* a graph's memory nodes grew (size: its bytes now; nothing taken yet) */
+    OP_UNSIZED = 21,    /* a call that may take memory no entry can size (a module from a file):
+                         * the backstop (NVML) is its check */
 };
 
 /* Event flags. */
@@ -138,7 +160,12 @@ struct cg_proc {
 
 /* Live objects, keyed by process and namespace so handles never collide with pointers. */
 /* NS_CTX: context -> device; NS_PRIMARY: device -> retained primary context (refcount in maps). */
-enum cg_ns { NS_PTR = 1, NS_VMM = 2, NS_ARRAY = 3, NS_MAPPING = 4, NS_CTX = 5, NS_PRIMARY = 6 };
+/* Memory a call takes that is not an allocation (bpf/indirect.bpf.c): NS_LIMIT: (device << 8 |
+ * CUlimit) -> what that limit takes; NS_GRAPH: graph -> the bytes of its memory nodes (not
+ * charged: taken when it is instantiated); NS_GEXEC: executable graph -> its charge; NS_MODULE:
+ * module or library -> its static data. */
+enum cg_ns { NS_PTR = 1, NS_VMM = 2, NS_ARRAY = 3, NS_MAPPING = 4, NS_CTX = 5, NS_PRIMARY = 6,
+             NS_LIMIT = 7, NS_GRAPH = 8, NS_GEXEC = 9, NS_MODULE = 10 };
 struct cg_obj_key {
     __u32 tgid;
     __u32 ns;

@@ -12,6 +12,7 @@ from rich.live import Live
 
 from .. import phases
 from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
+from ..enforcer import devattrs
 from ..enforcer.accounting import Accountant, matches
 from ..enforcer.tenants.containers import container_of_pid
 from ..enforcer.tenants.engines import EngineLookup
@@ -95,6 +96,9 @@ def trace(
         phases.mark("setup")
         tracer.start()
         tracer.enable_discovery()   # a process opening a new driver copy waits for its probes
+        lib_ = devattrs.host_driver(tracer.libraries)   # what a stack limit costs on each GPU
+        if lib_ is not None:
+            devattrs.write(tracer.b, devattrs.query(lib_, tracer.gpumap.gpus))
         phases.mark("tracing")
         log.info("%s", phases.line())
         mode = "driver"

@@ -174,8 +174,9 @@ def ceiling(dev: Device, est: Estimate, page: int) -> Estimate:
 
 
 class MeasuredStore:
-    """The bare context measured at start per model key, in <state dir>/ctx-overhead.json:
-    {"version": 2, "measured": {model key: bytes}}. A version-1 file's "devices" (figures
+    """The bare context measured at start per model key, and each model's resident threads
+    (enforcer/devattrs.py), in <state dir>/ctx-overhead.json: {"version": 2, "measured": {model
+    key: bytes}, "resident": {model key: threads}}. A version-1 file's "devices" (figures
     learned from tenants' processes, which issue 39 stopped using) is read past, once said. No
     directory: kept in memory only. A file that cannot be read is one warning and a fresh
     start (and is replaced at the next save)."""
@@ -183,6 +184,7 @@ class MeasuredStore:
     def __init__(self, state_dir: str | None):
         self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
         self.measured: dict[str, int] = {}
+        self.resident: dict[str, int] = {}
         self.dirty = False
         if self.path:
             self.measured = self._load()
@@ -197,7 +199,9 @@ class MeasuredStore:
             log.warning("ignoring %s (%s): context estimates start from defaults", self.path, e)
             return {}
         measured = doc.get("measured", {}) if isinstance(doc, dict) else None
-        if not (isinstance(measured, dict) and all(_size(v) for v in measured.values())):
+        resident = doc.get("resident", {}) if isinstance(doc, dict) else None
+        if not (isinstance(measured, dict) and all(_size(v) for v in measured.values())
+                and isinstance(resident, dict) and all(_size(v) for v in resident.values())):
             log.warning("ignoring %s (not a convgpu context file): context estimates start from "
                         "defaults", self.path)
             return {}
@@ -205,6 +209,7 @@ class MeasuredStore:
             log.info("%s: figures learned from earlier processes are not used (one tenant could move "
                      "them); contexts are charged what the enforcer measured itself", self.path)
             self.dirty = True   # written again without them
+        self.resident = dict(resident)
         return dict(measured)
 
     def measured_at_start(self, model_key: str) -> int | None:
@@ -212,6 +217,10 @@ class MeasuredStore:
 
     def set_measured(self, model_key: str, nbytes: int):
         self.measured[model_key] = int(nbytes)
+        self.dirty = True
+
+    def set_resident(self, model_key: str, threads: int):
+        self.resident[model_key] = int(threads)
         self.dirty = True
 
     def save(self):
@@ -225,7 +234,8 @@ class MeasuredStore:
             os.makedirs(d, mode=0o755, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".ctx-", dir=d)
             with os.fdopen(fd, "w") as f:
-                json.dump({"version": 2, "measured": self.measured}, f, indent=1, sort_keys=True)
+                json.dump({"version": 2, "measured": self.measured, **({"resident": self.resident} if self.resident else {})},
+                          f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -239,6 +239,8 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             self.sel.register(reader.fd, selectors.EVENT_READ, lambda _mask: reader.drain())
         signal.signal(signal.SIGHUP, self._on_hup)
         self._adopt(prev)
+        if self.tracer.kernel:
+            self._write_resident()   # what a stack limit costs, before a call is admitted
         self._plan_measurements()   # a GPU model never seen: its newcomers wait for a measured context
         write_state(self.state_file, [], [])
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die

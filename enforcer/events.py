@@ -11,6 +11,7 @@ import time
 
 from ..faults import FAULT
 from ..probes.events import EF_ORDINAL, EF_RESERVED, EF_TRACED
+from ..probes.table import INDIRECT
 from ..units import format_size
 from . import policies
 from .actions import alive
@@ -79,6 +80,9 @@ class Events:
                 dirty = True
             elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
                 dirty = dirty or any(b.waiting for b in self.boxes.values())
+            if e.api in INDIRECT and e.op in ("alloc", "graph", "unsized"):   # named if it goes over
+                seen = self.calls_seen.setdefault(e.pid, {})
+                seen[e.api] = seen.get(e.api, 0) + 1
         return dirty
 
     def _box_for(self, pid: int, keep: bool = True) -> Box | None:

@@ -12,7 +12,6 @@ import time
 
 from ..units import format_size
 from ..probes import gpumap
-from ..probes.table import CUDA
 from . import ctxest, ctxmeasure
 from .actions import alive
 
@@ -92,9 +91,10 @@ class ContextOverhead:
     def _host_driver(self) -> str | None:
         """The host's own libcuda, never a container's: one the tracer found and trusts, else
         (no probes) one installed on the host that probes/untrusted.py would trust."""
-        for lib in self.tracer.libraries:
-            if lib.kind == CUDA and lib.trusted:
-                return lib.path
+        from . import devattrs
+        found = devattrs.host_driver(self.tracer.libraries)
+        if found is not None:
+            return found
         from ..probes import libs, untrusted
         for path in libs.system_drivers():
             try:
@@ -197,7 +197,12 @@ class ContextOverhead:
         stays charged at its last measurement (Sampler keeps it), a new one at its estimate."""
         s = self.sampler
         late = now - s.ok_at
-        if late >= NVML_STALE and not self._nvml_failing:
+        if late >= NVML_STALE and not self._nvml_failing and s.seq == 0 and "Not Supported" in s.error:
+            self._nvml_failing = True   # some vGPUs: no per-process figures at all (_backstop_state)
+            log.warning("NVML gives no per-process memory on this host (%s): the backstop is off (memory "
+                        "obtained outside admitted calls is not seen), contexts stay charged at the estimate",
+                        s.error)
+        elif late >= NVML_STALE and not self._nvml_failing:
             self._nvml_failing = True
             log.warning("NVML has not answered for %.0f s (%s): contexts stay charged at their last "
                         "measurement, new ones at the estimate; enforcing goes on", late,
@@ -305,3 +310,20 @@ class ContextOverhead:
         if seen:
             text += ", other calls: " + ", ".join(f"{api} x{n}" for api, n in sorted(seen.items()))
         return text
+
+    # ---- what a stack limit costs per byte on each GPU (enforcer/devattrs.py, issue 39) ----
+    def _write_resident(self):
+        """Each GPU's resident threads into BPF's `resident` map, before admission: kept per
+        model and driver in the state dir, else asked of the host's driver once (a child that
+        makes no context). Unknown: BPF charges a stack for more threads than any GPU has."""
+        from . import devattrs
+        known = {d: self.measured.resident.get(self.devices[d].model_key) for d in self.devices}
+        lib = self._host_driver()
+        if any(v is None for v in known.values()) and lib is not None:
+            asked = devattrs.query(lib, list(self._gpu_infos.values()))
+            for d, threads in asked.items():
+                if d in self.devices:
+                    known[d] = threads
+                    self.measured.set_resident(self.devices[d].model_key, threads)
+            self._save_measured()
+        devattrs.write(self.tracer.b, known)

@@ -340,6 +340,27 @@ API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
     return uuid_of(uuid, dev);
 }
 
+/* The two attributes convgpu reads (enforcer/devattrs.py: a stack limit costs per-thread bytes
+ * for every resident thread): CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (16) and
+ * MAX_THREADS_PER_MULTIPROCESSOR (39), whose product is CONVGPU_STANDIN_RESIDENT_THREADS
+ * (2,048 threads per SM where it divides, else one). Others: CUDA_ERROR_INVALID_VALUE. */
+API CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
+{
+    CHECK_INIT();
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    int per_sm = g_resident_threads % 2048 == 0 ? 2048 : 1;
+    if (attrib == 16)
+        *pi = (int)(g_resident_threads / per_sm);
+    else if (attrib == 39)
+        *pi = per_sm;
+    else
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     CHECK_INIT();

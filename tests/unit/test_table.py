@@ -7,7 +7,7 @@ from convgpu.probes.table import API_IDS, API_NAMES, CUDA, CUDART, PROBES
 
 SRC = source_text()    # the top file with its parts, as bcc compiles it
 DEFINED = set(re.findall(r"^int (\w+)\(struct pt_regs", SRC, re.M))
-DEFINED |= {f"enter_{n}" for n in re.findall(r"(?:ENTER|RT)\((\w+)\)", SRC) if n != "name"}
+DEFINED |= {f"enter_{n}" for n in re.findall(r"(?:ENTER|RT|INDIRECT)\((\w+)\)", SRC) if n != "name"}
 
 
 def test_every_probe_function_exists_in_bpf_source():
