@@ -217,16 +217,16 @@ def cgroup_identity():
     return identity
 
 
-def read_file(path: str) -> bytes:
-    """The file's bytes: a regular file (never through a symlink), at most MAX_BYTES."""
+def read_file(path: str, cap: int = MAX_BYTES, what: str = "a decisions file") -> bytes:
+    """The file's bytes: a regular file (never through a symlink), at most `cap`."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Unreadable("not a regular file")
-        if st.st_size > MAX_BYTES:
-            raise Unreadable(f"{st.st_size} bytes, more than a decisions file holds ({MAX_BYTES})")
-        chunks, left = [], MAX_BYTES + 1
+        if st.st_size > cap:
+            raise Unreadable(f"{st.st_size} bytes, more than {what} holds ({cap})")
+        chunks, left = [], cap + 1
         while left > 0:
             b = os.read(fd, min(left, 1 << 20))
             if not b:
@@ -236,6 +236,34 @@ def read_file(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def write_whole(path: str, data: bytes, prefix: str, before_rename=lambda: None):
+    """Temporary file in the same directory, fsync, rename over the file, fsync the
+    directory: after a crash at any point the file is the old value or the new one."""
+    d = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=d)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 class Store:
@@ -357,32 +385,9 @@ class Store:
         self.value = new
 
     def _write(self, data: bytes):
-        """Temporary file in the same directory, fsync, rename over the file, fsync the
-        directory: after a crash at any point the file is the old value or the new one."""
         t0 = time.monotonic()
-        fd, tmp = tempfile.mkstemp(prefix=".decisions-", dir=self.dir)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if FAULT:
-                FAULT.hit("save")   # written, not yet in place: the old value stays in force
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_whole(self.path, data, ".decisions-",
+                    lambda: FAULT.hit("save") if FAULT else None)   # written, not in place: the old value stays
         self.writes += 1
         self.write_s += time.monotonic() - t0
 
