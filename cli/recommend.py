@@ -67,7 +67,7 @@ def find(h, wanted: str) -> str:
 
 
 def table(recs, m: rc.Method) -> Table:
-    t = Table(title=f"recommended: {m.text()}", title_justify="left", width=min(WIDTH, Console().width))
+    t = Table(title=f"recommended: {m.text()}", title_justify="left")
     for col, just in (("job", "left"), ("runs", "right"), ("peak", "right"), ("recommend", "right"),
                       ("covers", "right"), ("asks", "right"), ("", "left")):
         t.add_column(col, justify=just, overflow="fold")
@@ -114,13 +114,13 @@ def recommend(
     console.print(table(recs, m))
     for r in recs:
         for note in r.notes:
-            console.print(Text(f"{r.job}: {note}"), highlight=False)
+            console.print(Text(f"{r.job}: {note}"), highlight=False, soft_wrap=True)
     wanted = form or (list(Form) if len(recs) == 1 else [])
     for r in recs:
         for fm in wanted:
             console.print(Text(f"# {r.job}, {fm.value}" + (f" (its runs used {r.gpus} GPUs: one GPU's limit)" if
                                                           r.gpus > 1 and fm is not Form.run else "")), style="dim")
-            console.print(Text(rc.forms(r, m)[fm.value]), highlight=False)
+            console.print(Text(rc.forms(r, m)[fm.value]), highlight=False, soft_wrap=True)   # pasted whole
     if len(recs) > 1 and not form:
         console.print("Forms to paste: give one job, or --form run|units|dra.", style="dim")
 

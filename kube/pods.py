@@ -231,9 +231,9 @@ def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit
                 granted.append(limit)
             for cid in sorted(meta.containers.get(a.container, ())):
                 out[cid] = limit
-        if meta.uid:
-            out[meta.uid] = min(granted) if granted else \
-                PodLimit(ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True)
+        if meta.uid:   # a pod of one container: that container's job too
+            out[meta.uid] = min(granted) if granted else PodLimit(
+                ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True, (), limit.job if len(containers) == 1 else "")
     return out
 
 

@@ -4,8 +4,8 @@ Seen per container each second (from its books), says when a process exits and w
 container's run ends, and nothing more. Nothing is added to the hot path: the figures are the
 books' and the probes' own (BPF keeps each process's peak at every allocation).
 
-Peak on a GPU (what the recommendation reads): the largest of what the books held at a sample,
-and at each sample the sum, over the container's processes alive then, of each one's peak
+Peak on a GPU (what the recommendation reads): the largest of what the books held at a sample
+(with the calls it was stopped at: its demand), and at each sample the sum, over the container's processes alive then, of each one's peak
 allocations (BPF's, exact) plus its context charge. A sum of peaks counts them as if they
 peaked together: never low, high where they peak at different times. A process that begins and
 ends between two samples is seen only by what it held when it exited (exited()).
@@ -64,7 +64,7 @@ class _Live:
                 continue
             mine = [r for k, r in self.procs.items() if k[2] == dev]
             s = self.gpus.setdefault(dev, [0, 0, 0, 0, None])
-            s[0] = max(s[0], g.held, sum(r[0] + r[1] for r in mine))
+            s[0] = max(s[0], g.held, g.demand, sum(r[0] + r[1] for r in mine))
             s[1] = max(s[1], g.used, sum(r[0] for r in mine))
             s[2], s[3], s[4] = max(s[2], g.ctx), max(s[3], g.contexts), g.limit
             if g.wait_since is not None:

@@ -12,8 +12,10 @@ HUGE = 1 << 62   # BPF's `used` may wrap below zero for a moment (bpf/convgpu.bp
 @dataclass(frozen=True)
 class GpuSeen:
     """A container on one GPU now: what it holds (allocations and context charge), its
-    allocations, its context charge, its limit and assignment there (None: none), and the wall
-    clock its wait began (None: not waiting)."""
+    allocations, its context charge, its limit and assignment there (None: none), the wall
+    clock its wait began (None: not waiting), and its demand: what it holds with the calls it is
+    stopped at (what it would hold, had they been admitted: a job held at its limit shows here
+    what it asked beyond it)."""
     held: int
     used: int
     ctx: int
@@ -21,6 +23,7 @@ class GpuSeen:
     limit: int | None = None
     assigned: int | None = None
     wait_since: float | None = None
+    demand: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono:
             w = box.waiting.get(dev)
             gpus[dev] = GpuSeen(books.held(box, dev), used if used < HUGE else 0, books.ctx_held(box, dev, 0, contexts),
                                 contexts, books.limit(box, dev), box.assigned[dev],
-                                None if w is None else wall - (mono - w.since))
+                                None if w is None else wall - (mono - w.since), books.demand(box, dev))
         procs = tuple(ProcSeen(u.pid, u.gen, u.dev, u.peak,
                                excess[(u.pid, u.dev)][0] if (u.pid, u.dev) in excess else max(u.contexts, 0) * ctx_of(u.dev),
                                max(u.contexts, 0), u.n_alloc)
