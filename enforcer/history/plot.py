@@ -31,9 +31,13 @@ def render(job: str, run: Run, recommended: int | None, path: str, method: str =
     fig = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(devs), 1, sharex=True, squeeze=False)[:, 0]
-    t = list(s.t)
+    end = max(run.ended - run.started, s.t[-1])
+    t = list(s.t) + [end]   # a point stands until the next one; the last, until the run ended
+    top = 0.0
     for ax, d in zip(axes, devs):
         gib = {name: [v / GiB_IN_MiB for v in getattr(s, name)[d]] for name in ("held", "ctx", "limit")}
+        gib = {name: v + v[-1:] for name, v in gib.items()}
+        top = max(top, *gib["held"], *gib["limit"], (recommended or 0) / (GiB_IN_MiB << 20))
         ax.fill_between(t, 0, gib["ctx"], step="post", color="tab:gray", alpha=0.35, label="context charge")
         ax.plot(t, gib["held"], drawstyle="steps-post", color="tab:blue", label="held: allocations + contexts")
         if any(gib["limit"]):
@@ -45,9 +49,11 @@ def render(job: str, run: Run, recommended: int | None, path: str, method: str =
         for i, (a, b) in enumerate(waits):
             ax.axvspan(a, max(b, a + 0.2), color="tab:orange", alpha=0.3, label="waiting" if i == 0 else None)
         ax.set_ylabel(f"GPU {d} (GiB)")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="upper left", fontsize=8)
+    for ax in axes:
+        ax.set_ylim(0, top * 1.15 or 1)
+        ax.set_xlim(0, end)
+    axes[0].legend(loc="best", fontsize=8, framealpha=0.9)
     axes[-1].set_xlabel("seconds since the run began (points: the largest value of each interval)")
     when = datetime.datetime.fromtimestamp(run.started).strftime("%Y-%m-%d %H:%M")
     fig.suptitle(f"{job}: run of {when}, {run.ended - run.started:.0f} s, peak {format_size(run.peak)}, asked "

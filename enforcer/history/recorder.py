@@ -37,7 +37,8 @@ class _Live:
     """One container's run so far."""
 
     def __init__(self, seen, now: float):
-        self.job, self.container, self.started, self.last = seen.job, seen.container[:MAX_TEXT], now, None
+        self.job, self.container, self.last = seen.job, seen.container[:MAX_TEXT], None
+        self.started = now if seen.since is None else min(now, seen.since)
         self.limit, self.source = seen.limit, seen.source[:MAX_TEXT]
         self.gpus: dict = {}       # dev -> [peak, used, ctx, contexts, limit]
         self.procs: dict = {}      # (pid, gen, dev) -> [peak, ctx, contexts, allocs]

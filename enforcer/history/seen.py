@@ -52,6 +52,7 @@ class Seen:
     stalls: int = 0
     stalled_s: float = 0.0
     over_limits: int = 0
+    since: float | None = None   # wall clock the container was first seen (None: at this sample)
 
 
 def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono: float, wall: float) -> list[Seen]:
@@ -69,9 +70,12 @@ def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono:
         for dev in sorted(box.assigned):
             used, contexts, _ = books.usage(box, dev)
             w = box.waiting.get(dev)
-            gpus[dev] = GpuSeen(books.held(box, dev), used if used < HUGE else 0, books.ctx_held(box, dev, 0, contexts),
+            held = books.held(box, dev)   # demand: with the calls it is stopped at (not books.demand, which
+            #                             also counts calls in flight, and a resumed one twice for a moment)
+            gpus[dev] = GpuSeen(held, used if used < HUGE else 0, books.ctx_held(box, dev, 0, contexts),
                                 contexts, books.limit(box, dev), box.assigned[dev],
-                                None if w is None else wall - (mono - w.since), books.demand(box, dev))
+                                None if w is None else wall - (mono - w.since),
+                                held + (sum(a.size for a in w.asks.values()) + w.unreserved if w else 0))
         procs = tuple(ProcSeen(u.pid, u.gen, u.dev, u.peak,
                                excess[(u.pid, u.dev)][0] if (u.pid, u.dev) in excess else max(u.contexts, 0) * ctx_of(u.dev),
                                max(u.contexts, 0), u.n_alloc)
@@ -80,7 +84,7 @@ def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono:
         job = identify(c.kind, c.id, c.cgroup, box.name, run_names.get(c.cgroup), getattr(pod, "job", "") or "")
         out.append(Seen(c.id, job, c.cgroup if c.kind in ("cgroup", "host") else c.short, box.limit, box.source,
                         gpus, procs, box.stalls, box.stalled_s + sum(mono - w.since for w in box.waiting.values()),
-                        box.over_limits))
+                        box.over_limits, wall - (mono - box.created)))
     return out
 
 

@@ -244,6 +244,14 @@ def test_a_long_run_keeps_a_bounded_series_with_its_maxima():
     assert decode(encode(add(History(), RUN, [r.pending[0][1]]))).runs("run:train")[0].series == s
 
 
+def test_a_run_begins_when_its_container_was_first_seen():
+    r = Recorder()
+    r.sample([Seen("c1", RUN, "abc", None, "", {0: GpuSeen(0, 0, 0, 0)}, since=95.5)], now=100.0)
+    r.ended("c1", now=101.0)
+    got = r.pending[0][1]
+    assert (got.started, got.ended, got.series.t) == (95.5, 101.0, (4.5,))
+
+
 def test_trace_ends_a_run_when_its_container_is_gone_and_close_keeps_runs_cut_short():
     r = Recorder(by="trace", absent_ends=True)
     r.sample([seen("a"), seen("b")], now=0.0)
@@ -281,6 +289,7 @@ def test_what_the_books_show_the_recorder():
     state[(1, 0)] = SimpleNamespace(used=300 * MiB, contexts=2, reserved=0, tearing=0)
     state[(2, 0)] = SimpleNamespace(used=900 * MiB, contexts=1, reserved=0, tearing=0)
     job.waiting[0] = Wait(95.0, {20}, asks={20: Ask(20, 20, 400 * MiB, 95.0)})
+    job.going[0] = {21: Ask(20, 21, 64 * MiB, 90.0)}    # resumed, not past its recheck: not in the demand
 
     def row(pid, peak, contexts, n):
         return ProcUsage(pid, 0, pid, 7, "x", peak // 2, peak, n, 0, peak, 0, 0, contexts, 0)
@@ -293,4 +302,5 @@ def test_what_the_books_show_the_recorder():
     assert p.gpus == {0: GpuSeen(300 * MiB + 2 * CTX, 300 * MiB, 2 * CTX, 2, 2 * GiB, 2 * GiB, None, 300 * MiB + 2 * CTX)}
     assert p.procs == (ProcSeen(10, 10, 0, 200 * MiB, 520 * MiB, 1, 4), ProcSeen(11, 11, 0, 100 * MiB, CTX, 1, 2))
     assert (j.job.key, j.container, j.stalls, j.stalled_s, j.over_limits) == ("run:train", "/convgpu.run/train-7", 1, 7.0, 1)
+    assert (p.since, j.since) == (900.0, 900.0)         # created at monotonic 0.0
     assert j.gpus[0].wait_since == 995.0 and j.gpus[0].demand == 900 * MiB + CTX + 400 * MiB
