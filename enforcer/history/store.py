@@ -19,13 +19,12 @@ decisions.json and written by the same rules (enforcer/tenants/durable.py, STYLE
 Pure parts (Run, History, encode, decode, add) need no file; HistoryFile is the only part that
 touches one (tests/unit/test_history.py)."""
 import fcntl
-import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass, field, replace
 
-from ..tenants.durable import Unreadable, read_file, write_whole
+from ..tenants.durable import Unreadable, checked_body, digest, read_file, write_whole
 from .jobs import Job, parse_key
 
 FILE = "history.json"
@@ -146,16 +145,12 @@ def _body(h: History) -> dict:
     return {"jobs": {k: [_run_wire(r) for r in runs] for k, runs in sorted(h.jobs.items())}}
 
 
-def _digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def encode(h: History, written_by: str = "") -> bytes:
     """The file's bytes; above MAX_BYTES, the oldest runs' series are dropped until it fits."""
     while True:
         body = _body(h)
         doc = {"format": FORMAT, "version": VERSION, "written": round(time.time(), 3), "by": written_by,
-               "sha256": _digest(body), "history": body}
+               "sha256": digest(body), "history": body}
         raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
         if len(raw) <= MAX_BYTES:
             return raw
@@ -173,20 +168,7 @@ def _without_oldest_series(h: History, raw: bytes) -> History:
 def decode(raw: bytes) -> History:
     """The file's bytes as a History; Unreadable (one line: what is wrong) if they are not a
     whole, checked history file of this version within the caps."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Unreadable(f"not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise Unreadable(f"not a {FORMAT} file")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise Unreadable(f"format version {version!r} is not one")
-    if version > VERSION:
-        raise Unreadable(f"written by a newer convgpu (format version {version}; this one reads up to {VERSION})")
-    body = doc.get("history")
-    if not isinstance(body, dict) or doc.get("sha256") != _digest(body):
-        raise Unreadable("its checksum does not match its history (changed or cut short)")
+    _, body = checked_body(raw, FORMAT, VERSION, "history")
     try:
         return _parse(body)
     except (ValueError, TypeError, AttributeError, KeyError) as e:

@@ -135,34 +135,41 @@ def _body(d: Decisions) -> dict:
             "pods": {k: p.wire() for k, p in sorted(d.pods.items())}}
 
 
-def _digest(body: dict) -> str:
+def digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checked_body(raw: bytes, fmt: str, newest: int, key: str) -> tuple[int, dict]:
+    """(version, body) of a state-dir document: JSON with this format name, a version up to
+    `newest`, and its body under `key` matching its checksum; else Unreadable, in one line."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Unreadable(f"not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise Unreadable(f"not a {fmt} file")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise Unreadable(f"format version {version!r} is not one")
+    if version > newest:
+        raise Unreadable(f"written by a newer convgpu (format version {version}; this one reads up to {newest})")
+    body = doc.get(key)
+    if not isinstance(body, dict) or doc.get("sha256") != digest(body):
+        raise Unreadable(f"its checksum does not match its {key} (changed or cut short)")
+    return version, body
 
 
 def encode(d: Decisions, written_by: str = "") -> bytes:
     body = _body(d)
     doc = {"format": FORMAT, "version": VERSION, "written": round(time.time(), 3), "by": written_by,
-           "sha256": _digest(body), "decisions": body}
+           "sha256": digest(body), "decisions": body}
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 def decode(raw: bytes) -> Decisions:
     """The file's bytes as Decisions; Unreadable (one line: what is wrong) if they are not a
     whole, checked convgpu decisions file of this version or an older one."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Unreadable(f"not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise Unreadable(f"not a {FORMAT} file")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise Unreadable(f"format version {version!r} is not one")
-    if version > VERSION:
-        raise Unreadable(f"written by a newer convgpu (format version {version}; this one reads up to {VERSION})")
-    body = doc.get("decisions")
-    if not isinstance(body, dict) or doc.get("sha256") != _digest(body):
-        raise Unreadable("its checksum does not match its decisions (changed or cut short)")
+    version, body = checked_body(raw, FORMAT, VERSION, "decisions")
     for v in range(version, VERSION):   # an older format, brought up to this one step by step
         body = MIGRATIONS[v](body)
     try:

@@ -107,7 +107,7 @@ def _valid_doc(h):
 
 
 def _resealed(doc):
-    doc["sha256"] = store._digest(doc["history"])
+    doc["sha256"] = store.digest(doc["history"])
     return json.dumps(doc).encode()
 
 
