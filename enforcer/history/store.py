@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from ..tenants.durable import Unreadable, checked_body, digest, read_file, write_whole
+from ..tenants.statefile import Unreadable, checked_body, digest, read_file, write_whole
 from .jobs import Job, parse_key
 
 FILE = "history.json"
