@@ -199,6 +199,13 @@ class Recorder:
             self._thread = None
         self.flush()
 
+    def status(self) -> dict:
+        """For `convgpu status --json`: where the history goes and whether it can."""
+        state = "memory" if self.file is None else "unreadable" if self.error else "ok"
+        return {"path": self.file.path if self.file else "", "state": state, "error": self.error,
+                "live": len(self.live), "pending": len(self.pending), "dropped": self.dropped,
+                "jobs": len(self.latest.jobs), "writes": self.file.writes if self.file else 0}
+
     # ---- the file ----
     def flush(self) -> bool:
         """Write what is pending (in the caller's thread). False: it could not be (error says why)."""

@@ -184,9 +184,12 @@ def test_a_corrupt_file_is_reported_once_kept_as_it_is_and_written_once_moved_as
         assert not r.flush() and not r.flush()
     assert path.read_bytes() == before and len(r.pending) == 1
     assert "checksum does not match" in r.error and str(path) in r.error
+    assert r.status() == {"path": str(path), "state": "unreadable", "error": r.error, "live": 0, "pending": 1,
+                          "dropped": 0, "jobs": 0, "writes": 0}
     assert [rec.getMessage().split(" (")[0] for rec in caplog.records] == ["job history cannot be read"]
     os.rename(path, tmp_path / "history.json.bad")
     assert r.flush() and r.error == "" and r.pending == []
+    assert (r.status()["state"], r.status()["jobs"], r.status()["writes"]) == ("ok", 1, 1)
     assert [x.peak for x in HistoryFile(str(tmp_path)).read().runs("run:train")] == [164 * MiB]
 
 
