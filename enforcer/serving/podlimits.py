@@ -1,9 +1,10 @@
 """The `pod-limits` control command: the Kubernetes agent's whole set of limits (kube/pods.py),
 keyed by container id or pod uid, each [bytes, source] or [bytes, source, {"lower_only": bool,
-"gpus": {host GPU key: bytes}, "job": namespace/Kind/owner/container}] (enforcer/tenants/limits.py PodLimit). It replaces the previous set, and every running container's
-limit is worked out again, as a reload does: a pod's new or removed grant takes effect at once
-(a waiter that now fits resumes), while `convgpu limit set` and --limit still win. The set is
-kept in the state dir (enforcer/tenants/durable.py) before it applies: one that cannot be
+"gpus": {host GPU key: bytes}, "job": namespace/Kind/owner/container}] (enforcer/tenants/limits.py
+PodLimit; the job names its runs in the job history). It replaces the previous set, and every
+running container's limit is worked out again, as a reload does: a pod's new or removed grant
+takes effect at once (a waiter that now fits resumes), while `convgpu limit set` and --limit
+still win. The set is kept in the state dir (enforcer/tenants/durable.py) before it applies: one that cannot be
 written is refused, and the previous set stays in force (the agent sends it again next round)."""
 import logging
 
