@@ -5,8 +5,8 @@ container's run ends, and nothing more. Nothing is added to the hot path: the fi
 books' and the probes' own (BPF keeps each process's peak at every allocation).
 
 Peak on a GPU (what the recommendation reads): the largest of what the books held at a sample
-(with the calls it was stopped at: its demand), and at each sample the sum, over the container's processes alive then, of each one's peak
-allocations (BPF's, exact) plus its context charge. A sum of peaks counts them as if they
+(with the calls it was stopped at: its demand), and at each sample the sum, over the container's
+processes alive then, of each one's peak allocations (BPF's, exact) plus its context charge. A sum of peaks counts them as if they
 peaked together: never low, high where they peak at different times. A process that begins and
 ends between two samples is seen only by what it held when it exited (exited()).
 
@@ -124,9 +124,8 @@ class _Live:
             self._fold(k)
         while len(self.t) > POINTS:
             self._halve()
-        series = Series(tuple(self.t), {d: tuple(a[0]) for d, a in self.points.items()},
-                        {d: tuple(a[1]) for d, a in self.points.items()}, {d: tuple(a[2]) for d, a in self.points.items()},
-                        tuple((round(a, 3), round(b, 3), d) for a, b, d, _ in self.waits))
+        per = [{d: tuple(a[i]) for d, a in self.points.items()} for i in range(3)]   # held, ctx, limit
+        series = Series(tuple(self.t), *per, tuple((round(a, 3), round(b, 3), d) for a, b, d, _ in self.waits))
         return Run(rid, round(self.started, 3), round(now, 3), self.container, self.limit, self.source,
                    {d: GpuRun(*g) for d, g in sorted(self.gpus.items())}, self.done[0], self.done[1], self.stalls,
                    round(self.stalled_s, 3), round(self.at_limit_s, 3), self.over_limits, end, by, series)
@@ -179,7 +178,8 @@ class Recorder:
         if live is None or live.last is None:
             return
         self._n += 1
-        run = live.finish(self.clock() if now is None else now, end, self.by, f"{os.getpid():x}-{int(live.started * 1000):x}-{self._n:x}")
+        rid = f"{os.getpid():x}-{int(live.started * 1000):x}-{self._n:x}"   # unique across recorders and restarts
+        run = live.finish(self.clock() if now is None else now, end, self.by, rid)
         with self._cv:
             self.pending.append((live.job, run))
             if len(self.pending) > MAX_PENDING:

@@ -76,9 +76,8 @@ def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono:
                                 contexts, books.limit(box, dev), box.assigned[dev],
                                 None if w is None else wall - (mono - w.since),
                                 held + (sum(a.size for a in w.asks.values()) + w.unreserved if w else 0))
-        procs = tuple(ProcSeen(u.pid, u.gen, u.dev, u.peak,
-                               excess[(u.pid, u.dev)][0] if (u.pid, u.dev) in excess else max(u.contexts, 0) * ctx_of(u.dev),
-                               max(u.contexts, 0), u.n_alloc)
+        procs = tuple(ProcSeen(u.pid, u.gen, u.dev, u.peak, excess[(u.pid, u.dev)][0] if (u.pid, u.dev) in excess
+                               else max(u.contexts, 0) * ctx_of(u.dev), max(u.contexts, 0), u.n_alloc)
                       for pid in sorted(box.pids) for u in rows.get(pid, ()))
         pod = rules.pod_limit(c)
         job = identify(c.kind, c.id, c.cgroup, box.name, run_names.get(c.cgroup), getattr(pod, "job", "") or "")
@@ -95,8 +94,10 @@ def from_snapshot(snap) -> list[Seen]:
         gpus: dict = {}
         for p in c.processes:
             g = gpus.get(p.gpu, GpuSeen(0, 0, 0, 0))
-            gpus[p.gpu] = GpuSeen(g.held + p.total, g.used + p.live, g.ctx + p.overhead, g.contexts + max(p.contexts, 0))
-        procs = tuple(ProcSeen(p.pid, 0, p.gpu, p.peak, p.overhead, max(p.contexts, 0), p.allocs) for p in c.processes)
-        out.append(Seen(c.id, identify(c.kind, c.id, c.cgroup, c.name), c.cgroup if c.kind in ("cgroup", "host") else c.name,
-                        None, "", gpus, procs))
+            gpus[p.gpu] = GpuSeen(g.held + p.total, g.used + p.live, g.ctx + p.overhead,
+                                  g.contexts + max(p.contexts, 0))
+        procs = tuple(ProcSeen(p.pid, 0, p.gpu, p.peak, p.overhead, max(p.contexts, 0), p.allocs)
+                      for p in c.processes)
+        shown = c.cgroup if c.kind in ("cgroup", "host") else c.name
+        out.append(Seen(c.id, identify(c.kind, c.id, c.cgroup, c.name), shown, None, "", gpus, procs))
     return out

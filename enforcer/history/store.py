@@ -133,7 +133,8 @@ def _series_wire(s: Series) -> dict:
 
 def _run_wire(r: Run) -> dict:
     d = {"id": r.id, "started": r.started, "ended": r.ended, "container": r.container, "limit": r.limit,
-         "source": r.source, "gpus": {str(k): [g.peak, g.used, g.ctx, g.contexts, g.limit] for k, g in sorted(r.gpus.items())},
+         "source": r.source,
+         "gpus": {str(k): [g.peak, g.used, g.ctx, g.contexts, g.limit] for k, g in sorted(r.gpus.items())},
          "allocs": r.allocs, "contexts": r.contexts, "stalls": r.stalls, "stalled_s": r.stalled_s,
          "at_limit_s": r.at_limit_s, "over_limits": r.over_limits, "end": r.end, "by": r.by}
     if r.series is not None:
