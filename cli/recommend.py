@@ -1,5 +1,5 @@
 """`convgpu recommend`: what each job should ask for, from its recent runs (docs/RECOMMEND.md).
-Reads <state dir>/history.json (the enforcer's, or `convgpu trace`'s where none runs); needs
+Reads <state dir>/history.jsonl (the enforcer's, or `convgpu trace`'s where none runs); needs
 no running enforcer. Thin over enforcer/history/ (recommend.py: the method; plot.py: the PNG)."""
 from enum import Enum
 

@@ -1,9 +1,10 @@
-"""Each job's recent runs, kept in one file of the state dir: <state dir>/history.json, next to
-decisions.json and written by the same rules (enforcer/tenants/durable.py, STYLE.md 17):
+"""Each job's recent runs, kept in one file of the state dir: <state dir>/history.jsonl, next to
+decisions.json and written by the same rules (enforcer/tenants/statefile.py, STYLE.md 17):
 
 - written whole: a temporary file, fsynced, renamed over the old one, the directory fsynced;
-- read with caps (a regular file, never through a symlink, at most MAX_BYTES) and checked: a
-  format name, a version, a checksum over its body, every entry typed and within the caps. A
+- one job a line after a header line (encode() says why), read with caps (a regular file,
+  never through a symlink, at most MAX_BYTES) and checked: a format name, a version, the
+  number of jobs, a checksum over the lines, every entry typed and within the caps. A
   file that fails is reported in one line and never written over: new runs wait in memory
   (the recorder keeps at most MAX_PENDING) until it is repaired or moved aside;
 - several writers (the enforcer, a `convgpu trace` where none runs, two enforcers on one
@@ -19,15 +20,16 @@ decisions.json and written by the same rules (enforcer/tenants/durable.py, STYLE
 Pure parts (Run, History, encode, decode, add) need no file; HistoryFile is the only part that
 touches one (tests/unit/test_history.py)."""
 import fcntl
+import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass, field, replace
 
-from ..tenants.statefile import Unreadable, checked_body, digest, read_file, write_whole
+from ..tenants.statefile import Unreadable, checked_header, loads, read_file, write_whole
 from .jobs import Job, parse_key
 
-FILE = "history.json"
+FILE = "history.jsonl"
 LOCK = ".history.lock"
 FORMAT = "convgpu-history"
 VERSION = 1
@@ -38,7 +40,7 @@ POINTS = 120             # per GPU and run (recorder.py halves a longer series, 
 MAX_GPUS = 16            # per run (CG_MAX_DEV)
 MAX_WAITS = 64           # wait intervals per run
 MAX_TEXT = 256           # characters of a source, a container, a run id
-MAX_BYTES = 8 << 20      # a larger file is not ours (the caps above give ~2 MiB at most in practice)
+MAX_BYTES = 8 << 20      # a larger file is not ours (every cap full, one GPU a run: 3 MiB; eight GPUs: this)
 MiB = 1 << 20
 
 
@@ -142,38 +144,59 @@ def _run_wire(r: Run) -> dict:
     return d
 
 
-def _body(h: History) -> dict:
-    return {"jobs": {k: [_run_wire(r) for r in runs] for k, runs in sorted(h.jobs.items())}}
+def _line(key: str, runs) -> bytes:
+    return json.dumps([key, [_run_wire(r) for r in runs]], separators=(",", ":")).encode()
+
+
+def _head(body: bytes, jobs: int, written: float, written_by: str) -> bytes:
+    return json.dumps({"format": FORMAT, "version": VERSION, "written": written, "by": written_by[:MAX_TEXT],
+                       "jobs": jobs, "sha256": hashlib.sha256(body).hexdigest()}, sort_keys=True).encode()
 
 
 def encode(h: History, written_by: str = "") -> bytes:
-    """The file's bytes; above MAX_BYTES, the oldest runs' series are dropped until it fits."""
-    while True:
-        body = _body(h)
-        doc = {"format": FORMAT, "version": VERSION, "written": round(time.time(), 3), "by": written_by,
-               "sha256": digest(body), "history": body}
-        raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
-        if len(raw) <= MAX_BYTES:
-            return raw
-        h = _without_oldest_series(h, raw)
-
-
-def _without_oldest_series(h: History, raw: bytes) -> History:
-    with_series = sorted((r.ended, k, r.id) for k, runs in h.jobs.items() for r in runs if r.series is not None)
-    if not with_series:   # cannot happen within the caps; said rather than written cut
-        raise ValueError(f"history of {len(h.jobs)} jobs is {len(raw)} bytes without a series")
-    _, key, rid = with_series[0]
-    return History({**h.jobs, key: tuple(replace(r, series=None) if r.id == rid else r for r in h.jobs[key])})
+    """The file's bytes: a header line (format, version, how many jobs, a checksum of the rest),
+    then one line per job, [key, [run, ...]], in key order. One line at a time, so that no
+    single json call holds the interpreter (and the enforcer's loop) for long: a whole history
+    of 3 MiB took 65 ms in one json.dumps. Above MAX_BYTES the oldest runs' series are dropped
+    until it fits."""
+    jobs = dict(h.jobs)
+    lines = {k: _line(k, jobs[k]) for k in sorted(jobs)}
+    written = round(time.time(), 3)
+    size = len(_head(b"", len(lines), written, written_by)) + sum(len(x) + 1 for x in lines.values())
+    oldest = iter(sorted((r.ended, k, r.id) for k, runs in jobs.items() for r in runs if r.series is not None))
+    while size > MAX_BYTES:
+        _, key, rid = next(oldest)   # the caps keep a history without series far below MAX_BYTES
+        runs = jobs[key] = tuple(replace(r, series=None) if r.id == rid else r for r in jobs[key])
+        new = _line(key, runs)
+        size -= len(lines[key]) - len(new)
+        lines[key] = new
+    body = b"".join(x + b"\n" for x in lines.values())
+    return _head(body, len(lines), written, written_by) + b"\n" + body
 
 
 def decode(raw: bytes) -> History:
     """The file's bytes as a History; Unreadable (one line: what is wrong) if they are not a
     whole, checked history file of this version within the caps."""
-    _, body = checked_body(raw, FORMAT, VERSION, "history")
+    head, _, body = raw.partition(b"\n")
+    doc = loads(head)
+    checked_header(doc, FORMAT, VERSION)
+    n = doc.get("jobs")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_JOBS:
+        raise Unreadable(f"its header gives {str(n)[:20]} jobs (at most {MAX_JOBS})")
+    lines = body.split(b"\n")
+    if doc.get("sha256") != hashlib.sha256(body).hexdigest() or len(lines) != n + 1 or lines[-1]:
+        raise Unreadable("its checksum does not match its history (changed or cut short)")
+    out: dict = {}
     try:
-        return _parse(body)
+        for line in lines[:-1]:
+            key, runs = loads(line)
+            if out and parse_key(key).key <= prev:   # written in key order, each once
+                raise ValueError(f"job {key[:80]!r} out of order")
+            out[key] = _parse_job(key, runs)
+            prev = key
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise Unreadable(f"an entry is not valid ({e})") from None
+    return History(out)
 
 
 def _int(v, what: str, none: bool = False) -> int | None:
@@ -244,21 +267,15 @@ def _parse_run(r: dict) -> Run:
                _parse_series(r["series"]) if "series" in r else None)
 
 
-def _parse(body: dict) -> History:
-    jobs = body["jobs"]
-    if not isinstance(jobs, dict) or len(jobs) > MAX_JOBS:
-        raise ValueError(f"jobs must be a table of at most {MAX_JOBS}")
-    out = {}
-    for key, runs in jobs.items():
-        parse_key(key)
-        if not isinstance(runs, list) or len(runs) > MAX_RUNS:
-            raise ValueError(f"runs of {key[:80]!r}: at most {MAX_RUNS}")
-        out[key] = tuple(_parse_run(r) for r in runs)
-    return History(out)
+def _parse_job(key, runs) -> tuple:
+    parse_key(key)
+    if not isinstance(runs, list) or len(runs) > MAX_RUNS:
+        raise ValueError(f"runs of {key[:80]!r}: at most {MAX_RUNS}")
+    return tuple(_parse_run(r) for r in runs)
 
 
 class HistoryFile:
-    """<state_dir>/history.json. read(): the History (none yet: empty), Unreadable or OSError
+    """<state_dir>/history.jsonl. read(): the History (none yet: empty), Unreadable or OSError
     where it cannot be read. append(): runs added under the lock, the file written whole."""
 
     def __init__(self, state_dir: str, written_by: str = ""):

@@ -1,4 +1,4 @@
-"""One file of the state dir (decisions.json, history.json), as the kubelet keeps its
+"""One file of the state dir (decisions.json, history.jsonl), as the kubelet keeps its
 checkpoints (STYLE.md 17): written whole (a temporary file, fsync, rename, fsync of the
 directory), read with caps (a regular file, never through a symlink, at most a size) and
 checked (a format name, a version, a checksum over its body) before any of it is believed."""
@@ -24,10 +24,24 @@ def digest(body: dict) -> str:
 def checked_body(raw: bytes, fmt: str, newest: int, key: str) -> tuple[int, dict]:
     """(version, body) of a state-dir document: JSON with this format name, a version up to
     `newest`, and its body under `key` matching its checksum; else Unreadable, in one line."""
+    doc = loads(raw)
+    version = checked_header(doc, fmt, newest)
+    body = doc.get(key)
+    if not isinstance(body, dict) or doc.get("sha256") != digest(body):
+        raise Unreadable(f"its checksum does not match its {key} (changed or cut short)")
+    return version, body
+
+
+def loads(raw: bytes):
     try:
-        doc = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise Unreadable(f"not JSON ({e})") from None
+
+
+def checked_header(doc, fmt: str, newest: int) -> int:
+    """The version of a document (or a file's header line) that names this format and a version
+    up to `newest`; else Unreadable, in one line."""
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise Unreadable(f"not a {fmt} file")
     version = doc.get("version")
@@ -35,10 +49,7 @@ def checked_body(raw: bytes, fmt: str, newest: int, key: str) -> tuple[int, dict
         raise Unreadable(f"format version {version!r} is not one")
     if version > newest:
         raise Unreadable(f"written by a newer convgpu (format version {version}; this one reads up to {newest})")
-    body = doc.get(key)
-    if not isinstance(body, dict) or doc.get("sha256") != digest(body):
-        raise Unreadable(f"its checksum does not match its {key} (changed or cut short)")
-    return version, body
+    return version
 
 
 def read_file(path: str, cap: int = MAX_BYTES, what: str = "a decisions file") -> bytes:

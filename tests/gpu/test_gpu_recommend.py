@@ -2,7 +2,7 @@
 the enforcer (`convgpu run --limit 8GiB`, far more than they need), `convgpu recommend` gives
 each a limit from those runs, and each runs again under its recommendation without a stall.
 Writes to $OUT (tests/gpu/env.sh: default /tmp/convgpu-out): recommend.txt and recommend.json
-(after the three runs), history.json (all four runs of each), and with matplotlib there,
+(after the three runs), history.jsonl (all four runs of each), and with matplotlib there,
 recommend-torch.png / recommend-cupy.png (the third run, asking 8 GiB, with the recommended
 limit as a line) and recommend-torch-under.png / recommend-cupy-under.png (the fourth, under
 it). Without matplotlib on the GPU host, plot from the copied file on any host:
@@ -142,7 +142,7 @@ def test_recommend_from_three_runs_then_a_fourth_under_it_does_not_stall(root):
         stalls = [line for line in enf.log[marker:] if " stall " in f" {line} " and any(j in line for j in JOBS)]
         assert not stalls, stalls
         summary["seconds"] = round(time.monotonic() - t0, 1)
-        shutil.copy(f"{state}/history.json", f"{out}/history.json")
+        shutil.copy(f"{state}/history.jsonl", f"{out}/history.jsonl")
         summary["plots"] = plots(state, out)
         summary["peaks"] = {k: [r.peak for r in v] for k, v in runs.items()}
         print(json.dumps(summary, indent=1))
@@ -161,7 +161,7 @@ def plots(state, out) -> list:
             r = cli("recommend", "--state-dir", state, "--plot", f"run:{name}", "--run", run, "--out", path, check=False)
             if r.returncode and "matplotlib" in r.stdout + r.stderr:
                 with open(f"{out}/PLOTS-NOT-MADE.txt", "w") as f:
-                    f.write("no matplotlib on this host: plot from history.json elsewhere (see this test's docstring)\n")
+                    f.write("no matplotlib on this host: plot from history.jsonl elsewhere (see this test's docstring)\n")
                 return made
             assert r.returncode == 0 and "(1200 x 600)" in r.stdout, r.stdout + r.stderr
             made.append(path)

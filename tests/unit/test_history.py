@@ -64,9 +64,12 @@ def test_round_trip_and_what_a_run_keeps():
                                  over_limits=1, end="stopped", by="trace")])
     again = decode(encode(h, "test"))
     assert again == h and again.runs("run:train")[0].peak == GiB
-    doc = json.loads(encode(h, "test"))
-    assert (doc["format"], doc["version"], doc["by"]) == ("convgpu-history", 1, "test")
-    assert doc["history"]["jobs"]["run:train"][0]["gpus"] == {"0": [GiB, GiB - 64 * MiB, 64 * MiB, 1, 2 * GiB]}
+    head, line, end = encode(h, "test").split(b"\n")     # a header, then one line a job
+    doc = json.loads(head)
+    assert (doc["format"], doc["version"], doc["by"], doc["jobs"], end) == ("convgpu-history", 1, "test", 1, b"")
+    key, runs = json.loads(line)
+    assert key == "run:train" and runs[0]["gpus"] == {"0": [GiB, GiB - 64 * MiB, 64 * MiB, 1, 2 * GiB]}
+    assert decode(encode(History())) == History()
 
 
 def test_the_newest_runs_of_a_job_are_kept_and_only_the_newest_keep_their_series():
@@ -102,39 +105,47 @@ def test_a_file_too_large_drops_the_oldest_runs_series_first(monkeypatch):
     assert got.runs("run:train")[0].series is None and got.runs("podman:web")[0].series is not None
 
 
-def _valid_doc(h):
-    return json.loads(encode(h))
+def _lines(raw):
+    head, *jobs, _ = raw.split(b"\n")
+    return json.loads(head), [json.loads(x) for x in jobs]
 
 
-def _resealed(doc):
-    doc["sha256"] = store.digest(doc["history"])
-    return json.dumps(doc).encode()
+def _resealed(head, jobs):
+    """A file whose header counts and checksums these job lines: only its entries can be wrong."""
+    import hashlib
+    body = b"".join(json.dumps(j).encode() + b"\n" for j in jobs)
+    return json.dumps({**head, "jobs": len(jobs), "sha256": hashlib.sha256(body).hexdigest()}).encode() + b"\n" + body
+
+
+def _header(**change):
+    return lambda raw: json.dumps({**_lines(raw)[0], **change}).encode() + raw[raw.index(b"\n"):]
+
+
+def _jobs(fn):
+    return lambda raw: _resealed(_lines(raw)[0], fn(_lines(raw)[1]))
 
 
 @pytest.mark.parametrize("change, why", [
-    (lambda raw: raw[:-20], "not JSON"),
+    (lambda raw: raw[:-20], "checksum does not match"),                    # cut short
+    (lambda raw: raw[:20], "not JSON"),
+    (lambda raw: raw + b'["run:x",[]]\n', "checksum does not match"),       # a line more
     (lambda raw: raw.replace(b'"limit":2147483648', b'"limit":4294967296'), "checksum does not match"),
-    (lambda raw: json.dumps({**json.loads(raw), "version": 2}).encode(), "written by a newer convgpu"),
-    (lambda raw: json.dumps({**json.loads(raw), "format": "x"}).encode(), "not a convgpu-history file"),
-    (lambda raw: _resealed({**(d := json.loads(raw)), "history": {"jobs": {"run:train": d["history"]["jobs"]["run:train"] * 11}}}),
-     "at most 10"),
-    (lambda raw: _resealed({**(d := json.loads(raw)), "history": {"jobs": {"evil:x": d["history"]["jobs"]["run:train"]}}}),
-     "job key 'evil:x'"),
-    (lambda raw: raw.replace(b'"limit":2147483648', b'"limit":-1').replace(b'"sha256":"', b'"sha256":"x'),
-     "checksum"),
+    (_header(version=2), "written by a newer convgpu (format version 2; this one reads up to 1)"),
+    (_header(format="x"), "not a convgpu-history file"),
+    (_header(jobs=300), "its header gives 300 jobs (at most 256)"),
+    (_header(jobs=2), "checksum does not match"),
+    (_jobs(lambda jobs: [[jobs[0][0], jobs[0][1] * 11]]), "runs of 'run:train': at most 10"),
+    (_jobs(lambda jobs: [["evil:x", jobs[0][1]]]), "job key 'evil:x'"),
+    (_jobs(lambda jobs: [["run:z", []], ["run:a", []]]), "job 'run:a' out of order"),
+    (_jobs(lambda jobs: [["run:a", []], ["run:a", []]]), "job 'run:a' out of order"),     # twice
+    (_jobs(lambda jobs: [[jobs[0][0], [{**jobs[0][1][0], "stalls": -3}]]]), "an entry is not valid (stalls -3)"),
+    (_jobs(lambda jobs: [[jobs[0][0], [{**jobs[0][1][0], "end": "<b>"}]]]), "an entry is not valid (end '<b>')"),
 ])
 def test_a_file_that_fails_its_check_is_unreadable(change, why):
     raw = encode(add(History(), RUN, [run("a", 10.0)]))
     with pytest.raises(Unreadable) as e:
         decode(change(raw))
     assert why in str(e.value)
-
-
-def test_an_entry_of_the_wrong_type_is_unreadable_even_with_its_checksum():
-    doc = _valid_doc(add(History(), RUN, [run("a", 10.0)]))
-    doc["history"]["jobs"]["run:train"][0]["stalls"] = -3
-    with pytest.raises(Unreadable, match="an entry is not valid"):
-        decode(_resealed(doc))
 
 
 def test_a_file_is_read_with_caps(tmp_path, monkeypatch):
@@ -174,7 +185,7 @@ def proc(pid, peak, ctx=64 * MiB, allocs=1, dev=0):
 
 def test_a_corrupt_file_is_reported_once_kept_as_it_is_and_written_once_moved_aside(tmp_path, caplog):
     path = tmp_path / store.FILE
-    path.write_bytes(b'{"format": "convgpu-history", "version": 1, "history": {}}')
+    path.write_bytes(b'{"format": "convgpu-history", "version": 1, "jobs": 0, "sha256": "0"}\n')
     before = path.read_bytes()
     r = Recorder(HistoryFile(str(tmp_path)), clock=lambda: 0.0)
     for t in (1.0, 2.0):
@@ -187,7 +198,7 @@ def test_a_corrupt_file_is_reported_once_kept_as_it_is_and_written_once_moved_as
     assert r.status() == {"path": str(path), "state": "unreadable", "error": r.error, "live": 0, "pending": 1,
                           "dropped": 0, "jobs": 0, "writes": 0}
     assert [rec.getMessage().split(" (")[0] for rec in caplog.records] == ["job history cannot be read"]
-    os.rename(path, tmp_path / "history.json.bad")
+    os.rename(path, tmp_path / "history.jsonl.bad")
     assert r.flush() and r.error == "" and r.pending == []
     assert (r.status()["state"], r.status()["jobs"], r.status()["writes"]) == ("ok", 1, 1)
     assert [x.peak for x in HistoryFile(str(tmp_path)).read().runs("run:train")] == [164 * MiB]

@@ -164,12 +164,12 @@ def test_mistakes_are_one_line(state, args, line):
 def test_no_history_and_an_unreadable_one_are_one_line(tmp_path):
     r = runner.invoke(app, ["recommend", "--state-dir", str(tmp_path)], terminal_width=300)
     assert r.exit_code == 1 and r.output.strip() == (
-        f"convgpu: no job history in {tmp_path}/history.json yet; run jobs under `convgpu enforce` (or `convgpu "
+        f"convgpu: no job history in {tmp_path}/history.jsonl yet; run jobs under `convgpu enforce` (or `convgpu "
         "trace` where none runs); a run is kept when it ends")
-    (tmp_path / "history.json").write_text("{}")
+    (tmp_path / "history.jsonl").write_text("{}")
     r = runner.invoke(app, ["recommend", "--state-dir", str(tmp_path)], terminal_width=300)
     assert r.exit_code == 1 and r.output.strip() == (
-        f"convgpu: cannot read the job history {tmp_path}/history.json: not a convgpu-history file; repair it or "
+        f"convgpu: cannot read the job history {tmp_path}/history.jsonl: not a convgpu-history file; repair it or "
         "move it aside (the enforcer keeps new runs in memory until then)")
 
 
