@@ -187,10 +187,11 @@ def decode(raw: bytes) -> History:
     if doc.get("sha256") != hashlib.sha256(body).hexdigest() or len(lines) != n + 1 or lines[-1]:
         raise Unreadable("its checksum does not match its history (changed or cut short)")
     out: dict = {}
+    prev = ""
     try:
         for line in lines[:-1]:
             key, runs = loads(line)
-            if out and parse_key(key).key <= prev:   # written in key order, each once
+            if parse_key(key).key <= prev:   # written in key order, each once
                 raise ValueError(f"job {key[:80]!r} out of order")
             out[key] = _parse_job(key, runs)
             prev = key
