@@ -99,6 +99,10 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
         checks.append(Check(eng, bool(w), w or "not installed", "optional: names and labels of containers", fatal=False))
     if state_dir:
         checks.append(_decisions_check(state_dir))
+        from ..enforcer.history.store import check as history_check
+        state, detail = history_check(state_dir)
+        checks.append(Check("job history", state != "unreadable", detail, "new runs wait in memory until it is "
+                            "repaired or moved aside (docs/RECOMMEND.md)", fatal=False))
     from ..kube import doctor as kube_doctor   # Kubernetes: advisory (docs/KUBERNETES.md)
     checks += [Check(name, ok, detail, fix, fatal=False) for name, ok, detail, fix in kube_doctor.checks()]
     return checks

@@ -145,7 +145,7 @@ def enforce(
     metrics_address: str = typer.Option(None, "--metrics-address", help="Address of the metrics server (default 127.0.0.1)."),
     metrics_tls: str = typer.Option(None, "--metrics-tls", help="CERT,KEY[,CLIENT_CA]: serve metrics over HTTPS; with CLIENT_CA only clients with a certificate it signed (mutual TLS; docs/SECURITY.md row 11)."),
     run_dir: str = typer.Option(None, "--run-dir", help="Sockets and state (default /run/convgpu: control.sock, shim/shim.sock)."),
-    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU, and the context measured per GPU model (default {ctxest.DEFAULT_STATE_DIR})."),
+    state_dir: str = typer.Option(None, "--state-dir", help=f"Kept across restarts: the context overheads NVML measured per GPU, the context measured per GPU model, run-time limits and names (decisions.json), each job's recent runs (history.jsonl, `convgpu recommend`) (default {ctxest.DEFAULT_STATE_DIR})."),
     max_objects: int = typer.Option(None, "--max-objects", min=1, help=f"Device objects (allocations, VMM handles and mappings, arrays, contexts) one container may hold in the BPF maps; at it, its next call is stalled or killed as --over-limit says (default {MapQuota.objects})."),
     max_threads: int = typer.Option(None, "--max-threads", min=1, help=f"Threads calling CUDA one container may have tracked at once (default {MapQuota.threads})."),
     max_processes: int = typer.Option(None, "--max-processes", min=1, help=f"Processes using CUDA one container may have tracked at once (default {MapQuota.processes})."),
@@ -197,10 +197,10 @@ def enforce(
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:
-            from ..enforcer.metrics import MetricsServer   # imported only when served (start-up)
+            from ..enforcer.metrics import JobCollector, MetricsServer   # imported only when served (start-up)
             try:
                 enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml,
-                                            tls=metrics_tls_of(s["metrics_tls"]))
+                                            tls=metrics_tls_of(s["metrics_tls"]), extra=[JobCollector(enf.history)])
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: "
                                   f"{e.strerror or e}", "choose a free --metrics-port, and readable "

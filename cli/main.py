@@ -29,7 +29,8 @@ COMMANDS = {"trace": ("trace", "trace", {}), "doctor": ("doctor", "doctor", {}),
             "enforce": ("enforce", "enforce", {}), "status": ("status", "status", {}),
             "limit": ("limit", "app", None), "reload": ("limit", "reload", {}),
             "run": ("run", "run", {"context_settings": {"allow_interspersed_args": False}}),
-            "shim": ("shim", "shim", {}), "kube": ("kube", "kube", {})}
+            "shim": ("shim", "shim", {}), "kube": ("kube", "kube", {}),
+            "recommend": ("recommend", "recommend", {})}
 
 
 def _register(argv: list[str] | None = None) -> typer.Typer:

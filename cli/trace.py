@@ -14,6 +14,8 @@ from .. import phases
 from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer import devattrs
 from ..enforcer.accounting import Accountant, matches
+from ..enforcer.ctxest import DEFAULT_STATE_DIR
+from ..enforcer.history import HistoryFile, Recorder, from_snapshot
 from ..enforcer.tenants.containers import container_of_pid
 from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.model import Snapshot
@@ -69,6 +71,8 @@ def trace(
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe of the host's own driver fires (a child calls each symbol once, before cuInit); a container's copy is only read, never loaded."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
     run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
+    history: bool = typer.Option(True, "--history/--no-history", help="Keep each container's run in the job history (`convgpu recommend`), where no enforcer runs (it keeps them then); not for the demo or with --pid."),
+    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help=f"Where the job history is kept (default {DEFAULT_STATE_DIR}, the enforcer's)."),
 ):
     """Watch live how much GPU memory each container and process holds."""
     phases.mark("imports")
@@ -90,7 +94,7 @@ def trace(
     nvml = Nvml()
     tracer = Tracer(libraries=tuple(lib), discover=discover, selftest=selftest, bpf_cache=common.bpf_cache(no_bpf_cache))
     tracer.gpumap.gpus = nvml.gpus()    # each process's CUDA devices as host GPUs (probes/gpumap.py)
-    the_demo = None
+    the_demo = recorder = None
     common.stop_on_signals()
     try:
         phases.mark("setup")
@@ -110,11 +114,15 @@ def trace(
             mode = "demo"
             overhead = DEMO_CTX_OVERHEAD if overhead is None else overhead   # no NVML to measure it
         acct = Accountant(nvml=nvml, ctx_overhead=overhead, engines=engines)
-        _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo)
+        if history and mode == "driver" and not pid:   # a run ends when its container has no process left
+            recorder = Recorder(HistoryFile(state_dir, "convgpu trace"), by="trace", absent_ends=True)
+        _loop(tracer, acct, mode, set(pid), container, interval, duration, as_json, events, the_demo, recorder)
     except KeyboardInterrupt:
         pass
     finally:   # runs to its end: a signal now (or a second one) only leaves the flag
         common.hold_signals()
+        if recorder is not None:   # runs still going are kept as cut short
+            recorder.close()
         if the_demo:   # first: its containers outlive us if anything below fails
             the_demo.stop()
         tracer.close(background=True)   # detaching takes seconds: not between Ctrl-C and the prompt
@@ -170,7 +178,7 @@ def _remote(run_dir, pids, container, interval, duration, as_json, events):
             live.update(render(snap()))
 
 
-def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, events, the_demo):
+def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, events, the_demo, recorder=None):
     notes = []
     if the_demo:
         notes.append(f"demo: {sum(n for _, n in GROUPS)} workers in {the_demo.kind} on the stand-in driver {the_demo.lib}")
@@ -185,9 +193,11 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
 
     def snap():
         m = mode if any(x.kind == CUDA for x in tracer.libraries) else "waiting"
-        return acct.snapshot(tracer.usage(), mode=m, libraries=[str(x) for x in tracer.libraries],
-                             drops=tracer.stats()["drops"], pids=pids or None, container=container,
-                             notes=notes)
+        s = acct.snapshot(tracer.usage(), mode=m, libraries=[str(x) for x in tracer.libraries],
+                          drops=tracer.stats()["drops"], pids=pids or None, container=container, notes=notes)
+        if recorder is not None:
+            recorder.sample(from_snapshot(s))
+        return s
 
     def step():
         evs = tracer.poll()

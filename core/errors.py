@@ -33,3 +33,7 @@ class ConfigError(ConvgpuError):
 
 class EnforcerUnreachable(ConvgpuError):
     """No enforcer answers on the control socket."""
+
+
+class MissingExtra(ConvgpuError):
+    """An optional part of convgpu is not installed (the fix names the extra to install)."""

@@ -43,6 +43,7 @@ from .runtime import RuntimeChanges
 from .failsafe.stall import SignalStopper
 from .failsafe.threadhold import ThreadHolder, _tids
 from .failsafe.watchdog import write_state
+from .history import HistoryFile, Recorder, from_books
 from ..probes.nvml import Cached
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         # run-time limits and names, kept in the state dir across restarts (tenants/durable.py);
         # read (and the directory locked) at start, before the first admission
         self.durable = durable.Store(state_dir)
+        self.history = Recorder(HistoryFile(state_dir) if state_dir else None)   # each job's runs (history/)
         self._swept = 0.0
         self.pid_box: dict[int, Box] = {}
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
@@ -292,6 +294,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         if self._measuring_now is not None:   # its child goes (newcomers it held: _resume_unplaced)
             self._measuring_now.result(float("inf"))
         self._save_measured()
+        self.history.close()   # runs still going are kept as cut short
         self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
             # first, while our probes hold every event: its duplicates then go with it at once, and
@@ -342,6 +345,8 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
+            self.history.sample(from_books(self.books, self.tracer.usage(), self.excess, self._ctx, self.names,
+                                           self.rules, now, time.time()))
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         self._sweep_decisions(now)

@@ -271,6 +271,7 @@ class Events:
             self._drop_quota(box)
             del self.boxes[box.container.id]
             del self.by_key[box.key]
+            self.history.ended(box.container.id)   # its run goes to the job history
             log.info("container %s exited: %s back to the pool", box.name,
                      format_size(sum(box.assigned.values())))
             if not isinstance(self.stopper, SignalStopper):
@@ -311,6 +312,8 @@ class Events:
                 + unmeasured * max((self._ctx(d) for d in devs), default=0))
         log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
         charge = self._torn_at_exit(gen)
+        if box is not None and len(devs) == 1:   # what it held at its exit: a floor for its job's peak
+            self.history.exited(box.container.id, pid, {devs[0]: held})
         self._gone(pid)
         x = Exit(pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs}, box, charge)
         if not held or not devs:

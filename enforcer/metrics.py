@@ -125,6 +125,41 @@ def families(status: dict, usage=(), excess=None, gpus=()) -> list:
     return out
 
 
+def job_families(recs) -> list:
+    """Each job's recent peak and recommended limit (enforcer/history/recommend.py): recs is the
+    recorder's summary. A job's label is its key, percent-encoded by enforcer/history/jobs.py
+    and escaped again by the library; at most MAX_JOBS (256) jobs, so at most as many series."""
+    peak = GaugeMetricFamily("convgpu_job_peak_bytes", "the most the job held on the GPU in its recent runs "
+                             "(allocations and context charge)", labels=("job", "gpu"))
+    rec = GaugeMetricFamily("convgpu_job_recommended_limit_bytes", "the limit `convgpu recommend` gives the job "
+                            "(docs/RECOMMEND.md)", labels=("job",))
+    asked = GaugeMetricFamily("convgpu_job_asked_bytes", "the limit of the job's newest run", labels=("job",))
+    flag = GaugeMetricFamily("convgpu_job_misasked", "1 where the job asks over twice what it needs (way=over) "
+                             "or was held at its limit (way=under)", labels=("job", "way"))
+    for r in recs:
+        for gpu, n in r.peaks.items():
+            peak.add_metric([r.job, str(gpu)], n)
+        rec.add_metric([r.job], r.limit)
+        if r.asked is not None:
+            asked.add_metric([r.job], r.asked)
+        flag.add_metric([r.job, "over"], int(r.over_asking))
+        flag.add_metric([r.job, "under"], int(r.under_asking))
+    return [peak, rec, asked, flag]
+
+
+class JobCollector(Collector):
+    """The job history's families (the recorder's summary, swapped whole after each write)."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def describe(self):
+        return job_families(())
+
+    def collect(self):
+        return job_families(self.recorder.summary)
+
+
 class StatusCollector(Collector):
     """Families from the last published snapshot, made when a scrape asks."""
 
@@ -220,10 +255,11 @@ class MetricsServer:
     keeps the process alive); any path serves the metrics."""
 
     def __init__(self, port: int, address: str = "127.0.0.1", nvml=None, tls: Tls | None = None,
-                 max_connections: int = 8, timeout: float = 10.0):
+                 max_connections: int = 8, timeout: float = 10.0, extra=()):
         self.collector = StatusCollector(nvml)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)
+        for c in (self.collector, *extra):   # extra: JobCollector
+            self.registry.register(c)
         server = type("MetricsHTTPServer", (_BoundedServer,), {
             "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET,
             "slots": threading.BoundedSemaphore(max_connections), "io_timeout": timeout,

@@ -71,6 +71,7 @@ class Reporting:
                 "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
                 # run-time limits and names: where they are kept, and whether they could be
                 "decisions": self.durable.status(),
+                "history": self.history.status(),   # each job's runs (enforcer/history/, docs/RECOMMEND.md)
                 "started": self.started, "shim_asks": self.broker.asks,
                 # per GPU, what the shim's memory queries leave for a context NVML has not measured
                 "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},

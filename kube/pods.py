@@ -41,6 +41,22 @@ class PodMeta:
     # container name -> its 64-hex container ids: a restarted container has a new id, and the
     # kubelet's old log link stays until the old container is collected; old ids cost nothing
     containers: dict = field(default_factory=dict)
+    # its controller, Kind/name ("": none known): the job its runs are kept under (owner())
+    owner: str = ""
+
+
+def owner(references, labels: dict | None) -> str:
+    """The pod's controller as Kind/name: a Deployment's pods are owned by a ReplicaSet named
+    <deployment>-<pod-template-hash>, so that hash (the pod's label) is cut off; a Job, a
+    StatefulSet, a DaemonSet as they are. A pod's author sets its ownerReferences, but only
+    within its own namespace, and the job's key starts with the namespace (enforcer/history/jobs.py)."""
+    for o in references or ():
+        if getattr(o, "controller", False):
+            h = (labels or {}).get("pod-template-hash", "")
+            if o.kind == "ReplicaSet" and h and o.name.endswith("-" + h):
+                return f"Deployment/{o.name[:-len(h) - 1]}"
+            return f"{o.kind}/{o.name}"
+    return ""
 
 
 def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
@@ -97,7 +113,8 @@ class ApiServerPods:
         statuses = (p.status.container_statuses or []) + (p.status.init_container_statuses or []) \
             if p.status else []
         return PodMeta(p.metadata.uid, dict(p.metadata.annotations or {}),
-                       {s.name: {_strip_runtime(s.container_id)} for s in statuses if s.container_id})
+                       {s.name: {_strip_runtime(s.container_id)} for s in statuses if s.container_id},
+                       owner(p.metadata.owner_references, p.metadata.labels))
 
     def _list(self):
         got = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}",
@@ -208,15 +225,15 @@ def limits(assigned: list[Assigned], metas: dict[tuple[str, str], PodMeta], unit
         if ann is None and not any(a.devices for a in containers):
             continue   # nothing from the pod: the operator's rules, as for any container
         granted = []
-        for a in containers:
-            limit = _container(ns, pod, a, ann, unit)
+        for a in containers:   # its job: its controller (the API server's word), else the pod itself
+            limit = _container(ns, pod, a, ann, unit)._replace(job=f"{ns}/{meta.owner or 'Pod/' + pod}/{a.container}")
             if not limit.lower_only:
                 granted.append(limit)
             for cid in sorted(meta.containers.get(a.container, ())):
                 out[cid] = limit
-        if meta.uid:
-            out[meta.uid] = min(granted) if granted else \
-                PodLimit(ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True)
+        if meta.uid:   # a pod of one container: that container's job too
+            out[meta.uid] = min(granted) if granted else PodLimit(
+                ann, f"pod {ns}/{pod} annotation {ANNOTATION}", True, (), limit.job if len(containers) == 1 else "")
     return out
 
 
@@ -286,6 +303,7 @@ class PodSync:
             for k, v in known.items():
                 m = metas.setdefault(k, PodMeta())
                 m.uid = m.uid or v.uid
+                m.owner = m.owner or v.owner
                 m.annotations = {**v.annotations, **m.annotations}   # the first source wins
                 for name, ids in v.containers.items():
                     m.containers.setdefault(name, set()).update(ids)

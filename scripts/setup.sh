@@ -71,5 +71,5 @@ fi
 # holding only the old build's lib*.so and caches: as a namespace package it would shadow the
 # real one for anything run from the repo root. It holds nothing tracked any more.
 if [ -d convgpu ] && [ -z "$(find convgpu -name '*.py' -print -quit)" ]; then rm -rf convgpu; fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,parallel,bench,k8s]'   # parallel: pytest -n; bench: the plots' CI test; k8s: the agent's
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,parallel,bench,plot,k8s]'   # parallel: pytest -n; bench, plot: the plots' CI tests; k8s: the agent's
 make -s

@@ -33,6 +33,9 @@ BPF_CACHE = os.environ.setdefault("CONVGPU_BPF_CACHE", tempfile.mkdtemp(prefix="
 # of its own (CONVGPU_BUILD: build_dir(), and every CLI subprocess, inherit it).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 LOCKS = os.environ.setdefault("CONVGPU_TEST_LOCKS", tempfile.mkdtemp(prefix="convgpu-suite-"))
+# `convgpu trace` keeps each container's run in the job history of the state dir (issue 42): the
+# session's own, never the host's /var/lib/convgpu (the enforcer's tests give --state-dir)
+STATE = os.environ.setdefault("CONVGPU_STATE_DIR", tempfile.mkdtemp(prefix="convgpu-state-"))
 if WORKER not in ("", "gw0") and build_dir().is_dir():
     _copy = tempfile.mkdtemp(prefix=f"convgpu-build-{WORKER}-")
     shutil.copytree(build_dir(), _copy, symlinks=True, dirs_exist_ok=True)
@@ -467,8 +470,8 @@ def pytest_sessionfinish(session, exitstatus):
         if os.path.basename(os.environ.get("CONVGPU_BUILD", "")).startswith(f"convgpu-build-{WORKER}-"):
             shutil.rmtree(os.environ["CONVGPU_BUILD"], ignore_errors=True)
         return
-    for d in (BPF_CACHE, LOCKS):
-        if os.path.basename(d).startswith(("convgpu-bpfcache-", "convgpu-suite-")):
+    for d in (BPF_CACHE, LOCKS, STATE):
+        if os.path.basename(d).startswith(("convgpu-bpfcache-", "convgpu-suite-", "convgpu-state-")):
             shutil.rmtree(d, ignore_errors=True)
 
 

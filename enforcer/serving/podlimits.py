@@ -1,9 +1,10 @@
 """The `pod-limits` control command: the Kubernetes agent's whole set of limits (kube/pods.py),
 keyed by container id or pod uid, each [bytes, source] or [bytes, source, {"lower_only": bool,
-"gpus": {host GPU key: bytes}}] (enforcer/tenants/limits.py PodLimit). It replaces the previous set, and every running container's
-limit is worked out again, as a reload does: a pod's new or removed grant takes effect at once
-(a waiter that now fits resumes), while `convgpu limit set` and --limit still win. The set is
-kept in the state dir (enforcer/tenants/durable.py) before it applies: one that cannot be
+"gpus": {host GPU key: bytes}, "job": namespace/Kind/owner/container}] (enforcer/tenants/limits.py
+PodLimit; the job names its runs in the job history). It replaces the previous set, and every
+running container's limit is worked out again, as a reload does: a pod's new or removed grant
+takes effect at once (a waiter that now fits resumes), while `convgpu limit set` and --limit
+still win. The set is kept in the state dir (enforcer/tenants/durable.py) before it applies: one that cannot be
 written is refused, and the previous set stays in force (the agent sends it again next round)."""
 import logging
 
@@ -13,7 +14,8 @@ from ..tenants.limits import PodLimit
 log = logging.getLogger(__name__)
 
 
-FIX = 'send {key: [bytes, source]} or [bytes, source, {"lower_only": bool, "gpus": {gpu: bytes}}]'
+FIX = 'send {key: [bytes, source]} or [bytes, source, {"lower_only": bool, "gpus": {gpu: bytes}, "job": str}]'
+MAX_JOB = 600   # characters of a job: namespace (63) / kind / owner (253) / container (63)
 
 
 def _size(v) -> bool:
@@ -28,12 +30,13 @@ def parse(raw) -> dict[str, PodLimit]:
         opts = v[2] if isinstance(v, (list, tuple)) and len(v) == 3 else {}
         gpus = opts.get("gpus", {}) if isinstance(opts, dict) else None
         lower = opts.get("lower_only", False) if isinstance(opts, dict) else None
+        job = opts.get("job", "") if isinstance(opts, dict) else None
         if not (isinstance(key, str) and key and isinstance(v, (list, tuple)) and len(v) in (2, 3)
                 and _size(v[0]) and isinstance(v[1], str) and isinstance(lower, bool)
-                and (v[0] > 0 or lower) and isinstance(gpus, dict)
+                and (v[0] > 0 or lower) and isinstance(gpus, dict) and isinstance(job, str) and len(job) <= MAX_JOB
                 and all(isinstance(k, str) and k and _size(b) for k, b in gpus.items())):
             raise ConvgpuError(f"invalid pod limit {str(key)[:100]!r}: {str(v)[:200]!r}", FIX)
-        out[key] = PodLimit(v[0], v[1], lower, tuple(sorted(gpus.items())))
+        out[key] = PodLimit(v[0], v[1], lower, tuple(sorted(gpus.items())), job)
     return out
 
 

@@ -27,18 +27,17 @@ the directory is locked (flock) for the enforcer's life, and a second enforcer o
 run dir) reads it but refuses every decision. Pure parts (Decisions, encode, decode) need no
 file; Store is the only part that touches one (tests/unit/test_durable.py)."""
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import stat
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
 from ...errors import ConvgpuError
 from ...faults import FAULT
 from .containers import cgroup_layout
+from .statefile import Unreadable, checked_body, digest, read_file, write_whole  # noqa: F401  (Unreadable: ours too)
 
 log = logging.getLogger(__name__)
 FILE = "decisions.json"
@@ -52,10 +51,6 @@ LOCK_WAIT = 1.0          # s a start waits for the state dir's lock (a predecess
 # MIGRATIONS[v]: a version-v document's "decisions" as version v + 1 has them. Empty while
 # version 1 is the only one; a change of the format adds its step here (and a test of it).
 MIGRATIONS: dict = {}
-
-
-class Unreadable(ConvgpuError):
-    """The file is there and cannot be used: corrupt, a newer format, not a regular file."""
 
 
 class NotKept(ConvgpuError):
@@ -135,34 +130,17 @@ def _body(d: Decisions) -> dict:
             "pods": {k: p.wire() for k, p in sorted(d.pods.items())}}
 
 
-def _digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def encode(d: Decisions, written_by: str = "") -> bytes:
     body = _body(d)
     doc = {"format": FORMAT, "version": VERSION, "written": round(time.time(), 3), "by": written_by,
-           "sha256": _digest(body), "decisions": body}
+           "sha256": digest(body), "decisions": body}
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 def decode(raw: bytes) -> Decisions:
     """The file's bytes as Decisions; Unreadable (one line: what is wrong) if they are not a
     whole, checked convgpu decisions file of this version or an older one."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Unreadable(f"not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise Unreadable(f"not a {FORMAT} file")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise Unreadable(f"format version {version!r} is not one")
-    if version > VERSION:
-        raise Unreadable(f"written by a newer convgpu (format version {version}; this one reads up to {VERSION})")
-    body = doc.get("decisions")
-    if not isinstance(body, dict) or doc.get("sha256") != _digest(body):
-        raise Unreadable("its checksum does not match its decisions (changed or cut short)")
+    version, body = checked_body(raw, FORMAT, VERSION, "decisions")
     for v in range(version, VERSION):   # an older format, brought up to this one step by step
         body = MIGRATIONS[v](body)
     try:
@@ -215,27 +193,6 @@ def cgroup_identity():
                 return st.st_ino
         return None
     return identity
-
-
-def read_file(path: str) -> bytes:
-    """The file's bytes: a regular file (never through a symlink), at most MAX_BYTES."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Unreadable("not a regular file")
-        if st.st_size > MAX_BYTES:
-            raise Unreadable(f"{st.st_size} bytes, more than a decisions file holds ({MAX_BYTES})")
-        chunks, left = [], MAX_BYTES + 1
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 class Store:
@@ -315,7 +272,7 @@ class Store:
         if self.path is None:
             return True
         try:
-            raw = read_file(self.path)
+            raw = read_file(self.path, MAX_BYTES)
         except FileNotFoundError:
             self.value, self.error = Decisions(), ""
             return True
@@ -357,32 +314,9 @@ class Store:
         self.value = new
 
     def _write(self, data: bytes):
-        """Temporary file in the same directory, fsync, rename over the file, fsync the
-        directory: after a crash at any point the file is the old value or the new one."""
         t0 = time.monotonic()
-        fd, tmp = tempfile.mkstemp(prefix=".decisions-", dir=self.dir)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if FAULT:
-                FAULT.hit("save")   # written, not yet in place: the old value stays in force
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_whole(self.path, data, ".decisions-",
+                    lambda: FAULT.hit("save") if FAULT else None)   # written, not in place: the old value stays
         self.writes += 1
         self.write_s += time.monotonic() - t0
 
@@ -439,7 +373,7 @@ def check(state_dir: str) -> tuple[str, str]:
     is only ever replaced whole). state: ok | none | unreadable | unwritable."""
     path = os.path.join(state_dir, FILE)
     try:
-        d, state = decode(read_file(path)), "ok"
+        d, state = decode(read_file(path, MAX_BYTES)), "ok"
     except FileNotFoundError:
         d, state = Decisions(), "none"
     except (OSError, Unreadable) as e:

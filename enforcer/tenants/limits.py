@@ -35,9 +35,11 @@ class PodLimit(NamedTuple):
     # raises it; False: the pod's units, which the scheduler counted (they beat rules)
     lower_only: bool = False
     gpus: tuple = ()      # ((host GPU uuid or "gpu<index>", bytes), ...): the grant on each GPU
+    job: str = ""         # namespace/Kind/owner/container: the job its runs are kept under (enforcer/history/)
 
     def wire(self) -> list:
-        return [self.bytes, self.source, {"lower_only": self.lower_only, "gpus": dict(self.gpus)}]
+        return [self.bytes, self.source, {"lower_only": self.lower_only, "gpus": dict(self.gpus)}
+                | ({"job": self.job} if self.job else {})]
 
 
 def parse_limit_args(items: list[str]) -> dict[str, int]:

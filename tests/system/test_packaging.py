@@ -37,7 +37,7 @@ def test_the_tree_runs_in_place_as_the_package():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Usage: python -m convgpu" in r.stdout
-    for command in ("trace", "enforce", "status", "limit", "run", "doctor", "shim"):
+    for command in ("trace", "enforce", "status", "limit", "run", "doctor", "shim", "recommend"):
         assert re.search(rf"│ {command} ", r.stdout), command
     # the same package with the root on sys.path (python -c puts it first) as without (-P): the
     # editable install's finder papers over a shadowing folder for submodules, a --target

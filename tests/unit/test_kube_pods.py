@@ -67,18 +67,21 @@ def test_kubelet_log_links_name_container_ids(tmp_path):
 
 
 def test_limits_units_then_annotation_keyed_by_container_and_single_container_pod(listing):
-    metas = {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "3GiB"}, {"train": {CID["train"]}, "side": {CID["side"]}}),
-             ("ml", "server"): PodMeta(UID["server"], {}, {}),          # container not started yet
-             ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": {CID["note"]}})}
+    metas = {("ml", "trainer"): PodMeta(UID["trainer"], {ANNOTATION: "3GiB"}, {"train": {CID["train"]}, "side": {CID["side"]}},
+                                        "Deployment/trainer"),
+             ("ml", "server"): PodMeta(UID["server"], {}, {}),          # container not started yet; no owner known
+             ("dev", "notebook"): PodMeta(UID["notebook"], {ANNOTATION: "1.5GiB"}, {"note": {CID["note"]}}, "StatefulSet/nb")}
     got = limits(list_assigned(listing), metas, UNIT)
-    train = PodLimit(768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory", False, (("g", 768 * MiB),))
-    note = PodLimit(1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}", True)
+    train = PodLimit(768 * MiB, "pod ml/trainer train: 3 x 256 MiB convgpu.io/gpu-memory", False, (("g", 768 * MiB),),
+                     "ml/Deployment/trainer/train")
+    note = PodLimit(1536 * MiB, f"pod dev/notebook annotation {ANNOTATION}", True, (), "dev/StatefulSet/nb/note")
     assert got == {
         CID["train"]: train,                                                  # units win
-        CID["side"]: PodLimit(3 << 30, f"pod ml/trainer annotation {ANNOTATION}", True),  # only lowers
+        CID["side"]: PodLimit(3 << 30, f"pod ml/trainer annotation {ANNOTATION}", True, (),
+                              "ml/Deployment/trainer/side"),                   # only lowers
         UID["trainer"]: train,          # the pod's uid: its GPU container's grant, sidecar or not
         UID["server"]: PodLimit(256 * MiB, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory",
-                                False, (("g", 256 * MiB),)),                  # by pod uid
+                                False, (("g", 256 * MiB),), "ml/Pod/server/infer"),   # by pod uid; the pod is the job
         CID["note"]: note, UID["notebook"]: note}
     # a bad annotation is skipped (the enforcer's rules apply), units unaffected; the sidecar is
     # told "rules" (0, lower_only) so that it does not fall back to its pod's grant
@@ -86,7 +89,23 @@ def test_limits_units_then_annotation_keyed_by_container_and_single_container_po
     metas[("ml", "trainer")].annotations.clear()
     got = limits(list_assigned(listing), metas, UNIT)
     assert sorted(got) == sorted([CID["train"], CID["side"], UID["trainer"], UID["server"]])
-    assert got[CID["side"]] == PodLimit(0, "pod ml/trainer side: no convgpu.io/gpu-memory", True)
+    assert got[CID["side"]] == PodLimit(0, "pod ml/trainer side: no convgpu.io/gpu-memory", True, (),
+                                        "ml/Deployment/trainer/side")
+
+
+def test_a_pods_owner_is_its_controller_and_a_deployments_replica_set_names_the_deployment():
+    from types import SimpleNamespace as R
+    from convgpu.kube.pods import owner
+
+    def ref(kind, name, controller=True):
+        return R(kind=kind, name=name, controller=controller)
+    hashed = {"pod-template-hash": "5d4f8c9b7"}
+    assert owner([ref("ReplicaSet", "web-5d4f8c9b7")], hashed) == "Deployment/web"
+    assert owner([ref("ReplicaSet", "web-5d4f8c9b7")], {}) == "ReplicaSet/web-5d4f8c9b7"     # a bare ReplicaSet
+    assert owner([ref("ReplicaSet", "other-1")], hashed) == "ReplicaSet/other-1"
+    assert owner([ref("Job", "train-28811520")], None) == "Job/train-28811520"
+    assert owner([ref("Node", "n1", controller=False), ref("StatefulSet", "db")], None) == "StatefulSet/db"
+    assert owner([ref("Job", "x", controller=None)], None) == "" and owner(None, None) == ""
 
 
 def test_an_annotation_lowers_units_never_raises_them_and_a_split_grant_has_shares(listing):
@@ -224,10 +243,10 @@ def test_pod_sync_sends_on_change_and_to_a_restarted_enforcer(listing, tmp_path)
     try:
         sync = PodSync(str(tmp_path / "control.sock"), [KubeletLogPods(str(tmp_path / "log"))], UNIT, listing)
         want = {UID["server"]: PodLimit(UNIT, "pod ml/server infer: 1 x 256 MiB convgpu.io/gpu-memory",
-                                        False, (("g", UNIT),))}
+                                        False, (("g", UNIT),), "ml/Pod/server/infer")}   # no API server: no owner
         assert sync.round() == want and sync.round() == want
         assert ctl.got == [{"cmd": "pod-limits", "limits": {UID["server"]: [
-            UNIT, want[UID["server"]][1], {"lower_only": False, "gpus": {"g": UNIT}}]}}]
+            UNIT, want[UID["server"]][1], {"lower_only": False, "gpus": {"g": UNIT}, "job": "ml/Pod/server/infer"}]}}]
         ctl.pid = 101                       # a new enforcer knows nothing: sent again
         sync.round()
         assert len(ctl.got) == 2

@@ -4,7 +4,7 @@ import pytest
 
 from convgpu.enforcer.tenants.config import Rule
 from convgpu.enforcer.tenants.containers import container_of_path
-from convgpu.enforcer.tenants.limits import LimitRules
+from convgpu.enforcer.tenants.limits import LimitRules, PodLimit
 from convgpu.enforcer.serving.podlimits import parse
 from convgpu.errors import ConvgpuError
 
@@ -41,5 +41,16 @@ def test_bad_pod_limits_are_refused(bad):
 
 
 def test_pod_limits_parse():
-    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: (1 << 30, "pod ml/a", False, ()),
-                                                                  UID: (2, "b", False, ())}
+    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: (1 << 30, "pod ml/a", False, (), ""),
+                                                                  UID: (2, "b", False, (), "")}
+
+
+def test_a_pods_job_crosses_the_wire_and_is_bounded():
+    """The agent names each container's job (issue 42); the enforcer keeps it with the limit."""
+    p = PodLimit(1 << 30, "pod ml/a c", False, (("g", 1 << 30),), "ml/Deployment/web/c")
+    assert p.wire() == [1 << 30, "pod ml/a c", {"lower_only": False, "gpus": {"g": 1 << 30}, "job": "ml/Deployment/web/c"}]
+    assert parse({CID: p.wire()}) == {CID: p}
+    assert PodLimit(1, "s").wire() == [1, "s", {"lower_only": False, "gpus": {}}]    # none: as before
+    for bad in (5, None, "x" * 601):
+        with pytest.raises(ConvgpuError):
+            parse({CID: [1, "s", {"job": bad}]})
