@@ -41,6 +41,22 @@ def _kernel_config(option: str) -> bool | None:
     return None
 
 
+def backstop_check(nv) -> Check:
+    """The backstop (enforcer/backstop.py) needs NVML's per-process memory: off where NVML is
+    missing, a GPU is in MIG mode, or the driver answers NotSupported (some vGPUs)."""
+    fix = ("memory obtained outside admitted calls (a module's static data, a call of a newer driver) goes "
+           "unseen there: give the host NVML with per-process figures (no MIG, a full GPU)")
+    if not nv.ok:
+        return Check("backstop", False, f"off: no NVML ({nv.error})", fix, fatal=False)
+    off = [f"GPU{g.index} (MIG mode)" for g in nv.gpus() if g.migs]
+    try:
+        nv.process_memory()
+    except Exception as e:   # NotSupported on every GPU (vGPU), GPU lost
+        return Check("backstop", False, f"off: NVML gives no per-process memory ({e})", fix, fatal=False)
+    return Check("backstop", not off, "on: NVML's per-process memory, every 0.25 s" if not off else
+                 f"off on {', '.join(off)}: NVML counts no process's memory there", fix, fatal=False)
+
+
 def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.RUN_DIR) -> list[Check]:
     checks = [Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run as root (sudo convgpu ...)")]
     checks.append(Check("BTF", os.path.exists("/sys/kernel/btf/vmlinux"), "/sys/kernel/btf/vmlinux",
@@ -88,6 +104,7 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
                         "without NVML no context is measured: each is charged the table's figure or a "
                         "conservative 1 GiB (or --ctx-overhead)", fatal=False))
     checks += context_checks(nv, cuda, state_dir, run_dir)
+    checks.append(backstop_check(nv))
     nv.close()
     lay = cgroup_layout()
     checks.append(Check("cgroups", lay.mode in ("v2", "hybrid", "v1"), f"{lay.mode}; v2 at {lay.v2_root}", "mount cgroup2"))

@@ -46,7 +46,8 @@ def table(st: dict) -> Table:
         t.add_column(col, justify="left" if col in ("container", "state") else "right")
     for c in st["containers"]:
         for dev, g in c["gpus"].items():
-            state = ("over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
+            state = (f"over by {format_size(g['over_by'])} ({g['over_s']:.0f}s)" if g.get("over_by") else
+                     "over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
                      if g["waiting"] else "running")
             row(t, c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"]), format_size(g["context_overhead"]),

@@ -109,7 +109,8 @@ def enforce_table(s: Snapshot) -> Table:
         row(t, Text("no container placed yet", style="dim"), "", "", "", "", "", "", "")
     for c in e["containers"]:
         for dev, g in c["gpus"].items():
-            state = (Text("over limit", style="bold red") if g["over_limit"] else
+            state = (Text(f"over by {format_size(g['over_by'])}", style="bold red") if g.get("over_by") else
+                     Text("over limit", style="bold red") if g["over_limit"] else
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
             row(t, Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))

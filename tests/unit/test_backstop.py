@@ -127,3 +127,28 @@ def test_a_process_never_placed_is_placed_by_what_it_holds_and_gpus_without_coun
     bs.off = {1: "MIG mode"}
     assert bs.step({(a.pid, 0): GiB, (b.pid, 1): 8 * GiB}, 1)
     assert box.pids == {a.pid} and state(a) == "stopped"
+
+
+def test_doctor_says_where_the_backstop_is_off_and_why():
+    from convgpu.cli.doctor import backstop_check
+    from convgpu.probes.nvml import GpuInfo
+
+    class Nv:
+        ok, error = True, ""
+
+        def __init__(self, migs=(), fail=None):
+            self.migs, self.fail = migs, fail
+
+        def gpus(self):
+            return [GpuInfo(0, "H200", 1, 0, "GPU-a", 0, self.migs)]
+
+        def process_memory(self):
+            if self.fail:
+                raise RuntimeError(self.fail)
+            return {}
+    assert backstop_check(Nv()).ok and backstop_check(Nv()).detail.startswith("on:")
+    assert backstop_check(Nv(migs=("MIG-1",))).detail == "off on GPU0 (MIG mode): NVML counts no process's memory there"
+    c = backstop_check(Nv(fail="Not Supported"))
+    assert not c.ok and c.detail == "off: NVML gives no per-process memory (Not Supported)"
+    nonv = type("N", (), {"ok": False, "error": "NVML Shared Library Not Found"})()
+    assert backstop_check(nonv).detail == "off: no NVML (NVML Shared Library Not Found)"
