@@ -285,8 +285,7 @@ static __always_inline int admitted(u16 api)
     // memory that is not an allocation, sized at the entry where it can be (indirect.bpf.c)
     case API_cuCtxSetLimit: case API_cuGraphInstantiateWithFlags: case API_cuGraphInstantiateWithParams:
     case API_cuGraphInstantiateWithParams_ptsz: case API_cuGraphInstantiate_v2:
-    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuModuleLoadFatBinary:
-    case API_cuLibraryLoadData:
+    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuLibraryLoadData:
         return 1;
     }
     return 0;
@@ -337,8 +336,8 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
         break;
     case API_cuCtxSetLimit: case API_cuGraphInstantiateWithFlags: case API_cuGraphInstantiateWithParams:
     case API_cuGraphInstantiateWithParams_ptsz: case API_cuGraphInstantiate_v2:
-    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuModuleLoadFatBinary:
-    case API_cuLibraryLoadData: {   // not an allocation: sized where it can be (indirect.bpf.c)
+    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuLibraryLoadData: {
+        // not an allocation: sized where it can be (indirect.bpf.c)
         u64 size = indirect_size(t, api, tgid, &dev);
         if (size)
             admit(id, t, api, dev, size, 0, ctl);

@@ -58,10 +58,8 @@
     X(cudaMemGetInfo, 45)               \
     X(cuGraphExecDestroy, 46)           \
     X(cuGraphDestroy, 47)               \
-    X(cuGraphClone, 48)                 \
     X(cuModuleLoadData, 49)             \
     X(cuModuleLoadDataEx, 50)           \
-    X(cuModuleLoadFatBinary, 51)        \
     X(cuLibraryLoadData, 52)            \
     X(cuModuleUnload, 53)               \
     X(cuLibraryUnload, 54)              \

@@ -153,8 +153,7 @@ static __always_inline u64 indirect_size(struct cg_thread *t, u16 api, u32 tgid,
         u64 now = limit_bytes(t->call.a0, t->call.a1, *dev), was = o ? o->size : 0;
         return now > was ? now - was : 0;
     }
-    if (api == API_cuModuleLoadData || api == API_cuModuleLoadDataEx || api == API_cuModuleLoadFatBinary ||
-        api == API_cuLibraryLoadData) {   // (CUmodule * or CUlibrary *, const void *image, ...)
+    if (api == API_cuModuleLoadData || api == API_cuModuleLoadDataEx || api == API_cuLibraryLoadData) {   // (CUmodule * or CUlibrary *, const void *image, ...)
         u64 n = image_bytes(t->call.a1);
         return n == UNSIZED ? 0 : n;
     }

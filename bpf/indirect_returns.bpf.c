@@ -5,10 +5,9 @@
 INDIRECT(cuCtxSetLimit) INDIRECT(cuGraphAddMemAllocNode) INDIRECT(cuGraphAddNode)
 INDIRECT(cuGraphAddNode_v2) INDIRECT(cuGraphInstantiateWithFlags) INDIRECT(cuGraphInstantiateWithParams)
 INDIRECT(cuGraphInstantiateWithParams_ptsz) INDIRECT(cuGraphInstantiate_v2)
-INDIRECT(cuGraphExecDestroy) INDIRECT(cuGraphDestroy) INDIRECT(cuGraphClone)
-INDIRECT(cuModuleLoadData) INDIRECT(cuModuleLoadDataEx) INDIRECT(cuModuleLoadFatBinary)
-INDIRECT(cuLibraryLoadData) INDIRECT(cuModuleUnload) INDIRECT(cuLibraryUnload)
-INDIRECT(cuModuleLoad) INDIRECT(cuLibraryLoadFromFile)
+INDIRECT(cuGraphExecDestroy) INDIRECT(cuGraphDestroy)
+INDIRECT(cuModuleLoadData) INDIRECT(cuModuleLoadDataEx) INDIRECT(cuLibraryLoadData)
+INDIRECT(cuModuleUnload) INDIRECT(cuLibraryUnload) INDIRECT(cuModuleLoad) INDIRECT(cuLibraryLoadFromFile)
 
 // An object of ours that a call ends: given back where it was recorded (most graphs and
 // modules hold none: that is no unknown free).
@@ -53,24 +52,11 @@ out:
     return 0;
 }
 
-// CUresult cuGraphClone(CUgraph *phGraphClone, CUgraph originalGraph): the clone has its nodes.
-int exit_graph_clone(struct pt_regs *ctx)
-{
-    SETTLE();
-    struct cg_obj *g = own_obj(tgid, NS_GRAPH, c.a1, p);
-    if (g) {
-        struct cg_obj n = *g, was;
-        bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
-        struct cg_obj_key k = {.tgid = tgid, .ns = NS_GRAPH, .addr = v};
-        n.quota = 0;
-        obj_put(&k, &n, p, &was);
-    }
-    release(&c);
-    return 0;
-}
-
-// An executable graph: charged its memory nodes (instantiate or launch makes them real, per
-// driver; from here they are charged either way), until it is destroyed.
+// An executable graph: charged its memory nodes from its instantiation, before the launch
+// that makes them real (driver 580 on an H200: +2,048 MiB at cuGraphLaunch, nothing at
+// instantiate; docs/gpu-runs/2026-11-28), until it is destroyed. An allocation the graph does
+// not free outlives the executable graph until cuMemFree and cuDeviceGraphMemTrim: NVML counts
+// it for the process, its own container's charge, and the backstop's to stop.
 int exit_graph_exec(struct pt_regs *ctx)
 {
     SETTLE();

@@ -77,7 +77,6 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuGraphAddMemAllocNode", "exit_graph_node", False, "a graph's memory nodes (charged when instantiated)"),
     _p(CUDA, "cuGraphAddNode", "exit_graph_node", False, "graph nodes of any type (memory nodes counted)"),
     _p(CUDA, "cuGraphAddNode_v2", "exit_graph_node", False, "graph nodes with edge data (CUDA >= 12.3)"),
-    _p(CUDA, "cuGraphClone", "exit_graph_clone", False, "a clone keeps its graph's memory nodes"),
     _p(CUDA, "cuGraphInstantiateWithFlags", "exit_graph_exec", False, "an executable graph takes its memory nodes"),
     _p(CUDA, "cuGraphInstantiateWithParams", "exit_graph_exec", False, "the same, with parameters"),
     _p(CUDA, "cuGraphInstantiateWithParams_ptsz", "exit_graph_exec", False, "the same, per-thread stream"),
@@ -86,7 +85,6 @@ PROBES: tuple[Probe, ...] = (
     _p(CUDA, "cuGraphDestroy", "exit_graph_gone", False, "a graph's node count forgotten"),
     _p(CUDA, "cuModuleLoadData", "exit_module", False, "a module's static data, where its image says it"),
     _p(CUDA, "cuModuleLoadDataEx", "exit_module", False, "the same, with JIT options"),
-    _p(CUDA, "cuModuleLoadFatBinary", "exit_module", False, "the same, from a fat binary (the backstop's)"),
     _p(CUDA, "cuLibraryLoadData", "exit_module", False, "a library's static data (CUDA >= 12)"),
     _p(CUDA, "cuModuleLoad", "exit_module", False, "a module from a file: told, the backstop checks it"),
     _p(CUDA, "cuLibraryLoadFromFile", "exit_module", False, "a library from a file: told, the backstop's"),
@@ -103,7 +101,7 @@ PROBES: tuple[Probe, ...] = (
 # Calls that take memory that is not an allocation (bpf/indirect.bpf.c): always told in events,
 # so that the backstop can name them when a container is over its limit by the driver's count.
 INDIRECT = frozenset(p.symbol for p in PROBES if p.exit in (
-    "exit_ctx_limit", "exit_graph_node", "exit_graph_clone", "exit_graph_exec", "exit_graph_gone", "exit_module",
+    "exit_ctx_limit", "exit_graph_node", "exit_graph_exec", "exit_graph_gone", "exit_module",
     "exit_module_unload"))
 
 # Calls that take device memory: admitted at entry (bpf admit_call), and, when enforcing,
@@ -117,5 +115,5 @@ ADMITTED = frozenset({
     # memory that is not an allocation, sized at the entry where it can be (bpf/indirect.bpf.c)
     "cuCtxSetLimit", "cuGraphInstantiateWithFlags", "cuGraphInstantiateWithParams",
     "cuGraphInstantiateWithParams_ptsz", "cuGraphInstantiate_v2", "cuModuleLoadData", "cuModuleLoadDataEx",
-    "cuModuleLoadFatBinary", "cuLibraryLoadData",
+    "cuLibraryLoadData",
 })

@@ -143,13 +143,14 @@ def test_memory_outside_allocations_is_held_at_the_call_or_stopped_by_the_driver
     nv, enf, procs = Nvml(), Enforcer(tmp, str(tmp / "state")), []
     result = {"scenario": "issue 39: stack, graph node, cubin, fat binary under 1 GiB"}
     try:
+        until(lambda: not enf.status()["gpus"]["0"]["ctx_measuring"], 30, "the context never measured")
         est0 = enf.status()["gpus"]["0"]["ctx_estimate"]
+        held = result["held"] = {}
         neighbour = job(base, "neighbour", sys.executable, "-c",
                         "import cupy, sys; cupy.cuda.set_allocator(None); a = cupy.zeros(512 << 20, dtype=cupy.uint8); "
                         "print('allocated', flush=True); sys.stdin.readline()")
         procs.append(neighbour)
         lines_until(neighbour.stdout, lambda x: x.startswith("allocated"), [], 60, "neighbour")
-        held = {}
         for name, argv in (("stack", (build / "cgcaller", "stack", "-s", "64K", "--hold")),
                            ("graph", (build / "cgcaller", "graph", "-s", "2G", "--hold")),
                            ("cubin", (build / "cgcaller", "module", "--image", tmp / "array.cubin", "--hold"))):
@@ -174,9 +175,9 @@ def test_memory_outside_allocations_is_held_at_the_call_or_stopped_by_the_driver
         procs.append(g)
         assert g.wait(timeout=60) == 0, g.stderr.read()
         held["graphok_nvml_peak_mib"] = nv.peak.get(g.pid, 0) / MiB
+        result["estimate"] = est0
         assert enf.status()["gpus"]["0"]["ctx_estimate"] == est0
         assert state(neighbour.pid) not in "Tt"
-        result.update(held=held, estimate=est0)
     finally:
         for p in procs:
             p.kill()

@@ -35,7 +35,13 @@ def test_row39_a_module_with_static_data_past_the_limit_is_stopped_by_the_driver
         assert expect(neighbour, "allocated", timeout=10)[1:3] == ["1", str(512 * MiB)]
         st = enf.ctl(cmd="status")["status"]
         assert st["gpus"]["0"]["backstop"] == "on"
-        tenant = popen_in(cgroups("tenant"), *NOBODY, build / "cgcaller", "module", "-s", "1G", "--hold", env=env5)
+        # a module from a file (cuModuleLoad): no probe reads a file's size at the call
+        image = os.path.join(enf.run_dir, "module.bin")      # 0755: nobody reads it
+        with open(image, "w") as f:
+            f.write(f"CONVGPU-STANDIN-MODULE {GiB}\n")
+        os.chmod(image, 0o644)
+        tenant = popen_in(cgroups("tenant"), *NOBODY, build / "cgcaller", "module", "--image", image, "--from-file",
+                          "--hold", env=env5)
         t0 = time.monotonic()
         expect(tenant, "allocated", timeout=10)         # the module is loaded: 1 GiB, no admitted call
         if over_limit == "stall":

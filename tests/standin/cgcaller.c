@@ -5,7 +5,7 @@
  * machine, the real driver, so only real-driver semantics are used here.
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
- *                 [--hold] [--no-free] [--hold-freed] [--image FILE]
+ *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
  *         stack heap fifo graph capture module graphprobe
  * SIZE accepts a K/M/G/T suffix (powers of 1024).
@@ -49,7 +49,8 @@ static struct {
     int nofree;
     int hold_freed;
     const char *image;
-} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL};
+    int from_file;
+} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0};
 
 static CUdevice g_dev;
 static CUcontext g_prim;
@@ -400,11 +401,15 @@ static void fam_capture(struct ts *t, int free_phase)
 }
 
 /* COUNT x cuModuleLoadData of the image (the stand-in's of SIZE bytes, or --image FILE's
- * bytes: a real cubin or fatbin on a GPU host) / cuModuleUnload. */
+ * bytes: a real cubin or fatbin on a GPU host), or with --from-file cuModuleLoad of FILE (no
+ * probe can read a file's size at the call: the backstop's case) / cuModuleUnload. */
 static void fam_module(struct ts *t, int free_phase)
 {
     for (long i = 0; i < O.count; i++) {
-        if (!free_phase) {
+        if (!free_phase && O.from_file) {
+            CK("cuModuleLoad", cuModuleLoad(&t->mods[i], O.image));
+            t->acount++, t->abytes += g_image_bytes;
+        } else if (!free_phase) {
             CK("cuModuleLoadData", cuModuleLoadData(&t->mods[i], g_image));
             t->acount++, t->abytes += g_image_bytes;
         } else {
@@ -590,7 +595,7 @@ static uint64_t parse_size(const char *s)
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free] [--hold-freed] [--image FILE]\n"
+                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]\n"
                     "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n"
                     "        stack heap fifo graph capture module graphprobe\n");
     exit(64);
@@ -607,6 +612,7 @@ int main(int argc, char **argv)
         if (!strcmp(a, "--hold")) O.hold = 1;
         else if (!strcmp(a, "--no-free")) O.nofree = 1;
         else if (!strcmp(a, "--hold-freed")) O.hold_freed = 1;
+        else if (!strcmp(a, "--from-file")) O.from_file = 1;
         else if (!v) usage();
         else if (!strcmp(a, "-n")) O.count = atol(v), i++;
         else if (!strcmp(a, "-s")) O.size = parse_size(v), O.size_set = 1, i++;

@@ -191,8 +191,9 @@ def test_replayed_program_has_the_compiled_maps_types_and_code(pair):
     names = [lib.bpf_table_name(compiled.module, i) for i in range(lib.bpf_num_tables(compiled.module))]
     assert [n.decode() for n in names] == list(replayed.spec["maps"])
     # quotas, swept, shim_calls (issue 24), gpumap (25), gone (23), exec_gen, checked, nodecfg and
-    # mapping (issue 33: a driver recognised by the GPU nodes it opens and the code it maps) included
-    assert len(names) == 27
+    # mapping (issue 33: a driver recognised by the GPU nodes it opens and the code it maps), resident
+    # (issue 39: what a stack byte costs per GPU) included
+    assert len(names) == 28 and b"resident" in names
     for n in names:
         a, b = compiled[n], replayed[n]
         ka, kb = map_info(a.map_fd), map_info(b.map_fd)
