@@ -43,6 +43,16 @@ class PodMeta:
     containers: dict = field(default_factory=dict)
 
 
+def api_client():
+    """The API server's client: the pod's service account (in-cluster), else the kubeconfig."""
+    from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:   # KUBECONFIG read now: the client reads it once, at import
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    return client.ApiClient()
+
+
 def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
     """Every container of every pod on the node, with its units of `resource` (List)."""
     import grpc
@@ -76,12 +86,8 @@ class ApiServerPods:
     watch_timeout = 300  # seconds a watch request lasts before it is made again (the server's cap)
 
     def __init__(self, node: str, start: bool = True):
-        from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:   # KUBECONFIG read now: the client reads it once, at import
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        self.core = client.CoreV1Api()
+        from kubernetes import client   # optional: pip install 'convgpu[k8s]'
+        self.core = client.CoreV1Api(api_client())
         self.node = node
         self.lists = 0           # lists done (tests: one, unless the watch lost its version)
         self._pods: dict[tuple[str, str], PodMeta] = {}
