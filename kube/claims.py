@@ -21,6 +21,7 @@ MAX_RESULTS = 32                   # AllocationResultsMaxSize
 MAX_QUANTITY = 32                  # "137438953472", "1.5Gi", "128e9": a size is short
 _UID = re.compile(r"[0-9A-Za-z][0-9A-Za-z-]{0,63}")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")   # DNS subdomain (names, namespaces)
+_QUANTITY_CHARS = re.compile(r"[0-9A-Za-z.+-]+")
 _SHARE = re.compile(r"[0-9A-Za-z][0-9A-Za-z-]{0,63}")
 
 
@@ -65,7 +66,8 @@ def quantity(raw, what: str) -> int:
     """Bytes of a Kubernetes quantity ("12Gi", "1.5G", "500M", "128e9"), rounded up to a whole
     byte as the scheduler's Quantity.Value() does; ClaimError otherwise."""
     from kubernetes.utils import parse_quantity
-    if not isinstance(raw, str) or not 0 < len(raw) <= MAX_QUANTITY or raw != raw.strip():
+    # the client's parser skips blanks that the API's refuses: only a quantity's characters pass
+    if not isinstance(raw, str) or not 0 < len(raw) <= MAX_QUANTITY or not _QUANTITY_CHARS.fullmatch(raw):
         raise ClaimError(f"{what} {str(raw)[:40]!r} is not a quantity")
     try:
         q = parse_quantity(raw)
