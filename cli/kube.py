@@ -66,7 +66,7 @@ def kube(
     offer = offer_shim(run_dir, host_run_dir) if shim else None
     if dra:
         plugin, syncer = _dra(node_name, gpus, unit_b, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir,
-                              node, _sources("off" if api == "off" else "on", node_name, log_root))
+                              node, _sources("off" if api == "off" else "on", node_name, log_root), pod_resources)
     else:
         plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer, cdi_kind=cdi)
         syncer = PodSync(os.path.join(run_dir, "control.sock"), _sources(api, node_name, log_root), unit_b,
@@ -109,7 +109,7 @@ def _sources(api: str, node_name: str | None, log_root: str) -> list:
     return sources
 
 
-def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir, node, sources):
+def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir, node, sources, pod_resources):
     """The DRA plugin and its matching round, over the API server (claims, the ResourceSlice)."""
     from ..kube.dra import CdiDir, DraPlugin, Enforcer
     from ..kube.drasync import ClaimSync
@@ -130,4 +130,4 @@ def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, 
                        lambda ns, name: claims.read_namespaced_resource_claim(name, ns, _request_timeout=10),
                        enforcer, CdiDir(cdi_dir), registry_dir, plugins_dir, slices=Slices(client, node_name, unit),
                        shim=offer, cdi_kind=cdi, facts=lambda: node.facts)
-    return plugin, ClaimSync(enforcer, sources)
+    return plugin, ClaimSync(enforcer, sources, pod_resources)

@@ -41,6 +41,16 @@ def _plugin(tmp_path, srv, enf, gpus=None) -> DraPlugin:
                      str(tmp_path / "plugins"), slices=Slices(client, NODE, 256 * MiB), dev_root=str(tmp_path / "dev"))
 
 
+def _agent(tmp_path, env, *args):
+    """`convgpu kube --dra` as the DaemonSet runs it, its log in a file (a pipe nobody reads fills)."""
+    with open(tmp_path / "agent.log", "a") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "convgpu.cli.main", "kube", "--dra", "--node-name", NODE, "--api", "off",
+             "--registry-dir", str(tmp_path / "registry"), "--plugins-dir", str(tmp_path / "plugins"),
+             "--cdi-dir", str(tmp_path / "cdi"), "--no-shim", "--pod-resources", str(tmp_path / "none.sock"),
+             "--log-root", str(tmp_path / "log"), *args], stderr=log, text=True, env=env)
+
+
 def _pod(cgroups, uid, cid):
     return cgroups(f"kubepods/besteffort/pod{uid}/{cid}")
 
@@ -197,12 +207,7 @@ def test_a_plugin_killed_after_prepare_and_an_enforcer_restart_keep_the_limit(ro
     a = agent = None
     try:
         with serving(enf):
-            agent = subprocess.Popen(
-                [sys.executable, "-m", "convgpu.cli.main", "kube", "--dra", "--gpu-memory", "4GiB", "--node-name", NODE,
-                 "--api", "off", "--registry-dir", str(tmp_path / "registry"), "--plugins-dir", str(tmp_path / "plugins"),
-                 "--cdi-dir", str(tmp_path / "cdi"), "--run-dir", enf.run_dir, "--no-shim",
-                 "--pod-resources", str(tmp_path / "none.sock"), "--log-root", str(tmp_path / "log")],
-                stderr=subprocess.PIPE, text=True, env=env)
+            agent = _agent(tmp_path, env, "--gpu-memory", "4GiB", "--run-dir", enf.run_dir)
             kubelet.start()
             assert kubelet.registrations.get(timeout=60)[1] == "v1.DRAPlugin"
             assert kubelet.prepare(DRIVER, [("ml", CLAIM_A, "c")])[CLAIM_A].error == ""
@@ -225,3 +230,39 @@ def test_a_plugin_killed_after_prepare_and_an_enforcer_restart_keep_the_limit(ro
             agent.wait()
         kubelet.stop()
         srv.stop()
+
+
+def test_the_slice_is_each_card_less_the_reserve_and_a_lost_gpu_leaves_it(build, tmp_path):
+    """`convgpu kube --dra` over the stand-in NVML (two GPUs of 4 GiB): the slice publishes each
+    GPU by its uuid with NVML's facts and the card less --reserve; a GPU lost to NVML leaves the
+    slice (a new pool generation) and the health stream says it is unhealthy."""
+    from kubelet_side import Node
+    node = Node(build, tmp_path, gpus=2, capacity=4 * GiB)
+    srv = ApiServer().start()
+    kubelet = DraKubelet(str(tmp_path / "registry"))
+    env = dict(os.environ, **node.env, KUBECONFIG=srv.kubeconfig(tmp_path / "kubeconfig"))
+    agent = _agent(tmp_path, env, "--reserve", "512MiB", "--run-dir", str(tmp_path / "run"), "--inventory-every", "0.2")
+    names = [f"gpu-{u.lower().removeprefix('gpu-')}" for u in node.uuids]
+    try:
+        kubelet.start()
+        assert kubelet.registrations.get(timeout=60)[1] == "v1.DRAPlugin"
+        assert kubelet.health.get(timeout=10) == [(names[0], "HEALTHY"), (names[1], "HEALTHY")]
+        spec = srv.slices[f"{NODE}-{DRIVER}"]["spec"]
+        assert [d["name"] for d in spec["devices"]] == names and spec["pool"]["generation"] == 1
+        d = spec["devices"][1]
+        assert d["capacity"]["memory"] == {"value": "3584Mi", "requestPolicy": {
+            "default": "3584Mi", "validRange": {"min": "256Mi", "max": "3584Mi", "step": "256Mi"}}}
+        assert d["attributes"] == {"index": {"int": 1}, "convgpuVersion": {"version": "0.1.0"},
+                                   "uuid": {"string": node.uuids[1]}, "model": {"string": "Stand-in GPU"},
+                                   "architecture": {"string": "Hopper"}, "driverVersion": {"string": "580.0-standin"}}
+        node.lose(1)
+        assert kubelet.health.get(timeout=10) == [(names[0], "HEALTHY"), (names[1], "UNHEALTHY")]
+        until(lambda: [d["name"] for d in srv.slices[f"{NODE}-{DRIVER}"]["spec"]["devices"]] == names[:1], 10,
+              "the lost GPU withdrawn")
+        assert srv.slices[f"{NODE}-{DRIVER}"]["spec"]["pool"]["generation"] == 2
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+        kubelet.stop()
+        srv.stop()
+    assert agent.returncode == 0
