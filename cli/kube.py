@@ -9,12 +9,12 @@ import os
 import typer
 
 from ..errors import ConfigError
+from ..kube.dra import CDI_DIR, PLUGINS_DIR, REGISTRY_DIR   # no gRPC at import: the defaults only
 from ..units import parse_size
 from . import common
 
 log = logging.getLogger("convgpu.cli.kube")
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-REGISTRY_DIR, PLUGINS_DIR, CDI_DIR = "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"
 
 
 @common.handle_errors

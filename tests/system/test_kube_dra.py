@@ -188,6 +188,10 @@ def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, tmp
             assert kubelet.registrations.get(timeout=10)[1] == "v1beta1.DRAPlugin"
             assert kubelet.unprepare(DRIVER, [ok, ok])[ok[1]].error == ""
             assert enf.rules.claims == {} and os.listdir(tmp_path / "cdi") == []
+            from convgpu.kube import doctor      # `convgpu doctor` on a DRA node: the plugin and the enforcer
+            got = doctor.checks(registry_dir=str(tmp_path / "registry"), run_dir=enf.run_dir)
+            assert [(name, ok) for name, ok, _, _ in got] == [(f"DRA driver {DRIVER}", True), ("enforcer", True)]
+            assert "services v1.DRAPlugin, v1beta1.DRAPlugin" in got[0][2]
             plugin.close()
     finally:
         kubelet.stop()
