@@ -26,6 +26,7 @@ from concurrent import futures
 
 from . import api, devices as dv
 from .claims import CDI_KIND, DRIVER, Claim, ClaimError, cdi_name, cdi_spec, check_request, device_name, read
+from .plugin import Serving
 
 log = logging.getLogger(__name__)
 REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
@@ -94,7 +95,7 @@ class CdiDir:
             pass
 
 
-class DraPlugin:
+class DraPlugin(Serving):
     def __init__(self, node: str, gpus: list, read_claim, enforcer: Enforcer, cdi: CdiDir,
                  registry_dir: str = REGISTRY_DIR, plugins_dir: str = PLUGINS_DIR, driver: str = DRIVER,
                  slices=None, shim: dv.ShimOffer | None = None, cdi_kind: str = dv.CDI_KIND,
@@ -252,19 +253,6 @@ class DraPlugin:
         """Serve again when a socket went (removed by hand, a plugins dir wiped)."""
         if self.server is None or not (os.path.exists(self.socket) and os.path.exists(self.reg_socket)):
             self.serve()
-
-    def run(self, stop: threading.Event, poll: float = 1.0):
-        while not stop.is_set():
-            self.check()
-            stop.wait(poll)
-        self.close()
-
-    def _stop_server(self):
-        if self.server is not None:
-            with self.changed:
-                self.changed.notify_all()
-            self.server.stop(grace=0.5).wait()
-            self.server = None
 
     def close(self):
         """Stop serving; the registration socket goes, so the kubelet unregisters the plugin."""

@@ -7,7 +7,7 @@ a round that fails or comes late never leaves a container unlimited."""
 import logging
 
 from .claims import DRIVER
-from .pods import POD_RESOURCES, Assigned, PodSync
+from .pods import POD_RESOURCES, Assigned, PodSync, list_pods
 
 log = logging.getLogger(__name__)
 
@@ -15,14 +15,8 @@ log = logging.getLogger(__name__)
 def list_claims(socket: str = POD_RESOURCES, driver: str = DRIVER, timeout: float = 5.0) -> list[Assigned]:
     """Every container of every pod on the node, with the claims ("namespace/name") it was
     given devices of `driver` from."""
-    import grpc
-
-    from . import api
-    m, s = api.podresources()
-    with grpc.insecure_channel(api.unix(socket)) as ch:
-        resp = s.PodResourcesListerStub(ch).List(m.ListPodResourcesRequest(), timeout=timeout)
     out = []
-    for p in resp.pod_resources:
+    for p in list_pods(socket, timeout):
         for c in p.containers:
             refs = tuple(sorted({f"{d.claim_namespace}/{d.claim_name}" for d in c.dynamic_resources
                                  if any(r.driver_name == driver for r in d.claim_resources)}))

@@ -53,14 +53,18 @@ def api_client():
     return client.ApiClient()
 
 
-def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
-    """Every container of every pod on the node, with its units of `resource` (List)."""
+def list_pods(socket: str = POD_RESOURCES, timeout: float = 5.0) -> list:
+    """The kubelet's pod-resources List: every pod on the node (v1.PodResources messages)."""
     import grpc
     m, s = api.podresources()
     with grpc.insecure_channel(api.unix(socket)) as ch:
-        resp = s.PodResourcesListerStub(ch).List(m.ListPodResourcesRequest(), timeout=timeout)
+        return list(s.PodResourcesListerStub(ch).List(m.ListPodResourcesRequest(), timeout=timeout).pod_resources)
+
+
+def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
+    """Every container of every pod on the node, with its units of `resource` (List)."""
     out = []
-    for p in resp.pod_resources:
+    for p in list_pods(socket, timeout):
         for c in p.containers:
             ids = tuple(i for d in c.devices if d.resource_name == resource for i in d.device_ids)
             out.append(Assigned(p.namespace, p.name, c.name, ids))
