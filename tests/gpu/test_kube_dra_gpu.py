@@ -9,6 +9,7 @@ container paths). Each asks for 1 GiB after 1 GiB, more than its share, and is h
 claim: the shim's answer is out-of-memory (or, if the probes stop it first, it waits), and
 NVML's count of each process stays within its claim. The counts go to $CONVGPU_DRA_OUT (else
 $OUT, else the folder of $CONVGPU_GPU_LOG) as kube-dra.json, for docs/gpu-runs/. About a minute."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -60,7 +61,7 @@ def _cdi_env(spec: dict) -> dict:
 
 
 def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
-    need(all(__import__("importlib").util.find_spec(m) for m in ("torch", "grpc", "kubernetes")),
+    need(all(importlib.util.find_spec(m) for m in ("torch", "grpc", "kubernetes")),
          "needs torch, grpcio(-tools) and kubernetes (tests/gpu/env.sh: the k8s wheels in .wheels)")
     import pynvml
 
@@ -74,13 +75,14 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
                             "--state-dir", str(state), "--default-limit", "1GiB", "--policy", "fifo"],
                            stderr=subprocess.PIPE, text=True, cwd="/")
     log, agent, procs, result = [], None, {}, {"claims": {}}
+    agent_log = open(tmp_path / "agent.log", "w")    # a file: a pipe nobody reads would fill
     try:
         lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 90, "enforcer")
         agent = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "kube", "--dra", "--node-name", NODE,
                                   "--api", "off", "--registry-dir", str(tmp_path / "registry"),
                                   "--plugins-dir", str(tmp_path / "plugins"), "--cdi-dir", str(tmp_path / "cdi"),
                                   "--run-dir", str(run), "--pod-resources", str(tmp_path / "none.sock"),
-                                  "--log-root", str(tmp_path / "log")], stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+                                  "--log-root", str(tmp_path / "log")], stderr=agent_log, text=True, env=env, cwd="/")
         kubelet.start()
         assert kubelet.registrations.get(timeout=60)[1] == "v1.DRAPlugin"
         device = srv.slices[f"{NODE}-{DRIVER}"]["spec"]["devices"][0]   # GPU 0 as published
@@ -105,9 +107,9 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
                     end = f"held (state {proc_state(p.pid)})"
                     break
                 end = next((k for k in ("oom", "all") if k in json.loads(line)), None)
-            got = max((json.loads(x).get("got", 0) for x in lines if x.startswith('{"got"')), default=0)
+            gib = max((json.loads(x).get("got", 0) for x in lines if x.startswith('{"got"')), default=0)
             result["claims"][name] = {"claim_gib": PODS[name][3], "pid": first["pid"], "mem_get_info": first,
-                                      "got_gib": got, "end": end}
+                                      "got_gib": gib, "end": end}
         time.sleep(2)    # NVML's per-process figures settle
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByUUID(device["attributes"]["uuid"]["string"])
@@ -143,6 +145,8 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
                     p.kill()
         kubelet.stop()
         srv.stop()
+        agent_log.close()
+        result["agent_log"] = (tmp_path / "agent.log").read_text().splitlines()[-40:]
         if os.environ.get("CONVGPU_GPU_LOG"):
             with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
                 f.write(json.dumps({"scenario": "kube dra two claims", **result, "log": log[-40:]}) + "\n")
