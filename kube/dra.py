@@ -107,6 +107,11 @@ class DraPlugin(Serving):
         self.facts = facts or (lambda: {})
         self.reg_socket = os.path.join(registry_dir, f"{driver}-reg.sock")
         self.socket = os.path.join(plugins_dir, driver, SOCKET)
+        for path in (self.reg_socket, self.socket):
+            if len(os.fsencode(os.path.abspath(path))) > 107:   # sun_path: 108 bytes with its NUL
+                from ..errors import ConfigError
+                raise ConfigError(f"socket path {path} is longer than a UNIX socket's 107 bytes",
+                                  "give a shorter --registry-dir / --plugins-dir (the kubelet's are short)")
         self.gpus: list = []
         self.bad: set[str] = set()
         self.version = 0               # changes of what is published (health stream)

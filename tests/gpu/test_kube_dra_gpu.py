@@ -60,29 +60,29 @@ def _cdi_env(spec: dict) -> dict:
     return env
 
 
-def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
+def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, short_tmp):
     need(all(importlib.util.find_spec(m) for m in ("torch", "grpc", "kubernetes")),
          "needs torch, grpcio(-tools) and kubernetes (tests/gpu/env.sh: the k8s wheels in .wheels)")
     import pynvml
 
     from apiserver_double import ApiServer, claim
     from kubelet_side import DraKubelet
-    run, state = tmp_path / "run", tmp_path / "state"
+    run, state = short_tmp / "run", short_tmp / "state"
     srv = ApiServer().start()
-    kubelet = DraKubelet(str(tmp_path / "registry"))
-    env = dict(os.environ, KUBECONFIG=srv.kubeconfig(tmp_path / "kubeconfig"))
+    kubelet = DraKubelet(str(short_tmp / "registry"))
+    env = dict(os.environ, KUBECONFIG=srv.kubeconfig(short_tmp / "kubeconfig"))
     enf = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--run-dir", str(run),
                             "--state-dir", str(state), "--default-limit", "1GiB", "--policy", "fifo"],
                            stderr=subprocess.PIPE, text=True, cwd="/")
     log, agent, procs, result = [], None, {}, {"claims": {}}
-    agent_log = open(tmp_path / "agent.log", "w")    # a file: a pipe nobody reads would fill
+    agent_log = open(short_tmp / "agent.log", "w")    # a file: a pipe nobody reads would fill
     try:
         lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 90, "enforcer")
         agent = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "kube", "--dra", "--node-name", NODE,
-                                  "--api", "off", "--registry-dir", str(tmp_path / "registry"),
-                                  "--plugins-dir", str(tmp_path / "plugins"), "--cdi-dir", str(tmp_path / "cdi"),
-                                  "--run-dir", str(run), "--pod-resources", str(tmp_path / "none.sock"),
-                                  "--log-root", str(tmp_path / "log")], stderr=agent_log, text=True, env=env, cwd="/")
+                                  "--api", "off", "--registry-dir", str(short_tmp / "registry"),
+                                  "--plugins-dir", str(short_tmp / "plugins"), "--cdi-dir", str(short_tmp / "cdi"),
+                                  "--run-dir", str(run), "--pod-resources", str(short_tmp / "none.sock"),
+                                  "--log-root", str(short_tmp / "log")], stderr=agent_log, text=True, env=env, cwd="/")
         kubelet.start()
         assert kubelet.registrations.get(timeout=60)[1] == "v1.DRAPlugin"
         device = srv.slices[f"{NODE}-{DRIVER}"]["spec"]["devices"][0]   # GPU 0 as published
@@ -92,7 +92,7 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
         got = kubelet.prepare(DRIVER, [("ml", uid, name) for name, (_, uid, _, _) in PODS.items()])
         assert {u: r.error for u, r in got.items()} == {uid: "" for _, uid, _, _ in PODS.values()}
         for name, (pod, uid, cid, size) in PODS.items():
-            spec = json.loads((tmp_path / "cdi" / f"convgpu-claim-{uid}.json").read_text())
+            spec = json.loads((short_tmp / "cdi" / f"convgpu-claim-{uid}.json").read_text())
             penv = dict(os.environ, **_cdi_env(spec), CUDA_VISIBLE_DEVICES=device["attributes"]["uuid"]["string"])
             procs[name] = popen_in(cgroups(f"kubepods/besteffort/pod{pod}/{cid}"), sys.executable, "-c", WORK,
                                    str(size + 8), env=penv)
@@ -146,7 +146,7 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, tmp_path):
         kubelet.stop()
         srv.stop()
         agent_log.close()
-        result["agent_log"] = (tmp_path / "agent.log").read_text().splitlines()[-40:]
+        result["agent_log"] = (short_tmp / "agent.log").read_text().splitlines()[-40:]
         if os.environ.get("CONVGPU_GPU_LOG"):
             with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
                 f.write(json.dumps({"scenario": "kube dra two claims", **result, "log": log[-40:]}) + "\n")

@@ -31,31 +31,31 @@ def _status(enf) -> dict:
     return {c["id"]: c for c in request(enf.control_path, {"cmd": "status"})["status"]["containers"]}
 
 
-def _plugin(tmp_path, srv, enf, gpus=None) -> DraPlugin:
+def _plugin(short_tmp, srv, enf, gpus=None) -> DraPlugin:
     from kubernetes.client import ResourceV1Api
     from convgpu.kube.slices import Slices
     client = srv.client()
     return DraPlugin(NODE, gpus or [dv.Gpu(0, 4 * GiB)],
                      lambda ns, name: ResourceV1Api(client).read_namespaced_resource_claim(name, ns),
-                     Enforcer(enf.control_path), CdiDir(str(tmp_path / "cdi")), str(tmp_path / "registry"),
-                     str(tmp_path / "plugins"), slices=Slices(client, NODE, 256 * MiB), dev_root=str(tmp_path / "dev"))
+                     Enforcer(enf.control_path), CdiDir(str(short_tmp / "cdi")), str(short_tmp / "registry"),
+                     str(short_tmp / "plugins"), slices=Slices(client, NODE, 256 * MiB), dev_root=str(short_tmp / "dev"))
 
 
-def _agent(tmp_path, env, *args):
+def _agent(short_tmp, env, *args):
     """`convgpu kube --dra` as the DaemonSet runs it, its log in a file (a pipe nobody reads fills)."""
-    with open(tmp_path / "agent.log", "a") as log:
+    with open(short_tmp / "agent.log", "a") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "convgpu.cli.main", "kube", "--dra", "--node-name", NODE, "--api", "off",
-             "--registry-dir", str(tmp_path / "registry"), "--plugins-dir", str(tmp_path / "plugins"),
-             "--cdi-dir", str(tmp_path / "cdi"), "--no-shim", "--pod-resources", str(tmp_path / "none.sock"),
-             "--log-root", str(tmp_path / "log"), *args], stderr=log, text=True, env=env)
+             "--registry-dir", str(short_tmp / "registry"), "--plugins-dir", str(short_tmp / "plugins"),
+             "--cdi-dir", str(short_tmp / "cdi"), "--no-shim", "--pod-resources", str(short_tmp / "none.sock"),
+             "--log-root", str(short_tmp / "log"), *args], stderr=log, text=True, env=env)
 
 
 def _pod(cgroups, uid, cid):
     return cgroups(f"kubepods/besteffort/pod{uid}/{cid}")
 
 
-def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, caller_env, tmp_path):
+def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, caller_env, short_tmp):
     from convgpu.kube.drasync import ClaimSync
     from convgpu.kube.pods import KubeletLogPods
     # the enforcer counts 5 GiB, the slice publishes 4 (the plugin's --gpu-memory): room for A to
@@ -64,20 +64,20 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
     srv = ApiServer().start()
     srv.put_claim(claim("ml", "train-gpu", CLAIM_A, [("train", UID_A)], [("gpu", "gpu-0", "1Gi", "5a")]))
     srv.put_claim(claim("ml", "serve-gpu", CLAIM_B, [("serve", UID_B)], [("gpu", "gpu-0", "3Gi", "5b")]))
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "dev" / "nvidia0").touch()       # the GPU's node as the CDI spec names it
+    (short_tmp / "dev").mkdir()
+    (short_tmp / "dev" / "nvidia0").touch()       # the GPU's node as the CDI spec names it
     m, _ = api.podresources()
-    kubelet = DraKubelet(str(tmp_path / "registry"), pod_resources=str(tmp_path / "pr.sock"))
+    kubelet = DraKubelet(str(short_tmp / "registry"), pod_resources=str(short_tmp / "pr.sock"))
     a = b = None
     try:
         with serving(enf):
-            plugin = _plugin(tmp_path, srv, enf)
+            plugin = _plugin(short_tmp, srv, enf)
             plugin.serve()
             kubelet.start()
             info, chosen = kubelet.registrations.get(timeout=10)
             assert (info.type, info.name, list(info.supported_versions), chosen) == (
                 "DRAPlugin", DRIVER, ["v1.DRAPlugin", "v1beta1.DRAPlugin"], "v1.DRAPlugin")
-            assert info.endpoint == str(tmp_path / "plugins" / DRIVER / "dra.sock") and plugin.registered == 1
+            assert info.endpoint == str(short_tmp / "plugins" / DRIVER / "dra.sock") and plugin.registered == 1
             # the slice: one shareable device, its memory the card's, in steps of the unit
             dev = srv.slices[f"{NODE}-{DRIVER}"]["spec"]["devices"][0]
             assert (dev["name"], dev["allowMultipleAllocations"], dev["capacity"]["memory"]) == (
@@ -88,9 +88,9 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
             d = got[CLAIM_A].devices[0]
             assert (list(d.request_names), d.pool_name, d.device_name, d.share_id, list(d.cdi_device_ids)) == (
                 ["gpu"], NODE, "gpu-0", "5a", [f"convgpu.io/claim={CLAIM_A}-gpu-0", "nvidia.com/gpu=0"])
-            spec = json.loads((tmp_path / "cdi" / f"convgpu-claim-{CLAIM_A}.json").read_text())
+            spec = json.loads((short_tmp / "cdi" / f"convgpu-claim-{CLAIM_A}.json").read_text())
             assert spec["devices"] == [{"name": f"{CLAIM_A}-gpu-0", "containerEdits": {"deviceNodes": [
-                {"path": "/dev/nvidia0", "hostPath": str(tmp_path / "dev" / "nvidia0")}]}}]
+                {"path": "/dev/nvidia0", "hostPath": str(short_tmp / "dev" / "nvidia0")}]}}]
             assert "CONVGPU_GPU_MEMORY_LIMIT=1073741824" in spec["containerEdits"]["env"]
 
             # each pod asks a step past its claim: held with exactly its claim in use
@@ -105,7 +105,7 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
                 (GiB, "DRA claim ml/train-gpu", GiB), (3 * GiB, "DRA claim ml/serve-gpu", 3 * GiB)]
 
             # the kubelet says which container uses which claim: matched, the same limits
-            logs = tmp_path / "log" / "containers"
+            logs = short_tmp / "log" / "containers"
             logs.mkdir(parents=True)
             for pod, c, cid in (("train", "t", CID_A), ("serve", "s", CID_B)):
                 (logs / f"{pod}_ml_{c}-{cid}.log").symlink_to("/nonexistent")
@@ -113,7 +113,7 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
                 name=c, dynamic_resources=[m.DynamicResource(claim_name=n, claim_namespace="ml", claim_resources=[
                     m.ClaimResource(driver_name=DRIVER, pool_name=NODE, device_name="gpu-0")])])])
                 for pod, c, n in (("train", "t", "train-gpu"), ("serve", "s", "serve-gpu"))]
-            sync = ClaimSync(plugin.enforcer, [KubeletLogPods(str(tmp_path / "log"))], str(tmp_path / "pr.sock"))
+            sync = ClaimSync(plugin.enforcer, [KubeletLogPods(str(short_tmp / "log"))], str(short_tmp / "pr.sock"))
             assert sync.round() == {CLAIM_A: [CID_A], CLAIM_B: [CID_B]}
             assert enf.rules.claims[CLAIM_A].containers == (CID_A,)
             assert (_status(enf)[CID_A]["limit"], _status(enf)[CID_B]["limit"]) == (GiB, 3 * GiB)
@@ -122,7 +122,7 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
             got = kubelet.unprepare(DRIVER, [("ml", CLAIM_A, "train-gpu")])
             assert got[CLAIM_A].error == "" and sorted(enf.rules.claims) == [CLAIM_B]
             assert f"allocated 5 {5 * 256 * MiB} pid={a.pid}" in read_until(a, "ready")
-            assert not (tmp_path / "cdi" / f"convgpu-claim-{CLAIM_A}.json").exists()
+            assert not (short_tmp / "cdi" / f"convgpu-claim-{CLAIM_A}.json").exists()
             assert _status(enf)[CID_B]["gpus"]["0"]["used"] == 3 * GiB     # B still held at its claim
             plugin.close()
     finally:
@@ -134,7 +134,7 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
         srv.stop()
 
 
-def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, tmp_path):
+def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, short_tmp):
     """One Prepare with a good claim and four it cannot honour (a size past the card, no capacity
     result, a GPU that was lost, an object the client cannot read): the good one is prepared,
     each other gets one line, and nothing else is kept. Again: the same answer, nothing written.
@@ -156,10 +156,10 @@ def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, tmp
                   raw=json.dumps({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                                   "metadata": {"name": "malformed", "namespace": "ml", "uid": bad[1]},
                                   "status": {"allocation": {"devices": {"results": "everything"}}}}).encode())
-    kubelet = DraKubelet(str(tmp_path / "registry"), versions=("v1beta1.DRAPlugin",))
+    kubelet = DraKubelet(str(short_tmp / "registry"), versions=("v1beta1.DRAPlugin",))
     try:
         with serving(enf):
-            plugin = _plugin(tmp_path, srv, enf, [dv.Gpu(0, 4 * GiB), dv.Gpu(1, 4 * GiB)])
+            plugin = _plugin(short_tmp, srv, enf, [dv.Gpu(0, 4 * GiB), dv.Gpu(1, 4 * GiB)])
             plugin.serve()
             kubelet.start()
             assert kubelet.registrations.get(timeout=10)[1] == "v1beta1.DRAPlugin"
@@ -180,16 +180,16 @@ def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, tmp
             assert errors[bad[1]].startswith("claim ml/malformed cannot be read: ")
             assert all("\n" not in e for e in errors.values())
             assert list(enf.rules.claims) == [ok[1]] and enf.rules.claims[ok[1]].gpus == (("gpu0", 1536 * MiB),)
-            assert sorted(os.listdir(tmp_path / "cdi")) == [f"convgpu-claim-{ok[1]}.json"]
+            assert sorted(os.listdir(short_tmp / "cdi")) == [f"convgpu-claim-{ok[1]}.json"]
             writes = enf.durable.writes
             again = kubelet.prepare(DRIVER, claims)
             assert again == first and enf.durable.writes == writes   # the same answer, nothing written
             kubelet = kubelet.restart()                      # a kubelet restart: registered again
             assert kubelet.registrations.get(timeout=10)[1] == "v1beta1.DRAPlugin"
             assert kubelet.unprepare(DRIVER, [ok, ok])[ok[1]].error == ""
-            assert enf.rules.claims == {} and os.listdir(tmp_path / "cdi") == []
+            assert enf.rules.claims == {} and os.listdir(short_tmp / "cdi") == []
             from convgpu.kube import doctor      # `convgpu doctor` on a DRA node: the plugin and the enforcer
-            got = doctor.checks(registry_dir=str(tmp_path / "registry"), run_dir=enf.run_dir)
+            got = doctor.checks(registry_dir=str(short_tmp / "registry"), run_dir=enf.run_dir)
             assert [(name, ok) for name, ok, _, _ in got] == [(f"DRA driver {DRIVER}", True), ("enforcer", True)]
             assert "services v1.DRAPlugin, v1beta1.DRAPlugin" in got[0][2]
             plugin.close()
@@ -199,19 +199,19 @@ def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, tmp
 
 
 def test_a_plugin_killed_after_prepare_and_an_enforcer_restart_keep_the_limit(root, build, cgroups, caller_env,
-                                                                           tmp_path):
+                                                                           short_tmp):
     """`convgpu kube --dra` as the DaemonSet runs it (a subprocess, KUBECONFIG naming the double)
     prepares a 1 GiB claim and is killed -9 before the pod's first CUDA call; the enforcer is
     then stopped and started again on its state dir. The pod is held at its claim all the same."""
     enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "dra-kill", 4 * GiB)
     srv = ApiServer().start()
     srv.put_claim(claim("ml", "c", CLAIM_A, [("p", UID_A)], [("gpu", "gpu-0", "1Gi", None)]))
-    kubelet = DraKubelet(str(tmp_path / "registry"))
-    env = dict(os.environ, KUBECONFIG=srv.kubeconfig(tmp_path / "kubeconfig"))
+    kubelet = DraKubelet(str(short_tmp / "registry"))
+    env = dict(os.environ, KUBECONFIG=srv.kubeconfig(short_tmp / "kubeconfig"))
     a = agent = None
     try:
         with serving(enf):
-            agent = _agent(tmp_path, env, "--gpu-memory", "4GiB", "--run-dir", enf.run_dir)
+            agent = _agent(short_tmp, env, "--gpu-memory", "4GiB", "--run-dir", enf.run_dir)
             kubelet.start()
             assert kubelet.registrations.get(timeout=60)[1] == "v1.DRAPlugin"
             assert kubelet.prepare(DRIVER, [("ml", CLAIM_A, "c")])[CLAIM_A].error == ""
@@ -236,16 +236,16 @@ def test_a_plugin_killed_after_prepare_and_an_enforcer_restart_keep_the_limit(ro
         srv.stop()
 
 
-def test_the_slice_is_each_card_less_the_reserve_and_a_lost_gpu_leaves_it(build, tmp_path):
+def test_the_slice_is_each_card_less_the_reserve_and_a_lost_gpu_leaves_it(build, short_tmp):
     """`convgpu kube --dra` over the stand-in NVML (two GPUs of 4 GiB): the slice publishes each
     GPU by its uuid with NVML's facts and the card less --reserve; a GPU lost to NVML leaves the
     slice (a new pool generation) and the health stream says it is unhealthy."""
     from kubelet_side import Node
-    node = Node(build, tmp_path, gpus=2, capacity=4 * GiB)
+    node = Node(build, short_tmp, gpus=2, capacity=4 * GiB)
     srv = ApiServer().start()
-    kubelet = DraKubelet(str(tmp_path / "registry"))
-    env = dict(os.environ, **node.env, KUBECONFIG=srv.kubeconfig(tmp_path / "kubeconfig"))
-    agent = _agent(tmp_path, env, "--reserve", "512MiB", "--run-dir", str(tmp_path / "run"), "--inventory-every", "0.2")
+    kubelet = DraKubelet(str(short_tmp / "registry"))
+    env = dict(os.environ, **node.env, KUBECONFIG=srv.kubeconfig(short_tmp / "kubeconfig"))
+    agent = _agent(short_tmp, env, "--reserve", "512MiB", "--run-dir", str(short_tmp / "run"), "--inventory-every", "0.2")
     names = [f"gpu-{u.lower().removeprefix('gpu-')}" for u in node.uuids]
     try:
         kubelet.start()
