@@ -3,8 +3,10 @@
 #   .bcc    = ../shared/gpu-bcc (bcc 0.26 + LLVM 14 + generic headers, FACTS.md)
 #   .wheels = pip download --python-version 3.12 --only-binary=:all: -d .wheels \
 #             typer rich nvidia-ml-py pyroute2 prometheus_client pytest hypothesis setuptools
-#             (+ grpcio grpcio-tools kubernetes==37.0.2 for the k8s extra: tests/gpu/test_kube_dra_gpu.py;
-#             installed when .wheels has them)
+#   .wheels-k8s (optional, 26 MB) = pip download --python-version 3.12 --only-binary=:all: -d .wheels-k8s \
+#             grpcio grpcio-tools kubernetes==37.0.2   (the k8s extra: tests/gpu/test_kube_dra_gpu.py);
+#             .bcc + .wheels + it pass the 64 MiB a call carries: carry it in a later call on the
+#             same warm machine (ignored folders already there stay)
 #   build   = `make` output (stand-in driver, cgcaller, alloc_bench; glibc 2.36 binaries run there)
 # The machine's python3 has PyTorch; the package and its deps go to a --target folder on
 # PYTHONPATH, so that python3 (and the PyTorch child processes) keep their own packages. No
@@ -17,7 +19,7 @@ source .bcc/bcc-env.sh
   python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'; } | tee "$OUT/machine.txt"
 python3 -m venv /tmp/pipenv >/dev/null && P=/tmp/pipenv/bin/python || P=python3
 $P -m pip install -q --no-index --find-links .wheels --target /tmp/pkgs setuptools
-EXTRAS=test; ls .wheels/grpcio_tools-* .wheels/kubernetes-* >/dev/null 2>&1 && EXTRAS=test,k8s
-PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index --find-links .wheels --no-build-isolation --upgrade --target /tmp/pkgs ".[$EXTRAS]"
+EXTRAS=test LINKS="--find-links .wheels"; [ -d .wheels-k8s ] && EXTRAS=test,k8s LINKS="$LINKS --find-links .wheels-k8s"
+PYTHONPATH=/tmp/pkgs $P -m pip install -q --no-index $LINKS --no-build-isolation --upgrade --target /tmp/pkgs ".[$EXTRAS]"
 mkdir -p /tmp/benchpath && ln -sfn "$PWD/bench" /tmp/benchpath/bench
 export PYTHONPATH=/tmp/pkgs:/tmp/benchpath:${PYTHONPATH:-} CONVGPU_BUILD=$PWD/build   # bcc-env.sh put bcc there
