@@ -1,12 +1,15 @@
 """`convgpu kube`: the Kubernetes node agent next to `convgpu enforce` (docs/KUBERNETES.md).
 Serves the convgpu.io/gpu-memory device plugin to the kubelet and sends each pod's limit (its
-units x --unit, or its convgpu.io/gpu-memory-limit annotation) to the enforcer."""
+units x --unit, or its convgpu.io/gpu-memory-limit annotation) to the enforcer; with --dra, the
+DRA kubelet plugin instead (kube/dra.py): a ResourceSlice with a consumable memory capacity per
+GPU, and each claim's share held by the enforcer."""
 import logging
 import os
 
 import typer
 
 from ..errors import ConfigError
+from ..kube.dra import CDI_DIR, PLUGINS_DIR, REGISTRY_DIR   # no gRPC at import: the defaults only
 from ..units import parse_size
 from . import common
 
@@ -34,12 +37,17 @@ def kube(
     cdi: str = typer.Option("nvidia.com/gpu", "--cdi", help="CDI kind of the GPUs' devices returned by Allocate (empty: none)."),
     recover_after: float = typer.Option(60.0, "--recover-after", min=0.0, help="Seconds after a GPU's last critical XID before its units are healthy again (if NVML answers for it)."),
     inventory_every: float = typer.Option(5.0, "--inventory-every", min=0.1, help="Seconds between reads of the GPUs (inventory and health)."),
+    dra: bool = typer.Option(False, "--dra", help="Serve the DRA kubelet plugin (driver gpu-memory.convgpu.io, Kubernetes 1.34+) instead of the device plugin."),
+    registry_dir: str = typer.Option(REGISTRY_DIR, "--registry-dir", help="--dra: the kubelet's plugin registration dir."),
+    plugins_dir: str = typer.Option(PLUGINS_DIR, "--plugins-dir", help="--dra: the kubelet's plugins dir (our socket in <dir>/gpu-memory.convgpu.io/)."),
+    cdi_dir: str = typer.Option(CDI_DIR, "--cdi-dir", help="--dra: where the per-claim CDI specs go (the runtime's CDI dir)."),
 ):
     """Kubernetes node agent: the convgpu.io/gpu-memory device plugin and limits from pods."""
     from ..kube.agent import Agent, offer_shim
     from ..kube.health import NodeGpus
+    from ..kube.owner import Owner
     from ..kube.plugin import DevicePlugin
-    from ..kube.pods import ApiServerPods, KubeletLogPods, PodSync
+    from ..kube.pods import PodSync
     from ..probes.nvml import Nvml
     common.decisions_visible()
     unit_b = parse_size(unit, "--unit")
@@ -49,13 +57,41 @@ def kube(
     res_b = parse_size(reserve, "--reserve")
     nvml = Nvml()
     node = NodeGpus(nvml, gm, res_b, recover_after)
-    gpus = node.read()
+    owner = Owner(run_dir, "dra" if dra else "device-plugin")
+    gpus = owner.filter(node.read())
     if not gpus:
-        raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'})",
+        raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'}"
+                          f"{'; held by the other agent: ' + ', '.join(owner.refused) if owner.refused else ''})",
                           "run on a GPU node, or give --gpu-memory for one GPU")
-    plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer_shim(run_dir, host_run_dir) if shim else None,
-                          cdi_kind=cdi)
+    offer = offer_shim(run_dir, host_run_dir) if shim else None
+    if dra:
+        plugin, syncer = _dra(node_name, gpus, unit_b, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir,
+                              node, _sources("off" if api == "off" else "on", node_name, log_root), pod_resources)
+    else:
+        plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer, cdi_kind=cdi)
+        syncer = PodSync(os.path.join(run_dir, "control.sock"), _sources(api, node_name, log_root), unit_b,
+                         pod_resources, resource) if limits else None
     plugin.set_health(node.bad())
+    common.stop_on_signals()
+    agent = Agent(plugin, syncer, lambda: owner.filter(node.read()), sync, inventory_every, bad=node.bad,
+                  watch=node.watch)
+    log.info("serving %s on %d GPU(s)", "DRA driver gpu-memory.convgpu.io" if dra else
+             f"{resource}: {len(plugin.ids)} units of {unit}", len(gpus))
+    try:
+        agent.run(duration)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.stop.set()
+        plugin.close()
+        owner.close()
+        nvml.close()
+
+
+def _sources(api: str, node_name: str | None, log_root: str) -> list:
+    """Where pods' uids, annotations and container ids come from: the API server (a watch), then
+    the kubelet's log links."""
+    from ..kube.pods import ApiServerPods, KubeletLogPods
     sources = []
     if api not in ("auto", "on", "off"):
         raise ConfigError(f"invalid --api {api!r}", "give auto, on or off")
@@ -70,16 +106,28 @@ def kube(
                                   "pip install 'convgpu[k8s]', give the pod a service account allowed to list pods") from None
             log.warning("API server not used (%s): no annotations; container ids from %s", e, log_root)
     sources.append(KubeletLogPods(log_root))
-    syncer = PodSync(os.path.join(run_dir, "control.sock"), sources, unit_b, pod_resources, resource) if limits else None
-    common.stop_on_signals()
-    agent = Agent(plugin, syncer, node.read, sync, inventory_every, bad=node.bad, watch=node.watch)
-    log.info("serving %s: %d units of %s on %d GPU(s); plugin socket %s", resource, len(plugin.ids),
-                unit, len(gpus), plugin.socket)
+    return sources
+
+
+def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir, node, sources, pod_resources):
+    """The DRA plugin and its matching round, over the API server (claims, the ResourceSlice)."""
+    from ..kube.dra import CdiDir, DraPlugin, Enforcer
+    from ..kube.drasync import ClaimSync
+    from ..kube.pods import api_client
+    from ..kube.slices import Slices
+    if not node_name:
+        raise ConfigError("--dra needs this node's name (the pool and the ResourceSlice are named after it)",
+                          "set NODE_NAME or --node-name")
     try:
-        agent.run(duration)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        agent.stop.set()
-        plugin.close()
-        nvml.close()
+        client = api_client()
+    except Exception as e:
+        raise ConfigError(f"--dra needs the API server (claims, the ResourceSlice): {e}",
+                          "pip install 'convgpu[k8s]'; run in the DaemonSet (its service account) or set KUBECONFIG") from None
+    from kubernetes.client import ResourceV1Api
+    claims = ResourceV1Api(client)
+    enforcer = Enforcer(os.path.join(run_dir, "control.sock"))
+    plugin = DraPlugin(node_name, gpus,
+                       lambda ns, name: claims.read_namespaced_resource_claim(name, ns, _request_timeout=10),
+                       enforcer, CdiDir(cdi_dir), registry_dir, plugins_dir, slices=Slices(client, node_name, unit),
+                       shim=offer, cdi_kind=cdi, facts=lambda: node.facts)
+    return plugin, ClaimSync(enforcer, sources, pod_resources)

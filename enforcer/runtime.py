@@ -101,6 +101,7 @@ class RuntimeChanges:
         self.rules.runtime = {cid: e.limit for cid, e in v.limits.items()}
         self.rules.runs = {cg: r.limit for cg, r in v.runs.items()}
         self.rules.pods = dict(v.pods)
+        self.rules.claims = dict(v.claims)
         self.rules.unreadable = err
         self.names = {cg: r.name for cg, r in v.runs.items() if r.name}
         self.decider.over_limit = "stall" if err else self.over_limit_asked

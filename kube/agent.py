@@ -54,7 +54,7 @@ class Agent:
                     try:
                         self.sync.round()
                     except Exception as e:   # kubelet or enforcer restarting: next round
-                        log.warning("pod limits not synced: %s", e)
+                        log.warning("limits not synced: %s", str(e)[:300])
                     next_sync = now + self.sync_every
                 if on_step:
                     on_step()

@@ -14,6 +14,11 @@ import threading
 DEVICE_PLUGIN_VERSION = "v1beta1"      # RegisterRequest.version the kubelet accepts
 KUBELET_SOCKET = "kubelet.sock"        # the kubelet's Registration socket, in the plugin dir
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+# DRA (kube/dra.py): the plugin type and the services named in PluginInfo.supported_versions, as
+# "<proto package's last part>.<service>"; the kubelet takes the first of them it speaks
+DRA_PLUGIN_TYPE = "DRAPlugin"
+DRA_VERSIONS = ("v1", "v1beta1")
+DRA_SERVICES = tuple(f"{v}.DRAPlugin" for v in DRA_VERSIONS)
 
 _lock = threading.Lock()
 _loaded: dict[str, tuple] = {}
@@ -47,6 +52,24 @@ def deviceplugin():
 def podresources():
     """(messages, services) of podresources v1."""
     return _load("podresources.proto")
+
+
+def dra(version: str = "v1"):
+    """(messages, services) of the kubelet's DRAPlugin service, v1 or v1beta1 (one message set
+    each: v1 adds Device.share_id)."""
+    if version not in DRA_VERSIONS:
+        raise ValueError(f"no DRA service {version!r}")
+    return _load(f"dra_{version}.proto")
+
+
+def registration():
+    """(messages, services) of plugin registration v1 (package `pluginregistration`)."""
+    return _load("pluginregistration.proto")
+
+
+def drahealth():
+    """(messages, services) of the DRA health service v1alpha1."""
+    return _load("drahealth.proto")
 
 
 def unix(path: str) -> str:

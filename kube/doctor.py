@@ -1,6 +1,7 @@
 """`convgpu doctor`'s Kubernetes section: the kubelet's sockets, our resource registered (our
 socket answering with its units and how many are unhealthy, and the kubelet's checkpoint listing
-the resource's devices), pods seen through the pod-resources API, the enforcer's loop answering.
+the resource's devices), pods seen through the pod-resources API, the enforcer's loop answering;
+on a DRA node (our registration socket in plugins_registry) the DRA plugin's GetInfo instead.
 Every check is advisory: tracing works without Kubernetes. The DaemonSet mounts the kubelet's
 two socket dirs read-only into the enforcer's container too, so that one `kubectl exec ... -c
 enforce -- convgpu doctor` checks BPF, the kubelet, the plugin and the enforcer together."""
@@ -9,6 +10,8 @@ import os
 
 from . import api, devices as dv
 from .pods import POD_RESOURCES
+from .claims import DRIVER
+from .dra import REGISTRY_DIR
 from .plugin import ENDPOINT
 
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -16,8 +19,12 @@ CHECKPOINT = "kubelet_internal_checkpoint"   # the device manager's record of re
 
 
 def checks(plugin_dir: str = PLUGIN_DIR, pod_resources: str = POD_RESOURCES,
-           resource: str = dv.RESOURCE, run_dir: str = "/run/convgpu") -> list[tuple[str, bool, str, str]]:
+           resource: str = dv.RESOURCE, run_dir: str = "/run/convgpu",
+           registry_dir: str = REGISTRY_DIR) -> list[tuple[str, bool, str, str]]:
     """[(name, ok, detail, fix)]; one line only when this host runs no kubelet."""
+    reg = os.path.join(registry_dir, f"{DRIVER}-reg.sock")
+    if os.path.exists(reg):   # the DRA plugin (kube/dra.py) serves this node
+        return [_dra(reg)] + _enforcer(run_dir)
     kubelet = os.path.join(plugin_dir, api.KUBELET_SOCKET)
     if not os.path.exists(kubelet) and not os.path.exists(pod_resources):
         return [("kubernetes", False, f"no kubelet sockets ({kubelet}, {pod_resources})",
@@ -59,12 +66,28 @@ def checks(plugin_dir: str = PLUGIN_DIR, pod_resources: str = POD_RESOURCES,
                     f"({sum(len(a.devices) for a in with_units)} units)", ""))
     except Exception as e:
         out.append(("pods seen", False, f"{pod_resources}: {_why(e)}", "the kubelet's pod-resources API (on by default since 1.15)"))
+    return out + _enforcer(run_dir)
+
+
+def _enforcer(run_dir: str) -> list:
     try:
         from .probe import enforcer
-        out.append(("enforcer", True, enforcer(run_dir), ""))
+        return [("enforcer", True, enforcer(run_dir), "")]
     except (OSError, ValueError, RuntimeError) as e:
-        out.append(("enforcer", False, f"{run_dir}/control.sock: {e}", "the DaemonSet's enforce container: see its log"))
-    return out
+        return [("enforcer", False, f"{run_dir}/control.sock: {e}", "the DaemonSet's enforce container: see its log")]
+
+
+def _dra(reg: str) -> tuple:
+    """The DRA plugin answers on its registration socket as the kubelet asks it (GetInfo)."""
+    try:
+        import grpc
+        m, s = api.registration()
+        with grpc.insecure_channel(api.unix(reg)) as ch:
+            info = s.RegistrationStub(ch).GetInfo(m.InfoRequest(), timeout=3)
+        return (f"DRA driver {DRIVER}", True, f"{reg}: endpoint {info.endpoint}, services "
+                f"{', '.join(info.supported_versions)}", "")
+    except Exception as e:
+        return (f"DRA driver {DRIVER}", False, f"{reg}: {_why(e)}", "run `convgpu kube --dra` (the DRA DaemonSet's kube container)")
 
 
 def _why(e: Exception) -> str:

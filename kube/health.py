@@ -23,6 +23,17 @@ def _s(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
+def _arch(n, h) -> str:
+    """The GPU's architecture by NVML's name for it (Hopper, Ampere, ...); "" when unknown."""
+    try:
+        code = n.nvmlDeviceGetArchitecture(h)
+    except Exception:    # an older driver or NVML: not known
+        return ""
+    names = {getattr(n, k): k.removeprefix("NVML_DEVICE_ARCH_") for k in dir(n) if k.startswith("NVML_DEVICE_ARCH_")}
+    name = names.get(code, "")
+    return "" if name in ("", "UNKNOWN") else name.capitalize()
+
+
 class NodeGpus:
     def __init__(self, nvml, gpu_memory: int | None, reserve: int, recover_after: float = 60.0,
                  clock=time.monotonic):
@@ -33,6 +44,7 @@ class NodeGpus:
         self.xid_at: dict[str, float] = {}        # key -> when its last critical XID came
         self.mig: set[str] = set()                # keys left out for MIG mode (logged once)
         self._handles: dict[int, str] = {}        # device handle's address -> key (XID events)
+        self.facts: dict[str, dict] = {}          # key -> model, architecture, driver (ResourceSlice)
         self._events = None
 
     def read(self) -> list[dv.Gpu]:
@@ -64,6 +76,8 @@ class NodeGpus:
                 cap = self.gpu_memory if self.gpu_memory else max(0, total - self.reserve)
                 g = dv.Gpu(i, cap, uuid, minor)
                 self.last[i] = g
+                self.facts[g.key] = {"model": _s(n.nvmlDeviceGetName(h)), "architecture": _arch(n, h),
+                                     "driver": getattr(self.nvml, "driver", "")}
                 self._handles[ctypes.cast(h, ctypes.c_void_p).value] = g.key
             except Exception as e:    # this GPU only: its units stay, unhealthy
                 g = self.last.get(i)

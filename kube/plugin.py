@@ -76,7 +76,26 @@ class _Servicer:
         return m.PreStartContainerResponse()
 
 
-class DevicePlugin:
+class Serving:
+    """A gRPC server the kubelet dials, kept up by `run` until `stop`: check() (re)serves and
+    (re)registers, close() ends it. The subclass has `server` and the Condition `changed` that
+    its streams wait on (woken when the server stops)."""
+
+    def run(self, stop: threading.Event, poll: float = 1.0):
+        while not stop.is_set():
+            self.check()
+            stop.wait(poll)
+        self.close()
+
+    def _stop_server(self):
+        if self.server is not None:
+            with self.changed:
+                self.changed.notify_all()
+            self.server.stop(grace=0.5).wait()
+            self.server = None
+
+
+class DevicePlugin(Serving):
     def __init__(self, plugin_dir: str, gpus: list[dv.Gpu], unit: int = dv.UNIT,
                  resource: str = dv.RESOURCE, endpoint: str = ENDPOINT, dev_root: str = "/dev",
                  shim: dv.ShimOffer | None = None, cdi_kind: str = dv.CDI_KIND):
@@ -181,19 +200,6 @@ class DevicePlugin:
             self._kubelet_ino = kubelet
             self._failing = False
         return True
-
-    def run(self, stop: threading.Event, poll: float = 1.0):
-        while not stop.is_set():
-            self.check()
-            stop.wait(poll)
-        self.close()
-
-    def _stop_server(self):
-        if self.server is not None:
-            with self.changed:
-                self.changed.notify_all()
-            self.server.stop(grace=0.5).wait()
-            self.server = None
 
     def close(self):
         self.stopping = True

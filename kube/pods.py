@@ -59,14 +59,28 @@ def owner(references, labels: dict | None) -> str:
     return ""
 
 
-def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
-    """Every container of every pod on the node, with its units of `resource` (List)."""
+def api_client():
+    """The API server's client: the pod's service account (in-cluster), else the kubeconfig."""
+    from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:   # KUBECONFIG read now: the client reads it once, at import
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    return client.ApiClient()
+
+
+def list_pods(socket: str = POD_RESOURCES, timeout: float = 5.0) -> list:
+    """The kubelet's pod-resources List: every pod on the node (v1.PodResources messages)."""
     import grpc
     m, s = api.podresources()
     with grpc.insecure_channel(api.unix(socket)) as ch:
-        resp = s.PodResourcesListerStub(ch).List(m.ListPodResourcesRequest(), timeout=timeout)
+        return list(s.PodResourcesListerStub(ch).List(m.ListPodResourcesRequest(), timeout=timeout).pod_resources)
+
+
+def list_assigned(socket: str = POD_RESOURCES, resource: str = dv.RESOURCE, timeout: float = 5.0) -> list[Assigned]:
+    """Every container of every pod on the node, with its units of `resource` (List)."""
     out = []
-    for p in resp.pod_resources:
+    for p in list_pods(socket, timeout):
         for c in p.containers:
             ids = tuple(i for d in c.devices if d.resource_name == resource for i in d.device_ids)
             out.append(Assigned(p.namespace, p.name, c.name, ids))
@@ -92,12 +106,8 @@ class ApiServerPods:
     watch_timeout = 300  # seconds a watch request lasts before it is made again (the server's cap)
 
     def __init__(self, node: str, start: bool = True):
-        from kubernetes import client, config   # optional: pip install 'convgpu[k8s]'
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:   # KUBECONFIG read now: the client reads it once, at import
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        self.core = client.CoreV1Api()
+        from kubernetes import client   # optional: pip install 'convgpu[k8s]'
+        self.core = client.CoreV1Api(api_client())
         self.node = node
         self.lists = 0           # lists done (tests: one, unless the watch lost its version)
         self._pods: dict[tuple[str, str], PodMeta] = {}

@@ -3,6 +3,7 @@ should be (no CLI, no gRPC import: about 0.05 s of CPU):
 
   python3 -m convgpu.kube.probe enforcer [RUN_DIR]     the enforcer's loop answers a ping
   python3 -m convgpu.kube.probe plugin [PLUGIN_DIR]     our device-plugin socket accepts
+  python3 -m convgpu.kube.probe dra [PLUGINS_DIR]       our DRA plugin's socket accepts (--dra)
 
 The enforcer's control socket is served by its loop, so a ping answered within 3 s says the
 loop runs (its heartbeat thread stops beating for a loop hung `hung` s; docs/ENFORCE.md). The
@@ -42,10 +43,16 @@ def plugin(plugin_dir: str = "/var/lib/kubelet/device-plugins", timeout: float =
     return f"{path} accepts"
 
 
+def dra(plugins_dir: str = "/var/lib/kubelet/plugins", timeout: float = 3.0) -> str:
+    path = os.path.join(plugins_dir, "gpu-memory.convgpu.io", "dra.sock")
+    _connect(path, timeout).close()
+    return f"{path} accepts"
+
+
 def main(argv: list[str]) -> int:
-    what = {"enforcer": enforcer, "plugin": plugin}
+    what = {"enforcer": enforcer, "plugin": plugin, "dra": dra}
     if not argv or argv[0] not in what:
-        print("usage: python3 -m convgpu.kube.probe enforcer|plugin [DIR]", file=sys.stderr)
+        print("usage: python3 -m convgpu.kube.probe enforcer|plugin|dra [DIR]", file=sys.stderr)
         return 2
     try:
         print(what[argv[0]](*argv[1:2]))

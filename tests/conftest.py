@@ -202,6 +202,16 @@ class Caller:
 
 
 @pytest.fixture
+def short_tmp():
+    """A fresh dir of a short path, for UNIX sockets: a socket's path holds at most 107 bytes,
+    and pytest's tmp_path under xdist with a long test name is 80 already (the DRA plugin's
+    sockets add 40)."""
+    d = tempfile.mkdtemp(prefix="cg-", dir="/tmp")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def private_copy(build, tmp_path):
     """A copy of the stand-in driver: a new inode nobody has probed."""
     d = tmp_path / "drv"

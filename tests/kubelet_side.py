@@ -3,7 +3,8 @@
 GetDevicePluginOptions, then ListAndWatch read in a thread) and the PodResourcesLister service
 on its own socket. Written from the same .proto files as the agent, speaking the real wire
 protocol over UNIX sockets. `restart()` does what a kubelet restart does to the plugin dir: its
-socket goes away with every plugin's socket in the dir, and a new kubelet.sock appears."""
+socket goes away with every plugin's socket in the dir, and a new kubelet.sock appears.
+DraKubelet is the DRA side: plugin registration and the DRAPlugin services (v1, v1beta1)."""
 import os
 import queue
 import threading
@@ -125,3 +126,112 @@ class Node:
         with open(self.faults + ".new", "w") as f:
             f.writelines(keep)
         os.replace(self.faults + ".new", self.faults)
+
+
+class DraKubelet:
+    """The kubelet's side of DRA (issue 40), over the same .proto files as the plugin: it watches
+    the plugins_registry dir as the kubelet's plugin watcher does (a new socket: GetInfo, the
+    first of the plugin's services it speaks, NotifyRegistrationStatus), then calls the chosen
+    DRAPlugin service on the plugin's endpoint and reads the health stream (v1alpha1) into
+    `health`. `versions`: the services this kubelet speaks (a 1.34 kubelet: v1 and v1beta1).
+    `restart()` is a new kubelet on the same dirs: it finds the registration socket again."""
+
+    def __init__(self, registry_dir: str, versions=api.DRA_SERVICES, pod_resources: str | None = None):
+        self.dir, self.versions, self.pod_resources = registry_dir, tuple(versions), pod_resources
+        self.registrations: "queue.Queue" = queue.Queue()   # (PluginInfo, chosen service or error)
+        self.health: "queue.Queue" = queue.Queue()          # [(device, health name)] per message
+        self.plugins: dict = {}                             # driver -> (endpoint, chosen version)
+        self.pods = []                                      # podresources v1 PodResources
+        self._seen: dict = {}
+        self._stop = threading.Event()
+        self._channels = []
+        self.server = None
+
+    def start(self):
+        if self.pod_resources:
+            pm, ps = api.podresources()
+            kubelet = self
+
+            class Lister(ps.PodResourcesListerServicer):
+                def List(self, request, context):
+                    return pm.ListPodResourcesResponse(pod_resources=kubelet.pods)
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            ps.add_PodResourcesListerServicer_to_server(Lister(), self.server)
+            self.server.add_insecure_port(api.unix(self.pod_resources))
+            self.server.start()
+        threading.Thread(target=self._watch, daemon=True).start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.02):
+            try:
+                names = os.listdir(self.dir)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                path = os.path.join(self.dir, name)
+                try:
+                    ino = os.stat(path).st_ino
+                except FileNotFoundError:
+                    continue
+                if name.endswith(".sock") and self._seen.get(path) != ino:
+                    self._seen[path] = ino
+                    self._register(path)
+
+    def _register(self, path):
+        rm, rs = api.registration()
+        ch = grpc.insecure_channel(api.unix(path))
+        self._channels.append(ch)
+        try:
+            info = rs.RegistrationStub(ch).GetInfo(rm.InfoRequest(), timeout=5)
+        except grpc.RpcError as e:
+            self.registrations.put((None, f"GetInfo: {e.code()}"))
+            return
+        chosen = next((v for v in info.supported_versions if v in self.versions), None)
+        ok = info.type == api.DRA_PLUGIN_TYPE and chosen is not None
+        error = "" if ok else f"type {info.type!r}, services {list(info.supported_versions)}: none this kubelet speaks"
+        rs.RegistrationStub(ch).NotifyRegistrationStatus(rm.RegistrationStatus(plugin_registered=ok, error=error), timeout=5)
+        self.registrations.put((info, chosen or error))
+        if ok:
+            self.plugins[info.name] = (info.endpoint, chosen.split(".")[0])
+            threading.Thread(target=self._read_health, args=(info.endpoint,), daemon=True).start()
+
+    def _read_health(self, endpoint):
+        hm, hs = api.drahealth()
+        ch = grpc.insecure_channel(api.unix(endpoint))
+        self._channels.append(ch)
+        try:
+            for resp in hs.DRAResourceHealthStub(ch).NodeWatchResources(hm.NodeWatchResourcesRequest()):
+                self.health.put([(d.device.device_name, hm.HealthStatus.Name(d.health)) for d in resp.devices])
+        except grpc.RpcError:
+            pass   # the plugin or this kubelet went away
+
+    def _call(self, driver, method, claims):
+        endpoint, version = self.plugins[driver]
+        m, s = api.dra(version)
+        ch = grpc.insecure_channel(api.unix(endpoint))
+        try:
+            req = getattr(m, f"{method}Request")(claims=[m.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims])
+            return getattr(s.DRAPluginStub(ch), method)(req, timeout=30).claims
+        finally:
+            ch.close()
+
+    def prepare(self, driver, claims):
+        """{uid: NodePrepareResourceResponse} for [(namespace, uid, name)], on the chosen service."""
+        return dict(self._call(driver, "NodePrepareResources", claims))
+
+    def unprepare(self, driver, claims):
+        return dict(self._call(driver, "NodeUnprepareResources", claims))
+
+    def stop(self):
+        self._stop.set()
+        for ch in self._channels:
+            ch.close()
+        if self.server is not None:
+            self.server.stop(0).wait()
+
+    def restart(self):
+        self.stop()
+        fresh = DraKubelet(self.dir, self.versions, self.pod_resources)
+        fresh.pods = self.pods
+        return fresh.start()

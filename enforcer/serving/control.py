@@ -1,4 +1,5 @@
-"""The control socket's commands (root only; `convgpu status`, `limit set`, `reload`, `run`).
+"""The control socket's commands (root only; `convgpu status`, `limit set`, `reload`, `run`, the
+Kubernetes agents' `pod-limits` and `claim-*`).
 Each request is {"cmd": NAME, ...}; each reply {"ok": true, ...} or {"ok": false, "error": LINE}."""
 from ...errors import ConvgpuError
 from ...faults import FAULT
@@ -17,7 +18,7 @@ class ControlHandler(Handler):
             return {"ok": False, "error": f"unknown command {cmd!r}"}
         try:
             reply = {"ok": True, **fn(msg)}
-            if FAULT and cmd in ("limit-set", "register", "pod-limits"):
+            if FAULT and cmd in ("limit-set", "register", "pod-limits", "claim-prepare"):
                 FAULT.hit("ack")   # durable and applied, not yet acknowledged
             return reply
         except ConvgpuError as e:
@@ -68,3 +69,20 @@ class ControlHandler(Handler):
         """The Kubernetes agent's limits (kube/pods.py): {container id or pod uid: [bytes, source]}."""
         from .podlimits import apply
         return apply(self.enf, msg.get("limits"))
+
+    def cmd_claim_prepare(self, msg):
+        """The DRA plugin's prepared claim (kube/dra.py, serving/claimlimits.py)."""
+        from .claimlimits import prepare
+        return prepare(self.enf, msg.get("uid"), msg.get("claim"))
+
+    def cmd_claim_unprepare(self, msg):
+        from .claimlimits import unprepare
+        return unprepare(self.enf, msg.get("uid"))
+
+    def cmd_claim_containers(self, msg):
+        from .claimlimits import containers
+        return containers(self.enf, msg.get("containers"))
+
+    def cmd_claim_list(self, msg):
+        """The prepared claims (the DRA plugin reads them back after its restart)."""
+        return {"claims": {u: c.wire() for u, c in sorted(self.enf.durable.value.claims.items())}}

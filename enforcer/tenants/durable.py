@@ -1,6 +1,6 @@
 """Run-time decisions that must survive a restart (issue 31): `convgpu run`'s registrations
-(limit and name, by cgroup), `convgpu limit set` (by container id) and the Kubernetes agent's
-`pod-limits`. One value (Decisions) held by the enforcer, kept whole in one file of the state
+(limit and name, by cgroup), `convgpu limit set` (by container id), the Kubernetes agent's
+`pod-limits` and the DRA plugin's prepared claims (tenants/claims.py). One value (Decisions) held by the enforcer, kept whole in one file of the state
 dir, <state dir>/decisions.json, as the kubelet keeps its checkpoints (STYLE.md 17):
 
 - a decision is written before it is acknowledged, and applied only once written: the new
@@ -42,7 +42,7 @@ from .statefile import Unreadable, checked_body, digest, read_file, write_whole 
 log = logging.getLogger(__name__)
 FILE = "decisions.json"
 FORMAT = "convgpu-decisions"
-VERSION = 1
+VERSION = 2             # 2: "claims" (issue 40)
 MAX_ENTRIES = 4096       # of each kind: a node's containers with a decision, many times over
 MAX_TEXT = 1024          # characters of a name, an id or a source
 MAX_PATH = 4096          # characters of a cgroup path (PATH_MAX)
@@ -50,7 +50,7 @@ MAX_BYTES = 16 << 20     # a larger file is not ours (MAX_ENTRIES of each kind t
 LOCK_WAIT = 1.0          # s a start waits for the state dir's lock (a predecessor still exiting)
 # MIGRATIONS[v]: a version-v document's "decisions" as version v + 1 has them. Empty while
 # version 1 is the only one; a change of the format adds its step here (and a test of it).
-MIGRATIONS: dict = {}
+MIGRATIONS: dict = {1: lambda body: {**body, "claims": {}}}
 
 
 class NotKept(ConvgpuError):
@@ -78,6 +78,7 @@ class Decisions:
     runs: dict = field(default_factory=dict)     # cgroup path -> Run
     limits: dict = field(default_factory=dict)   # container id -> LimitSet
     pods: dict = field(default_factory=dict)     # container id or pod uid -> PodLimit
+    claims: dict = field(default_factory=dict)   # DRA claim uid -> ClaimShare
 
     def with_run(self, cgroup: str, run: Run) -> "Decisions":
         _room(self.runs, cgroup, "`convgpu run` registrations")
@@ -93,12 +94,19 @@ class Decisions:
                           "this many containers on one node is not a Kubernetes node's; check the agent")
         return replace(self, pods=dict(pods))
 
+    def with_claims(self, claims: dict) -> "Decisions":
+        if len(claims) > MAX_ENTRIES:
+            raise NotKept(f"{len(claims)} DRA claims are more than the state dir keeps ({MAX_ENTRIES})",
+                          "unprepare claims of pods that are gone (the kubelet does)")
+        return replace(self, claims=dict(claims))
+
     def without(self, runs=(), limits=()) -> "Decisions":
         return replace(self, runs={k: v for k, v in self.runs.items() if k not in runs},
                        limits={k: v for k, v in self.limits.items() if k not in limits})
 
     def counts(self) -> dict:
-        return {"runs": len(self.runs), "limits": len(self.limits), "pods": len(self.pods)}
+        return {"runs": len(self.runs), "limits": len(self.limits), "pods": len(self.pods),
+                "claims": len(self.claims)}
 
 
 def _room(d: dict, key: str, what: str):
@@ -127,7 +135,8 @@ def _body(d: Decisions) -> dict:
     return {"runs": {k: {"limit": r.limit, "name": r.name, "cgroup_id": r.cgroup_id} for k, r in sorted(d.runs.items())},
             "limits": {k: {"limit": e.limit, "cgroup": e.cgroup, "cgroup_id": e.cgroup_id}
                        for k, e in sorted(d.limits.items())},
-            "pods": {k: p.wire() for k, p in sorted(d.pods.items())}}
+            "pods": {k: p.wire() for k, p in sorted(d.pods.items())},
+            "claims": {k: c.wire() for k, c in sorted(d.claims.items())}}
 
 
 def encode(d: Decisions, written_by: str = "") -> bytes:
@@ -150,9 +159,9 @@ def decode(raw: bytes) -> Decisions:
 
 
 def _parse(body: dict) -> Decisions:
-    runs, limits, pods = body["runs"], body["limits"], body["pods"]
-    if not all(isinstance(x, dict) and len(x) <= MAX_ENTRIES for x in (runs, limits, pods)):
-        raise ValueError("runs, limits and pods must be tables of at most %d entries" % MAX_ENTRIES)
+    runs, limits, pods, claims = body["runs"], body["limits"], body["pods"], body["claims"]
+    if not all(isinstance(x, dict) and len(x) <= MAX_ENTRIES for x in (runs, limits, pods, claims)):
+        raise ValueError("runs, limits, pods and claims must be tables of at most %d entries" % MAX_ENTRIES)
     out = Decisions()
     for k, r in runs.items():
         name = r["name"]
@@ -161,9 +170,11 @@ def _parse(body: dict) -> Decisions:
     for k, e in limits.items():
         out.limits[_text(k, "container id")] = LimitSet(_size(e["limit"], "limit"), _path(e["cgroup"]),
                                                         _ident(e["cgroup_id"], "cgroup_id"))
-    from ..serving.podlimits import parse   # the wire format's own checks
+    from ..serving.podlimits import parse   # the wire formats' own checks
+    from .claims import parse_all
     try:
         parsed = parse(pods)
+        out.claims.update(parse_all(claims))
     except ConvgpuError as e:
         raise ValueError(e.problem) from None
     out.pods.update({_text(k, "pod key"): p._replace(source=_text(p.source, "source")) for k, p in parsed.items()})
@@ -390,5 +401,5 @@ def check(state_dir: str) -> tuple[str, str]:
     if why:
         return "unwritable", f"{near} is {why}: run-time limits and names would be refused"
     c = d.counts()
-    return state, (f"{path}: {c['runs']} convgpu run, {c['limits']} limit set, {c['pods']} pod limits"
-                   if state == "ok" else f"{path}: none yet")
+    return state, (f"{path}: {c['runs']} convgpu run, {c['limits']} limit set, {c['pods']} pod limits, "
+                   f"{c['claims']} DRA claims" if state == "ok" else f"{path}: none yet")

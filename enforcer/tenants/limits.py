@@ -1,5 +1,5 @@
 """Which limit a container gets, first that applies: `convgpu limit set` at run time, the
-`convgpu run --limit` its cgroup was registered with, --limit NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py), the first matching
+`convgpu run --limit` its cgroup was registered with, --limit NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py) or its DRA claims (tenants/claims.py), the first matching
 [[rule]] of the config file, the label com.nvidia.memory.limit (as in the ConVGPU paper),
 --default-limit. An operator's rule beats a label because whoever starts a container chooses
 its labels. The pod's annotation convgpu.io/gpu-memory-limit comes last and only lowers: the
@@ -64,8 +64,16 @@ class LimitRules:
     unreadable: str = ""
     # container id or pod uid -> PodLimit, from the Kubernetes agent (`pod-limits`)
     pods: dict[str, PodLimit] = field(default_factory=dict)
+    # claim uid -> ClaimShare, from the DRA kubelet plugin (tenants/claims.py): a container of a
+    # pod with claims gets its limit from them, in place of the pod-limits entry
+    claims: dict = field(default_factory=dict)
 
     def pod_limit(self, c: Container) -> PodLimit | None:
+        if self.claims:
+            from .claims import claim_limit   # claims.py builds PodLimits: imported late
+            got = claim_limit(self.claims, c.id, c.pod)
+            if got is not None:
+                return got
         for key in (c.id, c.pod):   # the container's own entry, else its pod's (id not known yet)
             if key and key in self.pods:
                 p = self.pods[key]

@@ -174,6 +174,15 @@ API int nvmlDeviceGetName(void *device, char *buf, unsigned int len)
     return check(device) ? check(device) : put(buf, len, "Stand-in GPU");
 }
 
+/* nvmlDeviceArchitecture_t: 9 is NVML_DEVICE_ARCH_HOPPER, as on the H100 and H200 */
+API int nvmlDeviceGetArchitecture(void *device, unsigned int *arch)
+{
+    if (check(device) || !arch)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    *arch = 9;
+    return NVML_SUCCESS;
+}
+
 API int nvmlDeviceGetMinorNumber(void *device, unsigned int *minor)
 {
     if (check(device) || !minor)

@@ -165,7 +165,7 @@ def test_an_entry_goes_with_its_cgroup_and_a_new_cgroup_there_is_new(cgroups, bu
         enf.p.kill()
         enf.p.wait()
         enf = enforcing(build, *ARGS, run_dir=enf.run_dir)     # reads the file: both entries gone
-        assert decisions() == {"runs": {}, "limits": {}, "pods": {}}
+        assert decisions() == {"runs": {}, "limits": {}, "pods": {}, "claims": {}}
         p = start_in(lim, build, env5, "alloc", "-n", 1, "-s", 256 * MiB, "--hold")
         procs.append(p)
         ready(p)

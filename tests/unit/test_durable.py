@@ -53,20 +53,20 @@ def test_round_trip_and_the_file_is_whole_and_checked(tmp_path):
     assert s.value == Decisions() and s.status()["state"] == "ok"
     s.commit(full(cg), "test")
     doc = json.loads((tmp_path / "state" / durable.FILE).read_text())
-    assert (doc["format"], doc["version"], doc["by"]) == ("convgpu-decisions", 1, "test")
+    assert (doc["format"], doc["version"], doc["by"]) == ("convgpu-decisions", 2, "test")
     assert doc["decisions"]["runs"] == {"/convgpu.run/job-1": {"limit": 1536 << 20, "name": "job", "cgroup_id": 101}}
     s.close()
     again = store(tmp_path, cg)
     assert again.value == full(cg) and again.error == ""
     assert again.status() | {"write_ms": 0} == {"path": str(tmp_path / "state" / durable.FILE), "state": "ok", "error": "",
-                                               "write_error": "", "runs": 1, "limits": 1, "pods": 1, "writes": 0,
+                                               "write_error": "", "runs": 1, "limits": 1, "pods": 1, "claims": 0, "writes": 0,
                                                "write_ms": 0}
     assert [n for n in os.listdir(tmp_path / "state")] == [durable.FILE]   # no temporary file left
 
 
 @pytest.mark.parametrize("change, why", [
     (lambda doc: doc["decisions"]["runs"]["/convgpu.run/job-1"].update(limit=99 * GiB), "checksum does not match"),
-    (lambda doc: doc.update(version=2), "written by a newer convgpu (format version 2; this one reads up to 1)"),
+    (lambda doc: doc.update(version=3), "written by a newer convgpu (format version 3; this one reads up to 2)"),
     (lambda doc: doc.update(format="something"), "not a convgpu-decisions file"),
     (lambda doc: doc.update(version=True), "format version True is not one"),
 ])
@@ -88,13 +88,22 @@ def test_cut_short_or_garbage_is_unreadable():
 
 def test_an_older_version_is_migrated(monkeypatch):
     """A newer convgpu reads an older file: each version's step of MIGRATIONS, in order."""
-    v1 = json.loads(encode(Decisions().with_pods({"k": POD})))
-    monkeypatch.setattr(durable, "VERSION", 2)
-    # a made-up version 2 that renamed "pods" to "kubernetes": reads as version 2 wants it
-    monkeypatch.setattr(durable, "MIGRATIONS", {1: lambda b: {"runs": b["runs"], "limits": b["limits"],
+    v2 = json.loads(encode(Decisions().with_pods({"k": POD})))
+    monkeypatch.setattr(durable, "VERSION", 3)
+    # a made-up version 3 that renamed "pods" to "kubernetes": reads as version 3 wants it
+    monkeypatch.setattr(durable, "MIGRATIONS", {2: lambda b: {"runs": b["runs"], "limits": b["limits"],
                                                               "kubernetes": b["pods"]}})
     monkeypatch.setattr(durable, "_parse", lambda b: Decisions(pods={k: PodLimit(*v[:2]) for k, v in b["kubernetes"].items()}))
-    assert decode(json.dumps(v1).encode()).pods == {"k": PodLimit(POD.bytes, POD.source)}
+    assert decode(json.dumps(v2).encode()).pods == {"k": PodLimit(POD.bytes, POD.source)}
+
+
+def test_a_version_1_file_reads_with_no_claims():
+    """Version 2 added the DRA plugin's claims (issue 40): a version-1 file is read through
+    MIGRATIONS[1], and an older convgpu refuses a version-2 file (it would drop the claims)."""
+    body = {"runs": {}, "limits": {}, "pods": {"k": POD.wire()}}
+    doc = {"format": "convgpu-decisions", "version": 1, "sha256": durable._digest(body), "decisions": body}
+    d = decode(json.dumps(doc).encode())
+    assert (d.pods, d.claims) == ({"k": POD}, {})
 
 
 def test_an_unreadable_file_is_reported_kept_and_never_written_over(tmp_path):
@@ -237,7 +246,7 @@ def test_doctor_check(tmp_path):
     assert durable.check(str(d)) == ("none", f"{d / durable.FILE}: none yet")   # not made yet: fine
     d.mkdir()
     (d / durable.FILE).write_bytes(encode(Decisions().with_pods({"k": POD})))
-    assert durable.check(str(d)) == ("ok", f"{d / durable.FILE}: 0 convgpu run, 0 limit set, 1 pod limits")
+    assert durable.check(str(d)) == ("ok", f"{d / durable.FILE}: 0 convgpu run, 0 limit set, 1 pod limits, 0 DRA claims")
     (d / durable.FILE).write_bytes(b"{")
     state, detail = durable.check(str(d))
     assert state == "unreadable" and detail.startswith(f"{d / durable.FILE}: not JSON")

@@ -219,3 +219,49 @@ def test_the_image_recipe_installs_bcc_and_the_agent():
     text = (DEPLOY.parent / "Containerfile").read_text()
     assert "FROM ubuntu:24.04" in text and "python3-bpfcc" in text and "--system-site-packages" in text
     assert "pip install --no-cache-dir '/src[k8s]'" in text
+
+
+def test_the_dra_variant_runs_the_dra_plugin_with_its_sockets_and_rights():
+    """deploy/kubernetes/dra (issue 40): the base with `convgpu kube --dra`, the kubelet's plugin
+    dirs and the CDI dir mounted at their host paths (the kubelet dials the socket path the plugin
+    names), a DeviceClass, and RBAC for the node's ResourceSlice and the claims it prepares."""
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in render(DEPLOY / "dra")}
+    assert sorted(objs) == [("ClusterRole", "convgpu-dra"), ("ClusterRole", "convgpu-pod-reader"),
+                            ("ClusterRoleBinding", "convgpu-dra"), ("ClusterRoleBinding", "convgpu-pod-reader"),
+                            ("ConfigMap", "convgpu-options"), ("DaemonSet", "convgpu"),
+                            ("DeviceClass", "gpu-memory.convgpu.io"), ("Namespace", "convgpu"), ("ServiceAccount", "convgpu")]
+    schema_check([d for d in objs.values() if not d["apiVersion"].startswith("resource.")])
+    assert objs[("DeviceClass", "gpu-memory.convgpu.io")]["spec"]["selectors"] == [
+        {"cel": {"expression": 'device.driver == "gpu-memory.convgpu.io"'}}]
+    assert objs[("ClusterRole", "convgpu-dra")]["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+         "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]}]
+    assert objs[("ClusterRoleBinding", "convgpu-dra")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "convgpu", "namespace": "convgpu"}]
+    spec = _spec(objs)
+    kube = next(c for c in spec["containers"] if c["name"] == "kube")
+    words = shlex.split(kube["args"][0])
+    assert words[:4] == ["exec", "convgpu", "kube", "--dra"]
+    assert {w for w in words if w.startswith("--")} <= _options("kube")
+    mounts = {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in kube["volumeMounts"]}
+    assert mounts == {"kubelet-plugins": ("/var/lib/kubelet/plugins", False),
+                      "kubelet-plugins-registry": ("/var/lib/kubelet/plugins_registry", False),
+                      "cdi": ("/var/run/cdi", False), "pod-resources": ("/var/lib/kubelet/pod-resources", False),
+                      "pod-logs": ("/var/log/pods", True), "container-logs": ("/var/log/containers", True),
+                      "run": ("/run/convgpu", False), "tmp": ("/tmp", False)}
+    hosts = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert all(hosts[n] == p for n, (p, _) in mounts.items() if n in hosts)   # the same path inside and out
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert kube[kind]["exec"]["command"] == ["python3", "-m", "convgpu.kube.probe", "dra"]
+    assert kube["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_the_dra_example_asks_12gi_of_a_gpu():
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in render(DEPLOY / "dra" / "example")}
+    request = objs[("ResourceClaimTemplate", "gpu-12gi")]["spec"]["spec"]["devices"]["requests"][0]
+    assert request == {"name": "gpu", "exactly": {"deviceClassName": "gpu-memory.convgpu.io",
+                                                  "capacity": {"requests": {"memory": "12Gi"}}}}
+    pod = objs[("Pod", "trainer")]["spec"]
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "gpu-12gi"}]
+    assert pod["containers"][0]["resources"] == {"claims": [{"name": "gpu"}]}

@@ -1,0 +1,114 @@
+"""The enforcer's side of DRA claims (issue 40), without a kernel: the entry's checks, the limit a
+container gets from its pod's claims (enforcer/tenants/claims.py), their place in the decisions
+file, and the control commands (enforcer/serving/claimlimits.py) on an enforcer over the ledger
+(no BPF): idempotent, one claim at a time, refused past a GPU's capacity, on a GPU the enforcer
+does not know, and on a GPU whose memory the device plugin shares out."""
+import pytest
+
+from convgpu.enforcer.daemon import Enforcer
+from convgpu.enforcer.serving import claimlimits, podlimits
+from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants.claims import ClaimShare, claim_limit, parse
+from convgpu.enforcer.tenants.containers import Container
+from convgpu.enforcer.tenants.limits import LimitRules, PodLimit
+from convgpu.errors import ConvgpuError
+from convgpu.probes.ledger import Ledger
+from convgpu.probes.nvml import GpuInfo
+
+MiB, GiB = 1 << 20, 1 << 30
+POD, OTHER = "0d0d0d0d-1111-2222-3333-444444444444", "0e0e0e0e-1111-2222-3333-444444444444"
+A, B = "a" * 64, "b" * 64
+
+
+def share(ref, gpus, pods=(POD,), containers=()):
+    return ClaimShare(ref, tuple(pods), tuple(sorted(gpus.items())), tuple(containers))
+
+
+@pytest.mark.parametrize("uid, raw", [
+    ("", {"claim": "ml/c", "pods": [POD], "gpus": {"gpu0": 1}}),
+    ("u/1", {"claim": "ml/c", "pods": [POD], "gpus": {"gpu0": 1}}),
+    ("u", {"claim": "", "pods": [POD], "gpus": {"gpu0": 1}}),
+    ("u", {"claim": "ml/c", "pods": [], "gpus": {"gpu0": 1}}),
+    ("u", {"claim": "ml/c", "pods": [POD], "gpus": {}}),
+    ("u", {"claim": "ml/c", "pods": [POD], "gpus": {"gpu0": 0}}),
+    ("u", {"claim": "ml/c", "pods": [POD], "gpus": {"gpu0": True}}),
+    ("u", {"claim": "ml/c", "pods": [POD] * 257, "gpus": {"gpu0": 1}}),
+    ("u", {"claim": "ml/c", "pods": [POD], "gpus": {"gpu0": 1}, "containers": "x"}),
+    ("u", ["ml/c"]),
+])
+def test_a_bad_entry_is_refused_naming_the_claim(uid, raw):
+    with pytest.raises(ConvgpuError) as e:
+        parse(uid, raw)
+    assert "invalid claim" in str(e.value)
+
+
+def test_the_limit_from_the_claims_of_a_pod():
+    claims = {"1": share("ml/a", {"GPU-0": GiB}, containers=[A]), "2": share("ml/b", {"GPU-0": 3 * GiB}),
+              "3": share("ml/c", {"GPU-1": 2 * GiB}, containers=[A, B]), "9": share("ml/z", {"GPU-0": 8 * GiB}, pods=[OTHER])}
+    # matched: the claims it uses, several on one GPU each its own share
+    assert claim_limit(claims, A, POD) == PodLimit(3 * GiB, "DRA claim ml/a + ml/c", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
+    # not matched yet (a new or restarted container): the smallest share of its pod's claims per GPU
+    assert claim_limit(claims, "c" * 64, POD) == PodLimit(
+        3 * GiB, "DRA claim the smallest of 3 claims of its pod (ml/a, ml/b, ml/c)", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
+    assert claim_limit(claims, A, "0f0f0f0f-0000-0000-0000-000000000000") is None and claim_limit({}, A, POD) is None
+    rules = LimitRules({}, 16 * GiB, claims=claims, pods={A: PodLimit(5 * GiB, "units")})
+    c = Container("kubernetes", A, f"/kubepods/pod{POD}/{A}", POD)
+    assert rules.limit_for(c, None, None) == (3 * GiB, "DRA claim ml/a + ml/c")   # the claims beat pod limits
+    assert (rules.share(c, "GPU-0", 3 * GiB, "DRA claim ml/a + ml/c"), rules.share(c, "GPU-1", 3 * GiB, "DRA claim ml/a + ml/c")) == (GiB, 2 * GiB)
+
+
+def test_claims_are_kept_in_the_decisions_file():
+    d = durable.Decisions().with_claims({"u1": share("ml/a", {"GPU-0": GiB}, containers=[A])})
+    assert durable.decode(durable.encode(d)) == d
+    assert d.counts() == {"runs": 0, "limits": 0, "pods": 0, "claims": 1}
+
+
+class Nvml:
+    ok, driver = True, "580.159.04"
+
+    def gpus(self):
+        return [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 0, f"GPU-{i}") for i in range(2)]
+
+
+@pytest.fixture
+def enf(tmp_path):
+    e = Enforcer(Ledger().start(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), nvml=Nvml(),
+                 run_dir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"))
+    e.durable.open(wait=0)
+    yield e
+    e.durable.close()
+
+
+def wire(ref, gpus, pods=(POD,)):
+    return {"claim": ref, "pods": list(pods), "gpus": gpus}
+
+
+def test_prepare_is_idempotent_and_refuses_what_it_cannot_hold(enf):
+    assert claimlimits.prepare(enf, "u1", wire("ml/a", {"GPU-0": 3 * GiB})) == {"changed": True}
+    writes = enf.durable.writes
+    assert claimlimits.prepare(enf, "u1", wire("ml/a", {"GPU-0": 3 * GiB})) == {"changed": False}
+    assert enf.durable.writes == writes
+    with pytest.raises(ConvgpuError) as e:     # 3 + 2 GiB past the GPU's 4
+        claimlimits.prepare(enf, "u2", wire("ml/b", {"GPU-0": 2 * GiB}))
+    assert "claim ml/b: 2.0 GiB on GPU GPU-0 would put its claims at 5.0 GiB, past its 4.0 GiB" in str(e.value)
+    with pytest.raises(ConvgpuError) as e:
+        claimlimits.prepare(enf, "u3", wire("ml/c", {"GPU-9": GiB}))
+    assert "GPU GPU-9 is not one of the enforcer's GPUs (GPU-0, GPU-1)" in str(e.value)
+    assert list(enf.rules.claims) == ["u1"] and enf.durable.writes == writes   # nothing else kept
+    assert claimlimits.containers(enf, {"u1": [A], "gone": [B]}) == {"changed": True}
+    assert enf.rules.claims["u1"].containers == (A,)
+    assert claimlimits.prepare(enf, "u1", wire("ml/a", {"GPU-0": 3 * GiB})) == {"changed": False}   # keeps its match
+    assert claimlimits.unprepare(enf, "u1") == {"changed": True} and enf.rules.claims == {}
+    assert claimlimits.unprepare(enf, "u1") == {"changed": False}
+
+
+def test_a_gpu_is_shared_by_the_device_plugin_or_by_dra_never_both(enf):
+    podlimits.apply(enf, {A: [GiB, "units", {"lower_only": False, "gpus": {"GPU-1": GiB}}]})
+    with pytest.raises(ConvgpuError) as e:
+        claimlimits.prepare(enf, "u1", wire("ml/a", {"GPU-1": GiB}))
+    assert "GPU GPU-1 is shared out by the device plugin's pod limits" in str(e.value)
+    assert claimlimits.prepare(enf, "u2", wire("ml/b", {"GPU-0": GiB})) == {"changed": True}
+    with pytest.raises(ConvgpuError) as e:
+        podlimits.apply(enf, {B: [GiB, "units", {"lower_only": False, "gpus": {"GPU-0": GiB}}]})
+    assert "pod limits refused: GPU GPU-0 holds DRA claims" in str(e.value)
+    assert enf.rules.pods == {A: PodLimit(GiB, "units", False, (("GPU-1", GiB),))}   # the previous set stays
