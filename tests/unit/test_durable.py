@@ -101,7 +101,7 @@ def test_a_version_1_file_reads_with_no_claims():
     """Version 2 added the DRA plugin's claims (issue 40): a version-1 file is read through
     MIGRATIONS[1], and an older convgpu refuses a version-2 file (it would drop the claims)."""
     body = {"runs": {}, "limits": {}, "pods": {"k": POD.wire()}}
-    doc = {"format": "convgpu-decisions", "version": 1, "sha256": durable._digest(body), "decisions": body}
+    doc = {"format": "convgpu-decisions", "version": 1, "sha256": durable.digest(body), "decisions": body}
     d = decode(json.dumps(doc).encode())
     assert (d.pods, d.claims) == ({"k": POD}, {})
 
