@@ -97,9 +97,9 @@ class Box:
 
 class Books:
     """The enforcer's books: what each container was assigned, holds, reserves and waits for
-    per device (Box, Wait, Ask, Exit: plain data), and the sums the decisions read (room,
-    free, claims). The Enforcer has one (Enforcer.books) and passes it its readers, so the
-    books can be built and decided on without an Enforcer or a kernel (tests/unit/test_books.py):
+    per device (Box, Wait, Ask, Exit: plain data), which container each process is in, and the
+    sums the decisions read (room, free, claims). Built from its readers, so the books can be
+    built and decided on without an Enforcer or a kernel (tests/unit/test_books.py):
     state_of(box, dev): BPF's counters for a container on a device (cgstate), or None;
     ctx_of(dev): the bytes a context is charged until NVML measures it;
     share_of(box, dev): its limit on that GPU (its own, or its pod's share: LimitRules.share);
@@ -113,7 +113,23 @@ class Books:
         self.state_of, self.ctx_of, self.share_of, self.whole, self.freezer = state_of, ctx_of, share_of, whole, freezer
         self.boxes: dict[str, Box] = {}
         self.by_key: dict[int, Box] = {}
+        self.pid_box: dict[int, Box] = {}   # each placed process's container
+        self.shimmed: set[int] = set()      # pids under the preload shim: they wait, never stop
         self.exits: dict[int, Exit] = {}   # pidfd -> an exited process the driver may still hold memory of
+        self.next_key = 1                   # a container's key in BPF's maps: never one used before
+
+    def new_key(self) -> int:
+        key, self.next_key = self.next_key, self.next_key + 1
+        return key
+
+    def waiters(self) -> int:
+        """(container, device) waits: BPF wakes the loop at frees and exits only while there are."""
+        return sum(len(b.waiting) for b in self.boxes.values())
+
+    def waits_whole(self, box: Box, pid: int) -> bool:
+        """pid is stopped at a call BPF holds, its whole process stopped with it: a SIGCONT
+        would let it into its call (its recheck would stop it again), so the decider resumes it."""
+        return any(a.pid == pid for w in box.waiting.values() for a in w.asks.values()) and self.whole(pid)
 
     def limit(self, box: Box, dev: int) -> int:
         """L_c on one GPU: the container's limit, or where its pod's grant spans GPUs, the
@@ -123,7 +139,7 @@ class Books:
     def usage(self, box: Box, dev: int) -> tuple[int, int, int]:
         """(live bytes, contexts, reserved) of a container on a device: BPF's counters plus
         what was adopted at placement (BPF's `used` may have wrapped below zero: see charged()
-        in bpf/convgpu.bpf.c)."""
+        in bpf/books.bpf.c)."""
         s = self.state_of(box, dev)
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         if s is None:
@@ -148,7 +164,7 @@ class Books:
 
     def ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the
-        measured ones by box.extra (never below zero, as charged() in bpf/convgpu.bpf.c)."""
+        measured ones by box.extra (never below zero, as charged() in bpf/books.bpf.c)."""
         return max(0, used + contexts * self.ctx_of(dev) + box.extra.get(dev, 0))
 
     def held(self, box: Box, dev: int) -> int:

@@ -10,7 +10,7 @@ charged an estimate from its first moment, chosen per device, best first:
 2. measured at start: a bare context the enforcer made itself on this GPU model and driver
    (enforcer/ctxmeasure.py), once per model and driver, kept in the state directory, plus a
    margin for what frameworks load into theirs. Newcomers on a GPU whose measurement runs
-   wait for it (Enforcer._measure_hold);
+   wait for it (ContextCharge.hold_newcomer);
 3. table hint: the table below, where nothing could be measured (no NVML, MIG, a child that
    failed) and the model and driver are in it;
 4. conservative: CONSERVATIVE, where nothing could be measured or is known.
@@ -171,6 +171,45 @@ def ceiling(dev: Device, est: Estimate, page: int) -> Estimate:
     nbytes = -(-(base + base // CEILING_MARGIN) // page) * page
     return Estimate(nbytes, name, f"{name} {base} bytes + 1/{CEILING_MARGIN}, in {page}-byte pages "
                     f"(the estimate: {est.source})")
+
+
+def devices(capacity, gpus: dict, driver: str) -> dict[int, Device]:
+    """Each GPU's model and driver as NVML tells them (gpus: index -> probes.nvml.GpuInfo, read
+    once at start): the keys of what is measured."""
+    return {d: Device(d, gpus[d].name, gpus[d].uuid, driver) if d in gpus else Device(d) for d in capacity}
+
+
+class Charges:
+    """What a context is charged: per GPU the estimate in force (choose) until NVML has measured
+    a process, and per process what NVML measured (excess). The books, the control map and the
+    shim's view read it; only ContextCharge (enforcer/overhead.py) changes it.
+    devices: GPU -> Device; operator: --ctx-overhead or None; measured: the state dir's store."""
+
+    def __init__(self, devices: dict[int, Device], operator: int | None, measured: "MeasuredStore"):
+        self.devices, self.operator, self.measured = devices, operator, measured
+        self.unmeasured: dict[str, str] = {}   # model key -> why no context is measured there (yet)
+        self.waiting: set[int] = set()          # GPUs whose context is being measured: newcomers wait
+        # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
+        self.excess: dict[tuple[int, int], tuple[int, int]] = {}
+        self.est = {d: self.choose(d) for d in devices}
+
+    def choose(self, dev: int) -> Estimate:
+        d = self.devices[dev]
+        return choose(d, self.operator, self.measured.measured_at_start(d.model_key),
+                      self.unmeasured.get(d.model_key, ""))
+
+    def estimate(self, dev: int) -> Estimate:
+        e = self.est.get(dev)
+        return e if e is not None else choose(Device(dev), self.operator)
+
+    def ctx(self, dev: int) -> int:
+        """Bytes charged per context on dev until NVML measures it."""
+        return self.estimate(dev).bytes
+
+    def newcomer_charge(self) -> int:
+        """What a context of a process not placed yet reserves (control.ctx_overhead): the largest
+        estimate, but none of a GPU whose context is being measured (its newcomers wait)."""
+        return max((e.bytes for d, e in self.est.items() if d not in self.waiting), default=0)
 
 
 class MeasuredStore:

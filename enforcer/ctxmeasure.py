@@ -6,7 +6,7 @@ supplies), makes the primary context on one GPU, selected by its UUID (CUDA_VISI
 CUDA ordinals are the process's own, FACTS.md 2026-11-25), and waits while NVML reads its
 per-process memory. The child allocates nothing, so all NVML shows for it is its context: on
 the H100 and the H200 with driver 580, 518 MiB (FACTS.md). Admission skips the child
-(cg_control.measuring: bpf/convgpu.bpf.c admit()), as it skips the self-test children.
+(cg_control.measuring: bpf/admit.bpf.c admit()), as it skips the self-test children.
 
 It all runs in a thread of its own: the child's start (a Python and a driver to load, cuInit)
 takes a second or more, and an NVML call may hang (a GPU fallen off the bus). The loop only

@@ -1,50 +1,49 @@
 """`convgpu enforce`: per-container GPU-memory limits, enforced by stalling (ConVGPU III-D/E).
 
-BPF admits or stops each call before it runs (bpf/convgpu.bpf.c, "enforce"); this loop
-places new processes in containers, assigns memory, and resumes waiters as the policy grants
-memory. Every decision is one log line. The BPF side fails open when the heartbeat stops.
+BPF admits or stops each call before it runs (bpf/admit.bpf.c); this loop places new processes
+in containers, assigns memory, and resumes waiters as the policy grants memory. Every decision
+is one log line. The BPF side fails open when the heartbeat stops.
 
-The Enforcer has its books (books.py: plain data and the sums over them) and its decider
-(decisions.py, over the pure policies.py and within.py), which it passes the books and acts
-for. Its own methods follow the data's way, one module each: events in (enforcer/events.py:
-placement, stalls, exits), actions out (actions.py: BPF maps, resumes), reporting
-(reporting.py: status, snapshot, state file); beside them the context overhead (overhead.py),
-run-time changes (runtime.py) and the take-over from a previous enforcer (adopt.py). This
-module holds its life cycle, the loop, and the readers and actions the books and the decider
-are given."""
+The Enforcer is built from parts, each an object handed what it uses (docs/DESIGN.md, "The
+enforcer's parts"). Its constructor builds them in order and is the wiring diagram; _take routes
+each probe event to the part that hears it; the rest is the life cycle and the loop."""
 import logging
 import os
 import random
 import select
 import selectors
 import signal
-import threading
 import time
 
 from . import backstop, ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
-from .actions import VIEW_GRACE, Actions, alive, held_seq
-from .failsafe.adopt import Adopt
+from .actuator import Actuator, Holds
+from .admission import Admission
+from .bpfmaps import BpfMaps, cgstate_reader, held_seq
 from .books import Books, Box
+from .decisions import Decider
+from .exits import Exits
+from .failsafe.adopt import Adopter
+from .failsafe.heartbeat import Heartbeat
+from .failsafe.stall import SignalStopper
+from .failsafe.watchdog import write_state
+from .history import HistoryFile, Recorder, from_books
+from .overhead import ContextCharge, read_gpus
+from .placement import Placement
+from .quotas import MapQuota, Quotas
+from .reporting import Reporter
+from .runtime import Runtime, share_of
 from .serving.broker import ShimBroker
+from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
 from .tenants.containers import container_of_pid
-from .decisions import Decider
-from .events import Events
-from .failsafe.heartbeat import Heartbeat
 from .tenants.limits import LimitRules
-from .overhead import ContextOverhead
-from .quotas import MapQuota, Quotas
-from .reporting import Reporting
-from .runtime import RuntimeChanges
-from .failsafe.stall import SignalStopper
-from .failsafe.threadhold import ThreadHolder, _tids
-from .failsafe.watchdog import write_state
-from .history import HistoryFile, Recorder, from_books
+from ..probes.events import EF_TRACED
 from ..probes.nvml import Cached
+from ..probes.table import INDIRECT
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 0.25   # s; BPF stops admitting (fails open) after 2 s without one
@@ -54,17 +53,8 @@ MEASURE_EVERY = 1.0      # s; the measured context overhead from NVML's latest s
 HELD_DEFER = 0.005       # s the state file may wait for events that woke the enforcer meanwhile
 
 
-class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adopt, Quotas):
-    """One enforcer: its state is set here, its methods come from the parts named above. It
-    has its books (enforcer/books.py: plain data and the sums over them, given readers of the
-    BPF counters and the context estimate) and its decider (enforcer/decisions.py), which it
-    passes the books and acts for (write_assign, resume, resume_asks, answer_shim, kill)."""
-
-    # the decider's settings, changed by a reload (enforcer/runtime.py) and shown by status
-    policy = property(lambda self: self.decider.policy, lambda self, v: setattr(self.decider, "policy", v))
-    max_wait = property(lambda self: self.decider.max_wait, lambda self, v: setattr(self.decider, "max_wait", v))
-    over_limit = property(lambda self: self.decider.over_limit,
-                          lambda self, v: setattr(self.decider, "over_limit", v))
+class Enforcer:
+    """One enforcer: its parts, built in the order they need each other, and its life cycle."""
 
     def __init__(self, tracer, policy: str, capacity: dict[int, int], rules: LimitRules,
                  stopper=None, over_limit: str = "stall", ctx_overhead: int | None = None,
@@ -73,133 +63,145 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
                  state_dir: str | None = None, quota: MapQuota | None = None,
                  unmapped_charge: str = "all"):
-        self.tracer, self.capacity, self.rules = tracer, capacity, rules
+        self.tracer, self.rules, self.container_of = tracer, rules, container_of
+        self.stopper = stopper = stopper or SignalStopper()
+        self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
+        self.run_dir, self.started = run_dir, time.time()
+        self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
+        self.control_path = os.path.join(run_dir, "control.sock")
+        self.pin_dir = takeover.pin_dir_for(run_dir)
+        self.owner = random.SystemRandom().randrange(1, 1 << 31)   # control.owner: who admits
         # the card's memory convgpu may count on (NVML's total less --reserve); unknown, the
         # capacity: then an exit's memory returns to the pool only once the driver freed it
-        self.physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
-        self.stopper = stopper or SignalStopper()
-        self.ctx_overhead = ctx_overhead   # --ctx-overhead: None unless the operator gave it
-        self.nvml = nvml
-        self._gpu_infos = self._read_gpus()   # NVML's GPUs, read once (never from the loop)
-        self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
-        self.unmapped_charge = unmapped_charge   # a process whose GPUs are not established: all|guess
-        self.contradicted: dict[int, str] = {}   # pid -> what NVML's lists say against its mapping
-        if self._gpu_infos and hasattr(tracer, "gpumap"):
-            tracer.gpumap.gpus = list(self._gpu_infos.values())   # ordinals to host GPUs (probes/gpumap.py)
-        self.quota = quota or MapQuota()   # entries per container in the BPF maps (enforcer/quotas.py)
-        self.quota_held: dict[int, int] = {}   # pid -> container key: stopped at a quota
-        self.engines = engines
-        self.reload_config = reload   # () -> (LimitRules, settings dict); raises ConfigError
-        self.container_of = container_of
-        self.books = Books(capacity, self.physical, self._state, self._ctx, self._share,
-                           whole=self._held_whole, freezer=not isinstance(self.stopper, SignalStopper))
-        self.boxes, self.by_key, self._exits = self.books.boxes, self.books.by_key, self.books.exits   # the same dicts
-        self.decider = Decider(self.books, self, policy, random.Random(seed), max_wait, over_limit,
-                               process_holds=self._process_holds, holder=lambda: self.holder)
-        self.over_limit_asked = over_limit   # in force unless the decisions are unreadable (runtime.py)
+        physical = {d: max(c, (physical or {}).get(d, c)) for d, c in capacity.items()}
+        gpus = read_gpus(nvml)   # NVML's GPUs, read once (never from the loop)
+        if gpus and hasattr(tracer, "gpumap"):
+            tracer.gpumap.gpus = list(gpus.values())   # ordinals to host GPUs (probes/gpumap.py)
+        self.sel = selectors.DefaultSelector()
+        self.watchdog = self.lifeline = None   # the watchdog's process, and the pipe it watches (start)
+
+        # ---- the parts, each handed what it uses (docs/DESIGN.md maps them). Events in: the probes'
+        # through _take to Placement, Exits, Quotas and the broker; the shim's socket to the broker;
+        # NVML's samples to ContextCharge and the backstop. The books are changed by Placement and
+        # Exits (who is where, who waits), the decider (assignments), the actuator (a wait ends),
+        # Runtime (limits), ContextCharge (context charges), ShimCredit and the Adopter (at start).
+        # BPF's maps are written through BpfMaps alone.
+        self.holds = Holds()   # a stop holds a thread (ptrace, from start()) or its process
+        self.charges = ctxest.Charges(ctxest.devices(capacity, gpus, getattr(nvml, "driver", "") or ""),
+                                      ctx_overhead, ctxest.MeasuredStore(state_dir))
+        self.books = Books(capacity, physical, cgstate_reader(tracer), self.charges.ctx, share_of(rules, gpus),
+                           whole=self.holds.whole, freezer=not isinstance(stopper, SignalStopper))
+        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx)   # the one writer of BPF's maps
+        self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed)
+        self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
+                               process_holds=self._process_holds, holder=self.holds.current)
+        over = lambda: self.decider.over_limit   # noqa: E731 (a reload may change it)
+        self.admission = Admission(self.maps, self.books.waiters, self.charges.newcomer_charge, over,
+                                   quota or MapQuota(), self.owner)
+        self.charge = ContextCharge(tracer, nvml, gpus, self.charges, self.books, self.maps.write_assign,
+                                    self.admission)
+        self.quotas = Quotas(self.maps, self.books, self.admission.quota, over)
+        self.credit = ShimCredit(self.books)
         # run-time limits and names, kept in the state dir across restarts (tenants/durable.py);
         # read (and the directory locked) at start, before the first admission
         self.durable = durable.Store(state_dir)
+        self.runtime = Runtime(rules, self.durable, self.books, self.decider, self.credit.revoke,
+                               self.maps.write_assign, self.admission.write, reload, gpus)
         self.history = Recorder(HistoryFile(state_dir) if state_dir else None)   # each job's runs (history/)
-        self._swept = 0.0
-        self.pid_box: dict[int, Box] = {}
-        self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
-        self.shimmed: set[int] = set()    # pids under the preload shim: they wait, never stop
-        self.broker = ShimBroker(self)
-        self._next_key = 1
-        self._measured = 0.0
-        self.heartbeat = Heartbeat(self._write_control, HEARTBEAT_EVERY, LOOP_HUNG)
-        self._control_lock = threading.Lock()   # the loop and the heartbeat thread write control
-        self._leaf: dict = {}                   # control's fields but the heartbeat
-        self._exempt = 0    # a self-test child's pid, which admission skips
-        self._viewed = -VIEW_GRACE         # last snapshot asked for by a view (`convgpu trace`)
-        self._told = 0                     # the waiters count last written to BPF
-        self._reload_asked = False
-        self._held_due = 0.0               # when the state file became due (0: written)
-        self.started = time.time()
-        self.run_dir = run_dir
-        self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
-        self.control_path = os.path.join(run_dir, "control.sock")
-        self.watchdog = None
-        self.pin_dir = takeover.pin_dir_for(run_dir)
-        self.owner = random.SystemRandom().randrange(1, 1 << 31)   # control.owner: who admits
-        self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
+        self.placement = Placement(tracer, self.books, self.maps, self.actuator, self.credit.revoke, self.quotas,
+                                   self.runtime, self.history, self.charge.hold_newcomer, container_of, engines,
+                                   unmapped_charge, over)
+        self.exits = Exits(tracer, self.books, self.maps, self.charges, self.history, self._gone, self.sel,
+                           self._changed)
+        self.broker = ShimBroker(tracer, self.books, self.credit, self.placement, self.maps, self.decider.schedule,
+                                 self.charges, self._take, unmapped_charge)
+        # the driver's own count as the last word: over a limit however obtained (backstop.py)
+        self.backstop = backstop.Backstop(self.books, stopper, self.placement.place_stray, self.actuator.kill,
+                                          self.books.waits_whole, self._own_pids, self.charge.calls_of,
+                                          self.charge.accounted, over)
+        self.backstop.off = self.charge.backstop_off(capacity)
         # what `convgpu trace` shows while we run (it asks us rather than probing twice)
-        self.acct = Accountant(nvml=Cached(list(self._gpu_infos.values()), lambda: self.sampler, nvml.driver)
+        self.acct = Accountant(nvml=Cached(list(gpus.values()), lambda: self.charge.sampler, nvml.driver)
                                if nvml is not None and nvml.ok else None,   # never NVML itself from the loop
                                ctx_overhead=None if nvml is not None and nvml.ok else ctx_overhead,
                                engines=engines, container_of_pid=container_of)
-        self._published = 0.0
-        self._saved = None
-        self.sel = selectors.DefaultSelector()
+        self.reporter = Reporter(tracer, self.books, self.decider, self.charge, self.backstop, self.broker,
+                                 self.quotas, self.holds, self.runtime, self.history, self.admission, self.acct,
+                                 stopper, self.state_file, lambda: self.watchdog.pid if self.watchdog else None,
+                                 unprobed, unmapped_charge, self.started)
+        self.adopter = Adopter(tracer, self.maps, self.books, self.runtime, self.charges.ctx, container_of,
+                               run_dir, self.state_file, self.pin_dir, self.owner)
+        self.heartbeat = Heartbeat(self.maps.beat, HEARTBEAT_EVERY, LOOP_HUNG)
+
         self.servers: list[server.Server] = []
-        self.holder = None                 # ThreadHolder: a stop holds the asking thread alone (ptrace)
-        self.sampler = None                # NVML's per-process memory, sampled in a thread
-        # (pid, dev) -> (NVML less its tracked bytes, the contexts it had then): its measured overhead
-        self.excess: dict[tuple[int, int], tuple[int, int]] = {}
-        # what a context costs before NVML measures it, per device (enforcer/ctxest.py)
-        self.measured = ctxest.MeasuredStore(state_dir)
-        self.devices = self._devices()
-        self._unmeasured: dict[str, str] = {}   # model key -> why no context is measured there (yet)
-        self.est = {d: self._choose(d) for d in self.devices}
-        self._measure_queue: list[tuple[str, int]] = []   # (model key, GPU) to measure a context on
-        self._measure_wait: set[int] = set()     # GPUs whose newcomers wait for that measurement
-        self._measuring_now = None               # the ctxmeasure.Measurement running
-        self._measuring = 0                      # its child's pid: admission skips it (control.measuring)
-        self._held_new: dict = {}                # (pid, tid) -> (event, also): waiting for a measurement
-        self._nvml_failing = False               # said once: NVML stopped answering (overhead.py)
-        # the driver's own count as the last word: over a limit however obtained (backstop.py)
-        self.backstop = backstop.Backstop(self.books, self.stopper, self._place_stray, self.kill, self._waits_whole,
-                                          self._own_pids, self._calls_of, self._accounted,
-                                          lambda: self.decider.over_limit)
-        self.backstop.off = self._backstop_off()
-        self.calls_seen: dict[int, dict[str, int]] = {}   # pid -> calls no admission sizes, seen in events
+        self.metrics = None   # enforcer.metrics.MetricsServer, set by the CLI
+        self._measured = self._published = 0.0
+        self._reload_asked = False
+        self._held_due = 0.0               # when the state file became due (0: written)
 
-    # ---- the books' readers (enforcer/books.py) ----
-    def _share(self, box: Box, dev: int) -> int:
-        """Its limit on one GPU: its own, or where its pod's grant spans GPUs, the pod's share
-        on this one (the Kubernetes agent's split, docs/KUBERNETES.md)."""
-        return self.rules.share(box.container, self._gpu_key(dev), box.limit, box.source)
-
-    def _gpu_key(self, dev: int) -> str:
-        """The GPU's key as the Kubernetes agent names it: NVML's uuid (read at start: this runs
-        in the loop, where an NVML call that hangs would hold admission), else gpu<index>."""
-        g = self._gpu_infos.get(dev)
-        return g.uuid if g is not None and g.uuid else f"gpu{dev}"
-
+    # ---- readers the parts are handed ----
     def _process_holds(self, box: Box, dev: int) -> dict[int, tuple[int, int]]:
         """pid -> (what it holds on dev, of that its contexts), from BPF's per-process usage
         and NVML's measured contexts (the decider reads it only when there are several
         stopped units to order)."""
-        out = {}
+        out, excess = {}, self.charges.excess
         for u in self.tracer.usage():
             if u.dev != dev or u.pid not in box.pids:
                 continue
-            ctx = self.excess[(u.pid, dev)][0] if (u.pid, dev) in self.excess else max(u.contexts, 0) * self._ctx(dev)
+            ctx = excess[(u.pid, dev)][0] if (u.pid, dev) in excess else max(u.contexts, 0) * self.charges.ctx(dev)
             out[u.pid] = (u.live + ctx, ctx)
         return out
 
-    def _held_whole(self, pid: int) -> bool:
-        """A stop holds every thread of pid: ptrace refused it (or no holder), or it has one."""
-        return self.holder is None or self.holder.mode(pid) == "process" or len(_tids(pid)) <= 1
+    def _own_pids(self) -> set[int]:
+        return ({os.getpid(), self.admission.exempt, self.maps.measuring}
+                | ({self.watchdog.pid} if self.watchdog else set()))
 
-    def schedule(self):
-        self.decider.schedule()
+    # ---- events in: each to the part that hears it ----
+    def _take(self, events, now: float) -> bool:
+        """The probes' events and the exits whose pidfd fired into the books; True if that
+        changed what the decider may decide."""
+        dirty = self.exits.reap_due(now)
+        for e in events:
+            if e.flags & EF_TRACED or e.op == "full":
+                self.placement.killed_unchecked(e)   # BPF killed it before its call ran: nothing to hold
+                continue
+            if e.pid in self.books.shimmed and e.op in ("unknown", "stall", "over_limit", "quota"):
+                self.broker.caught(e.pid)   # BPF stopped it: it is resumed as anyone from now on
+            if e.op == "unknown":
+                dirty |= self.placement.first_call(e)
+            elif e.op in ("stall", "over_limit"):
+                self.placement.stalled(e, now)
+                dirty = True
+            elif e.op == "quota":
+                self.quotas.hit(e)
+            elif e.op == "exec":
+                self._gone(e.pid)
+                dirty = True
+            elif e.op == "exit":
+                self.exits.exiting(e.pid, e.size, e.ts_ns, contexts=e.live, gen=e.addr)   # then _gone
+                dirty = True
+            elif e.op in ("free", "ctx_destroy"):   # room for someone, if anyone waits
+                dirty = dirty or any(b.waiting for b in self.books.boxes.values())
+            if e.api in INDIRECT and e.op in ("alloc", "graph", "unsized"):   # named if it goes over
+                self.charge.saw_call(e.pid, e.api)
+        return dirty
 
-    # ---- the decider's actuator (write_assign, resume, resume_asks: enforcer/actions.py) ----
-    def answer_shim(self, box: Box, dev: int, wakes, answer: dict):
-        self.broker.granted(box, dev, wakes, answer)
+    def _gone(self, pid: int):
+        """A process left (an exit, an exec): heard by ContextCharge, the shim broker and Placement."""
+        self.charge.forget(pid)
+        if pid in self.books.shimmed:
+            self.broker.shim_gone(pid)
+        self.placement.gone(pid)
 
-    def kill(self, pid: int):
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    def status(self) -> dict:
+        return self.reporter.status()
 
     def start(self) -> "Enforcer":
-        from .serving.control import ControlHandler
+        from .serving.control import ControlHandler, answers
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         # the control socket first: a second enforcer on the same run dir fails here, before
         # its probes could stall anything
-        if _answers(self.control_path):
+        if answers(self.control_path):
             from ..errors import ConfigError
             raise ConfigError(f"an enforcer already runs on {self.control_path}",
                               "stop it first, or give this one another --run-dir")
@@ -208,9 +210,9 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             log.error("decisions unreadable: %s; kept as it is, and every container is held (admitted "
                       "nothing more, never killed) until it is repaired or moved aside and `convgpu "
                       "reload` reads it", self.durable.error)
-        self._decided()
+        self.runtime.decided()
         raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
-        self.servers.append(server.Server(self.control_path, ControlHandler(self), 0o600,
+        self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime), 0o600,
                                           root_only=True, sel=self.sel))
         try:
             from .serving.shim import ShimHandler
@@ -219,81 +221,74 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         if ShimHandler is not None:   # any process may ask; the kernel says who it is (peers.py)
             self.servers.append(server.Server(os.path.join(self.run_dir, "shim", "shim.sock"),
                                               ShimHandler(self.broker), 0o666, root_only=False, sel=self.sel,
-                                              caps=SHIM_CAPS, group_of=self._peer_group))
-        self.tracer.selftest_exempt = self._exempting
+                                              caps=SHIM_CAPS, group_of=self.placement.group_of))
+        self.tracer.selftest_exempt = self.admission.exempting
         self.tracer.recheck = True
         self.tracer.selftest_later = True   # admission on first: it only reports (Tracer.poll)
         if self.tracer.kernel:
-            prev = self._load_over_pins()
+            prev = self.adopter.load_over_pins()
             shimprobes.attach(self.tracer.b)   # only calls from inside the shim wait in it
         else:
             self.tracer.start()
             prev = []
-        if self.nvml is not None and self.nvml.ok:   # once the probes' maps exist: a sample reads
-            from ..probes.nvml import Sampler         # them, and failed until then, which read as
-            # "NVML has not answered for 7 s" at every start on a GPU host
-            self.sampler = Sampler(self.nvml, backstop.SAMPLE_EVERY, self._tracked, self.tracer.calls_in_flight,
-                                   contexts=True).start()
+        self.charge.start_sampler(backstop.SAMPLE_EVERY)   # once the probes' maps exist
         self._wake_fd = self.tracer.fileno()
         self.sel.register(self._wake_fd, selectors.EVENT_READ, lambda _mask: None)
         reader = getattr(getattr(self.tracer, "discovery", None), "reader", None)
         if reader is not None:      # a driver file read, a process looked at: settle it at once
             self.sel.register(reader.fd, selectors.EVENT_READ, lambda _mask: reader.drain())
         signal.signal(signal.SIGHUP, self._on_hup)
-        self._adopt(prev)
-        if self.tracer.kernel:
-            self._write_resident()   # what a stack limit costs, before a call is admitted
-        self._plan_measurements()   # a GPU model never seen: its newcomers wait for a measured context
+        self.adopter.adopt(prev)
+        if self.tracer.kernel:   # what a stack limit costs, before a call is admitted
+            self.maps.write_resident(self.charge.resident())
+        self.charge.plan()   # a GPU model never seen: its newcomers wait for a measured context
         write_state(self.state_file, [], [])
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
             log.warning("no probes (--no-probes): only processes under the preload shim are limited")
-            self._control(True)
-            log.info("enforcing: policy %s, capacity %s (shim only)", self.policy, self._capacity_text())
+            self.admission.write(True)
+            log.info("enforcing: policy %s, capacity %s (shim only)", self.decider.policy, self.reporter.capacity_text())
             return self
         # The watchdog (enforcer/failsafe/watchdog.py) learns of our death from a pipe; it turns
         # admission and discovery off at once and resumes whoever we held
         self.fds = takeover.FdSender()
         zero, held = self.tracer.discovery.fail_safe_fds()
-        self.watchdog, self._lifeline = watchdog.spawn(os.getpid(), self.state_file, [self._t("control").map_fd, *zero],
-                                                       held, self.fds.theirs, self.pin_dir)
+        self.watchdog, self.lifeline = watchdog.spawn(os.getpid(), self.state_file,
+                                                      [self.maps.table("control").map_fd, *zero],
+                                                      held, self.fds.theirs, self.pin_dir)
         self.fds.theirs.close()
         self.fds.send(takeover.probe_fds(self.tracer.b))
         self.tracer.on_release = self.fds.drop
-        self._save_held()
-        self._control(True)
-        self.tracer.discovery.on_unprobed = self._unprobed
+        self.reporter.save_held()
+        self.admission.write(True)
+        # probes/discovery.py asks of a driver file that cannot be probed: its calls would go
+        # unchecked, so by default its process stays stopped (fail closed; `status` says why)
+        self.tracer.discovery.on_unprobed = lambda pid, lib, reason: self.unprobed   # stall|kill|allow
         if isinstance(self.stopper, SignalStopper):   # the freezer holds containers whole
-            self.holder = ThreadHolder(held_seq(self._t("held"))).start()
+            self.holds.start(held_seq(self.maps.table("held")))
         self.tracer.enable_discovery(own_watchdog=False)
         self.heartbeat.loop_ran()
         self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
-        log.info("enforcing: policy %s, capacity %s", self.policy, self._capacity_text())
+        log.info("enforcing: policy %s, capacity %s", self.decider.policy, self.reporter.capacity_text())
         return self
 
     def close(self):
         """Nothing stays stopped: every waiter is resumed, admission is turned off."""
         self.heartbeat.stop()   # before admission goes off: it would write it back on
         if self.tracer.b is not None:
-            self._control(False)
-        for box in self.boxes.values():
+            self.admission.write(False)
+        for box in self.books.boxes.values():
             for dev in list(box.waiting):
-                self.resume(box, dev, "enforcer stopping")
-        if self.holder is not None:   # after the releases above: it lets go of every thread
-            self.holder.close()
-            self.holder = None
+                self.actuator.resume(box, dev, "enforcer stopping")
+        self.holds.close()   # after the releases above: it lets go of every thread
         if self.tracer.kernel and self.tracer.b is not None:   # BPF stops only with probes
-            self._resume_unplaced()
+            self.actuator.resume_unplaced()
         for srv in self.servers:
             srv.close()
         self.servers.clear()
         if self.metrics is not None:
             self.metrics.close()
-        if self.sampler is not None:
-            self.sampler.close()
-        if self._measuring_now is not None:   # its child goes (newcomers it held: _resume_unplaced)
-            self._measuring_now.result(float("inf"))
-        self._save_measured()
+        self.charge.close()   # its sampler; a measurement's child goes (newcomers it held: resume_unplaced)
         self.history.close()   # runs still going are kept as cut short
         self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
@@ -307,7 +302,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
             # the lifeline sits just under the descriptor limit (watchdog.spawn): left open, every
             # enforcer closed in one process took one of those 17 places until spawn() failed with
             # EMFILE (the 18th in-process enforcer of the test suite)
-            os.close(self._lifeline)
+            os.close(self.lifeline)
             self.watchdog = None
             try:
                 os.unlink(self.state_file)
@@ -325,42 +320,48 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                         "call unchecked from 2 s after that")
         if self._reload_asked:
             self._reload_asked = False
-            self.reload()
+            self.runtime.reload()
         events = self.tracer.poll()
         self.acct.feed(events)
         dirty = self._take(events, now)
-        if self.quota_held:
-            self._quota_resume()
+        if self.quotas.held:
+            self.quotas.resume_due()
         if dirty:   # a resume first: the periodic work below can wait for it
             self._changed()
-        if self._measuring_now is not None or self._measure_queue:
-            self._measure_step(now)
-        if self.sampler is not None and self.sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(self.sampler.raw, self.sampler.seq, now)
+        if self.charge.measuring():
+            released = self.charge.measured(now)
+            if released is not None:   # its newcomers, placed asking for the figure measured
+                for e, also, size in released:
+                    self.placement.place(e.pid, max(e.dev, 0), size, e.tid, e.result, also)
+                self._changed()
+            self.charge.measure_next()
+        sampler = self.charge.sampler
+        if sampler is not None and sampler.seq != self.backstop.seq:   # the driver's count
+            dirty |= self.backstop.step(sampler.raw, sampler.seq, now)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
-            if self._measure_overhead() or any(b.waiting for b in self.boxes.values()):
+            if self.charge.measure_overhead() or any(b.waiting for b in self.books.boxes.values()):
                 self._changed()
                 dirty = True
             if self.tracer.kernel:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
-            self.history.sample(from_books(self.books, self.tracer.usage(), self.excess, self._ctx, self.names,
-                                           self.rules, now, time.time()))
+            self.history.sample(from_books(self.books, self.tracer.usage(), self.charges.excess, self.charges.ctx,
+                                           self.runtime.names, self.rules, now, time.time()))
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
-        self._sweep_decisions(now)
+        self.runtime.sweep(now)
         if self.metrics is not None and (dirty or now - self._published >= 1.0):
             self._published = now
-            self.metrics.publish(self.status(), self.tracer.usage(), self.excess)
+            self.metrics.publish(self.reporter.status(), self.tracer.usage(), self.charges.excess)
         return events
 
     def _changed(self):
-        self.schedule()
+        self.decider.schedule()
         # the waiters count: frees wake us (and go out, if quiet) only while someone waits,
         # so a free that came before BPF knew of its first waiter sent no event: look again
-        if self._control(True) == 0 and self._told:
-            self.schedule()
+        if self.admission.write(True) == 0 and self.admission.told:
+            self.decider.schedule()
         self._held_due = self._held_due or time.monotonic()
 
     def _save_held_unless_woken(self):
@@ -372,7 +373,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         if time.monotonic() - self._held_due < HELD_DEFER and select.select([self._wake_fd], [], [], 0)[0]:
             return
         self._held_due = 0.0
-        self._save_held()
+        self.reporter.save_held()
 
     def run(self, duration: float = 0.0, tick: float = 0.05, on_step=None):
         """Sleeps in select() on the ring buffer (a stall or, while someone waits, a free or
@@ -384,20 +385,5 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
                 on_step(events)
             server.serve(self.sel, tick, self.servers)
 
-    def _peer_group(self, ident) -> str:
-        """A shim peer's container, for the caps per container (serving/peers.py)."""
-        c = self.container_of(ident.pid)
-        if ident.exited():   # what we read may be of a process that took its pid since
-            raise ProcessLookupError(ident.pid)
-        return f"{c.kind} {c.id}"
-
     def _on_hup(self, *_):
         self._reload_asked = True   # handled in the loop, never inside a signal handler
-
-
-def _answers(path: str) -> bool:
-    try:
-        server.request(path, {"cmd": "ping"}, timeout=2)
-        return True
-    except (OSError, ValueError):
-        return False

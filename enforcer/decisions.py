@@ -1,9 +1,9 @@
 """The decider: which waiter resumes, who is granted what, what is reclaimed when every
 container waits. The policies themselves are pure (enforcer/policies.py, shared with the
 simulator in bench/sched; enforcer/within.py within a container); the decider feeds them the
-books (enforcer/books.py) and carries out the answer through an actuator. The Enforcer has one
-(Enforcer.decider) and is its actuator; tests/unit/test_decider.py drives one with plain books
-and a recording actuator, without an Enforcer or a kernel.
+books (enforcer/books.py) and carries out the answer through an actuator (enforcer/actuator.py,
+writing assignments through enforcer/bpfmaps.py); tests/unit/test_decider.py drives one with
+plain books and a recording actuator, without an Enforcer or a kernel.
 
 The actuator (`act`): write_assign(box, dev) (a new assignment to BPF), resume(box, dev, why)
 (the whole wait), resume_asks(box, dev, asks, why) (some stopped calls), answer_shim(box, dev,
@@ -68,6 +68,7 @@ class Decider:
                         box.assigned[dev] = top
                         self.act.write_assign(box, dev)
                     self.act.resume(box, dev, "fits its assignment")
+                    self.stuck.discard(dev)   # someone runs again
                     box.placed.update((q, now) for q in firsts)
             if (not self._grant(dev, now) and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
                     and not self._grant(dev, now, fit_only=True)):
@@ -101,6 +102,7 @@ class Decider:
                               self.books.limit(box, dev) - taken, holds, settling)
         if go:
             self.act.resume_asks(box, dev, [a for u in go for a in u], "fits its assignment")
+            self.stuck.discard(dev)
             return True
         self._circular(box, dev, w, now)
         return False
@@ -136,6 +138,7 @@ class Decider:
             if g.resume:
                 if self.books.demand(box, dev) <= box.assigned[dev]:
                     self.act.resume(box, dev, f"policy {self.policy}")
+                    self.stuck.discard(dev)
                     resumed = True
                 else:
                     resumed = self._serve(box, dev, now) or resumed

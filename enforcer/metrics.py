@@ -52,7 +52,7 @@ COUNTERS = (   # per container; the family's name gets `_total` on the wire
 
 
 def families(status: dict, usage=(), excess=None, gpus=()) -> list:
-    """The metric families of one snapshot. status: Enforcer.status(); usage: the probes' rows
+    """The metric families of one snapshot. status: Reporter.status() (Enforcer.status()); usage: the probes' rows
     (pid, dev, live, contexts); excess: (pid, dev) -> NVML's bytes beyond what the probes track
     (the context's real size less the per-context charge); gpus: probes.nvml.GpuInfo rows."""
     excess = excess or {}

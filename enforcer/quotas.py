@@ -1,17 +1,16 @@
 """Per-container quotas on the BPF maps (issue 24 row 4). BPF counts every entry a container's
 processes hold in `objs`, `threads` and `procs` in the container's bucket (`quotas`, keyed like
 `members`); a container at a quota is stopped (or killed, --over-limit kill) at the entry of
-its call, before the call runs, and never another container (bpf/convgpu.bpf.c, quota_ok).
+its call, before the call runs, and never another container (bpf/admit.bpf.c, quota_ok).
 This part of the enforcer makes and removes the buckets with the containers, says each hit in
 one log line, and resumes a stopped process once its container has room again."""
 import contextlib
-import ctypes as ct
 import logging
 import os
 import signal
 from dataclasses import dataclass
 
-from .actions import alive
+from .actuator import alive
 from .books import Box
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..."
@@ -33,89 +32,81 @@ class MapQuota:
 
 
 class Quotas:
-    """Part of Enforcer (enforcer/daemon.py): the buckets, and who waits at a quota."""
+    """The buckets, and who waits at a quota. Handed BpfMaps (the buckets' writer), the books
+    (containers by key), the quotas, and over_limit() ("stall" | "kill": the decider's, which a
+    reload may change)."""
 
-    def _ensure_quota(self, box: Box):
+    def __init__(self, maps, books, quota: MapQuota, over_limit):
+        self.maps, self.books, self.quota, self.over_limit = maps, books, quota, over_limit
+        self.held: dict[int, int] = {}   # pid -> container key: stopped at a quota
+
+    def ensure(self, box: Box):
         """Before the container's first `members` entry: BPF counts in buckets that exist."""
-        t = self._t("quotas")
-        k = ct.c_ulonglong(box.key)
-        try:
-            t[k]
-        except KeyError:
-            t[k] = t.Leaf()
+        self.maps.ensure_quota(box.key)
 
-    def _drop_quota(self, box: Box):
-        for name in ("quotas", "swept"):
-            with contextlib.suppress(KeyError):
-                del self._t(name)[ct.c_ulonglong(box.key)]
+    def drop(self, box: Box):
+        self.maps.drop_quota(box.key)
 
-    def _quota_counts(self, box: Box) -> dict:
+    def counts(self, box: Box) -> dict:
         """What the container holds against its quotas now (objects its exited processes left
         count until the tracer's sweep deletes them)."""
-        try:
-            q = self._t("quotas")[ct.c_ulonglong(box.key)]
-        except KeyError:
-            return {"objects": 0, "threads": 0, "processes": 0, "denied": 0}
-        try:
-            gone = self._t("swept")[ct.c_ulonglong(box.key)].value
-        except KeyError:
-            gone = 0
-        return {"objects": q.objs - gone, "threads": q.threads, "processes": q.procs, "denied": q.denied}
+        return self.maps.quota_counts(box.key)
 
-    def _quota_hit(self, e):
+    def hit(self, e):
         """BPF stopped (or killed) pid at the entry of a call: its container is at a quota."""
-        box = self.by_key.get(e.addr)
+        box = self.books.by_key.get(e.addr)
         if box is None:
             return
         box.quota_hits += 1
-        n = self._quota_counts(box)
+        n = self.counts(box)
         q = self.quota
         # result 0: BPF killed it whatever --over-limit says: a thread past the thread quota has
         # no entry, so its call could never be checked or accounted later (bpf stop_then_tell)
-        killed = self.over_limit == "kill" or e.result == 0
+        killed = self.over_limit() == "kill" or e.result == 0
         what = ("killed (a thread past its container's thread quota: its call cannot be tracked)" if e.result == 0
                 else "killed" if killed else "stopped until its container frees entries")
-        if e.pid not in self.quota_held or killed:
+        if e.pid not in self.held or killed:
             log.warning("container %s pid %d at its quota in the BPF maps (objects %d/%d, threads %d/%d, "
                         "processes %d/%d): %s before its %s ran (--over-limit %s; the quotas: --max-objects, "
                         "--max-threads, --max-processes)", box.name, e.pid, n["objects"], q.objects, n["threads"],
-                        q.threads, n["processes"], q.processes, what, e.api, self.over_limit)
+                        q.threads, n["processes"], q.processes, what, e.api, self.over_limit())
         if not killed:
-            self.quota_held[e.pid] = box.key
+            self.held[e.pid] = box.key
 
-    def _process_quota_full(self, box: Box, pid: int) -> bool:
+    def process_full(self, box: Box, pid: int) -> bool:
         """A process to place in a container that has --max-processes already: not placed (no
         `members` entry, which BPF would need room for), but stopped (BPF stopped it at its first
         call) or killed, as at any quota; placed once one of them exits."""
         if pid in box.pids or len(box.pids) < self.quota.processes:
             return False
         box.quota_hits += 1
-        if pid not in self.quota_held:
+        kill = self.over_limit() == "kill"
+        if pid not in self.held:
             log.warning("container %s pid %d: the container has %d processes, its quota (--max-processes): %s",
-                        box.name, pid, len(box.pids), "killed" if self.over_limit == "kill" else "stopped until one exits")
-        if self.over_limit == "kill":
+                        box.name, pid, len(box.pids), "killed" if kill else "stopped until one exits")
+        if kill:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         else:
-            self.quota_held[pid] = box.key
+            self.held[pid] = box.key
         return True
 
-    def _quota_resume(self):
+    def resume_due(self):
         """SIGCONT whoever waits at a quota once its container has room in every one; BPF's
         recheck lets its call run only then (else it is stopped again)."""
-        for pid, key in list(self.quota_held.items()):
-            box = self.by_key.get(key)
+        for pid, key in list(self.held.items()):
+            box = self.books.by_key.get(key)
             if not alive(pid):
-                del self.quota_held[pid]
+                del self.held[pid]
                 continue
-            n = self._quota_counts(box) if box is not None else None
+            n = self.counts(box) if box is not None else None
             if n is None or (n["objects"] < self.quota.objects and n["threads"] < self.quota.threads
                              and max(n["processes"], len(box.pids - {pid})) < self.quota.processes):
-                del self.quota_held[pid]   # its container gone: resumed, it is placed afresh
+                del self.held[pid]   # its container gone: resumed, it is placed afresh
                 log.info("pid %d%s: room under its quotas again: resumed", pid, f" of {box.name}" if box else "")
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGCONT)
 
-    def _quota_status(self, box: Box) -> dict:
-        return {**self._quota_counts(box), "hits": box.quota_hits,
-                "stopped_pids": sorted(p for p, k in self.quota_held.items() if k == box.key)}
+    def status(self, box: Box) -> dict:
+        return {**self.counts(box), "hits": box.quota_hits,
+                "stopped_pids": sorted(p for p, k in self.held.items() if k == box.key)}

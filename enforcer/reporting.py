@@ -10,23 +10,41 @@ from .failsafe.stall import SignalStopper
 from .failsafe.watchdog import write_state
 
 
-class Reporting:
-    """Part of Enforcer (enforcer/daemon.py): what it shows and what it leaves for the watchdog."""
+class Reporter:
+    """What the enforcer shows, and what it leaves for the watchdog: it reads every part and
+    changes none. Handed the tracer (its counters, libraries, GPU mappings, discovery), the
+    books, the decider (its settings), ContextCharge (the charges, NVML's sample, mapping checks),
+    the backstop, the shim broker (credit, asks, ceilings), Quotas, Holds, Runtime (its rules,
+    decisions, registered runs), the history, Admission (a view turns alloc/free events on),
+    `convgpu trace`'s accountant, the stall backend, and what is fixed at start: the state
+    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge and when it
+    started."""
+
+    def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
+                 admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
+                 started: float):
+        self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
+        self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
+        self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
+        self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
+        self.unmapped_charge, self.started = unmapped_charge, started
+        self._saved = None
 
     def status(self) -> dict:
         now = time.monotonic()
         gpus, backstop = {}, self._backstop_state()
-        for dev, cap in sorted(self.capacity.items()):
+        for dev, cap in sorted(self.books.capacity.items()):
             assigned = self.books.assigned(dev)
-            est = self._estimate(dev)
+            est = self.charges.estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
                               "unassigned": cap - assigned,
-                              "physical": self.physical[dev], "tearing_down": self.books.tearing(dev),
-                              "ctx_estimate": est.to_json(), "ctx_measuring": dev in self._measure_wait,
+                              "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
+                              "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
                               "backstop": backstop[str(dev)]}
         rows = []
-        raw = self.sampler.raw if self.sampler is not None else None
-        for box in sorted(self.boxes.values(), key=lambda b: b.created):
+        sampler = self.charge.sampler
+        raw = sampler.raw if sampler is not None else None
+        for box in sorted(self.books.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
                 used, contexts, reserved = self.books.usage(box, dev)
@@ -56,31 +74,40 @@ class Reporting:
                          "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
                          "stalls": box.stalls, "grants": box.grants,
                          "over_limit_events": box.over_limits, "circular_waits": box.circulars, "restalls": box.restalls,
-                         "map_quota": self._quota_status(box)})
-        return {"pid": os.getpid(), "policy": self.policy, "over_limit": self.over_limit,
-                "map_quota": {"objects": self.quota.objects, "threads": self.quota.threads,
-                              "processes": self.quota.processes},
+                         "map_quota": self.quotas.status(box)})
+        quota, holder = self.quotas.quota, self.holds.holder
+        return {"pid": os.getpid(), "policy": self.decider.policy, "over_limit": self.decider.over_limit,
+                "map_quota": {"objects": quota.objects, "threads": quota.threads,
+                              "processes": quota.processes},
                 "stall": "signal" if isinstance(self.stopper, SignalStopper) else "freezer",
                 # how a stopped call is held: its thread alone (ptrace), or its whole process
                 # where ptrace was refused (pid -> why), or its whole container (the freezer)
-                "holds": {"threads": "ptrace" if self.holder is not None else "container" if not
+                "holds": {"threads": "ptrace" if holder is not None else "container" if not
                           isinstance(self.stopper, SignalStopper) else "process",
                           "whole_process": {str(p): why for p, why in
-                                            sorted((self.holder.refused if self.holder else {}).items())},
-                          "seized": sorted(self.holder.traced) if self.holder else []},
-                "ctx_overhead": self.ctx_overhead, "default_limit": self.rules.default,
+                                            sorted((holder.refused if holder else {}).items())},
+                          "seized": sorted(holder.traced) if holder else []},
+                "ctx_overhead": self.charges.operator, "default_limit": self.runtime.rules.default,
                 # run-time limits and names: where they are kept, and whether they could be
-                "decisions": self.durable.status(),
+                "decisions": self.runtime.durable.status(),
                 "history": self.history.status(),   # each job's runs (enforcer/history/, docs/RECOMMEND.md)
                 "started": self.started, "shim_asks": self.broker.asks,
                 # per GPU, what the shim's memory queries leave for a context NVML has not measured
-                "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.capacity)},
+                "shim_ctx_ceiling": {str(d): self.broker.ceiling(d).to_json() for d in sorted(self.books.capacity)},
                 "gpus": gpus, "containers": rows,
                 # `convgpu run` jobs known by name before their first CUDA call (issue 39 part 4)
-                "registered": self.registered(),
+                "registered": self.runtime.registered(),
                 # allocations and contexts let through while the heartbeat had lapsed (BPF's count)
                 "unchecked_calls": self.tracer.stats()["unchecked"], **self._discovery_status(),
                 **self._mapping_status()}
+
+    def _backstop_state(self) -> dict:
+        """Whether the backstop runs, per GPU, and why not (status, doctor)."""
+        s, capacity = self.charge.sampler, self.books.capacity
+        if s is not None and s.seq == 0 and s.error:   # never one answer: NVML lists no process here
+            return {str(d): f"off: NVML gives no per-process memory ({s.error})" for d in capacity}
+        return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
+                "on" if s is not None else "off: no NVML sampler" for d in capacity}
 
     def _uuid(self, dev: int) -> str:
         g = getattr(self.tracer, "gpumap", None)
@@ -92,18 +119,18 @@ class Reporting:
         g = getattr(self.tracer, "gpumap", None)
         if g is None:   # --no-probes
             return {}
-        rows = [{"pid": pid, **m.to_json(), "contradiction": self.contradicted.get(pid, "")}
+        rows = [{"pid": pid, **m.to_json(), "contradiction": self.charge.contradicted.get(pid, "")}
                 for pid in sorted(self.tracer.mapped) if (m := g.cache.get(pid, (0, None))[1]) is not None]
         return {"unmapped_charge": self.unmapped_charge, "gpu_mappings": rows}
 
     def _hold_mode(self, pid: int) -> str:
         if not isinstance(self.stopper, SignalStopper):
             return "container"
-        return self.holder.mode(pid) if self.holder is not None else "process"
+        return self.holds.mode(pid)
 
     def _tearing_of(self, box: Box, dev: int) -> int:
         """Bytes of the container's exited processes the driver has not freed yet."""
-        s = self._state(box, dev) if self.tracer.kernel else None
+        s = self.books.state_of(box, dev) if self.tracer.kernel else None
         return max(0, s.tearing - box.torn.get(dev, 0)) if s is not None else 0
 
     def _discovery_status(self) -> dict:
@@ -119,28 +146,26 @@ class Reporting:
         of it (the rest: the device's estimate), or none yet."""
         if not contexts:
             return "none"
-        measured = sum(self.excess[(p, dev)][1] for p in box.pids if (p, dev) in self.excess)
+        excess = self.charges.excess
+        measured = sum(excess[(p, dev)][1] for p in box.pids if (p, dev) in excess)
         if not measured:
-            return self._estimate(dev).source
-        return "measured" if measured >= contexts else "measured+" + self._estimate(dev).source
+            return self.charges.estimate(dev).source
+        return "measured" if measured >= contexts else "measured+" + self.charges.estimate(dev).source
 
     def snapshot(self, pids=None, container=None) -> dict:
         """`convgpu trace`'s view, with our state in it. A view turns alloc/free events on (from
         now: what came before was not kept) until VIEW_GRACE after its last snapshot."""
-        was_quiet = self._quiet()
-        self._viewed = time.monotonic()
-        if was_quiet:
-            self._control(True)
+        self.admission.view()
         snap = self.acct.snapshot(self.tracer.usage(), libraries=[str(x) for x in self.tracer.libraries],
                                   drops=self.tracer.stats()["drops"], pids=pids, container=container)
         d = snap.to_json()
         d["enforce"] = self.status()
         return {"snapshot": d, "events": [e.to_json(self._uuid(e.dev)) for e in self.acct.recent]}
 
-    def _save_held(self):
+    def save_held(self):
         """What the watchdog must undo if we die: every waiting pid, every frozen cgroup."""
         pids, cgroups = set(), set()
-        for box in self.boxes.values():
+        for box in self.books.boxes.values():
             for w in box.waiting.values():
                 pids |= w.pids
                 if not isinstance(self.stopper, SignalStopper):
@@ -152,8 +177,8 @@ class Reporting:
         boxes = {str(b.key): {"name": b.name, "created": int(time.time() - (time.monotonic() - b.created)),
                               "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
                               "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
-                 for b in self.boxes.values()}
-        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog.pid if self.watchdog else None)
+                 for b in self.books.boxes.values()}
+        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog_pid())
         if state == self._saved:   # the file is rewritten (rename) only when it changes
             return
         self._saved = state
@@ -161,5 +186,5 @@ class Reporting:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
         write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
 
-    def _capacity_text(self) -> str:
-        return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.capacity.items()))
+    def capacity_text(self) -> str:
+        return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))

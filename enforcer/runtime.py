@@ -1,21 +1,60 @@
-"""Run-time changes: `convgpu limit set`, `convgpu run`'s registrations, the Kubernetes agent's
-pod limits (serving/podlimits.py), and a reload of the config file (SIGHUP, `convgpu reload`).
-Each decision is made durable (tenants/durable.py: written to the state dir and fsynced) before
-it is applied and acknowledged; one that cannot be written is refused, and nothing changes."""
+"""Run-time changes: `convgpu limit set`, `convgpu run`'s registrations, the Kubernetes agents'
+limits (serving/podlimits.py, serving/claimlimits.py), and a reload of the config file (SIGHUP,
+`convgpu reload`). Each decision is made durable (tenants/durable.py: written to the state dir
+and fsynced) before it is applied and acknowledged; one that cannot be written is refused, and
+nothing changes."""
 import logging
 
 from ..units import format_size
 from .books import Box
 from .tenants import durable
-from .tenants.containers import container_of_path
+from .tenants.containers import Container, container_of_path
 
 SWEEP_EVERY = 2.0   # s between looks for containers gone that left a decision behind
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
 
-class RuntimeChanges:
-    """Part of Enforcer (enforcer/daemon.py): limits and rules changed while it runs."""
+def gpu_key(gpus: dict, dev: int) -> str:
+    """A GPU's key as the Kubernetes agents name it: NVML's uuid (read at start: a limit is worked
+    out in the loop, where an NVML call that hangs would hold admission), else gpu<index>."""
+    g = gpus.get(dev)
+    return g.uuid if g is not None and g.uuid else f"gpu{dev}"
+
+
+def share_of(rules, gpus: dict):
+    """(box, dev) -> its limit on one GPU: its own, or where its pod's grant spans GPUs, the
+    pod's share on this one (the Kubernetes agent's split, docs/KUBERNETES.md): Books.share_of."""
+    return lambda box, dev: rules.share(box.container, gpu_key(gpus, dev), box.limit, box.source)
+
+
+class Runtime:
+    """Owns the limit rules (one LimitRules, changed in place: a reload takes the file's part),
+    the names `convgpu run` gave, and the durable decisions behind both. Handed the books (its
+    containers, their limits), the decider (its settings; schedule() once a limit changed),
+    revoke(box, dev) (the shim's credit back before a limit changes: ShimCredit), write_assign
+    (BpfMaps), write_control(enforcing) (Admission: --over-limit kill is back once the decisions
+    are read), reload_config() -> (LimitRules, settings) (None: no config file), NVML's GPUs."""
+
+    def __init__(self, rules, store: durable.Store, books, decider, revoke, write_assign, write_control,
+                 reload_config=None, gpus: dict | None = None):
+        self.rules, self.durable, self.books, self.decider = rules, store, books, decider
+        self.revoke, self.write_assign, self.write_control = revoke, write_assign, write_control
+        self.reload_config, self.gpus = reload_config, gpus or {}
+        self.over_limit_asked = decider.over_limit   # in force unless the decisions are unreadable
+        self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
+        self._swept = 0.0
+
+    def gpu_key(self, dev: int) -> str:
+        return gpu_key(self.gpus, dev)
+
+    def name_of(self, cgroup: str, default: str) -> str:
+        return self.names.get(cgroup, default)
+
+    def new_container(self, c: Container):
+        """A container seen for the first time: a decision left by a gone one at its cgroup goes."""
+        if self.durable.sweep((c.id, c.cgroup)):
+            self.decided()
 
     def set_limit(self, container: str, limit: int) -> tuple[str, int]:
         """`convgpu limit set`: until the container is gone, beats every other source. A job
@@ -32,23 +71,23 @@ class RuntimeChanges:
             c, name = box.container, box.name
         entry = durable.LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
         self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {name}")
-        self._decided()
+        self.decided()
         limit = self.books.capped(name, limit)
         if box is None:
             log.info("limit of %s set to %s (convgpu limit set; no CUDA call yet)", name, format_size(limit))
         else:
-            self._apply_limit(box, limit, "convgpu limit set")
+            self.apply_limit(box, limit, "convgpu limit set")
         return name, limit
 
     def _registered(self, container: str) -> str | None:
         """The cgroup of a `convgpu run` job not placed yet, by its name or its cgroup."""
-        placed = {b.container.cgroup for b in self.boxes.values()}
+        placed = {b.container.cgroup for b in self.books.boxes.values()}
         return next((cg for cg, run in sorted(self.durable.value.runs.items())
                      if container in (run.name, cg) and cg not in placed), None)
 
     def registered(self) -> list[dict]:
         """`convgpu run` jobs registered and not placed yet (no CUDA call so far), for status."""
-        placed = {b.container.cgroup for b in self.boxes.values()}
+        placed = {b.container.cgroup for b in self.books.boxes.values()}
         out = []
         for cg, run in sorted(self.durable.value.runs.items()):
             if cg in placed:
@@ -58,14 +97,14 @@ class RuntimeChanges:
             out.append({"id": c.id, "name": run.name or cg, "cgroup": cg, "limit": limit, "source": source})
         return out
 
-    def _apply_limit(self, box: Box, limit: int, source: str):
+    def apply_limit(self, box: Box, limit: int, source: str):
         """A new limit: an over-limit waiter may now fit; a lower one takes effect at the next
         allocation (memory already assigned is not taken back)."""
         if (limit, source) == (box.limit, box.source):
             return
         box.limit, box.source = limit, source
         for dev in box.assigned:
-            self.broker.revoke(box, dev)
+            self.revoke(box, dev)
             box.assigned[dev] = min(box.assigned[dev], max(self.books.limit(box, dev), self.books.demand(box, dev)))
             self.write_assign(box, dev)
             if dev in box.waiting:   # its recheck tells again (with its contexts) if it still cannot fit
@@ -74,7 +113,7 @@ class RuntimeChanges:
                 for a in w.asks.values():
                     a.over_limit, a.said = a.size > limit, False
         log.info("limit of %s set to %s (%s)", box.name, format_size(limit), source)
-        self.schedule()
+        self.decider.schedule()
 
     def register_run(self, cgroup: str, limit: int, name: str | None):
         """`convgpu run`: a cgroup of its own with this limit, before its first CUDA call. The
@@ -85,10 +124,10 @@ class RuntimeChanges:
             raise ConvgpuError(f"no cgroup {cgroup}", "make it before registering it (convgpu run does)")
         run = durable.Run(limit, name, ident)
         self.durable.commit(self.durable.value.with_run(cgroup, run), f"the registration of {name or cgroup}")
-        self._decided()
+        self.decided()
         log.info("convgpu run: %s (%s) limit %s", name or cgroup, cgroup, format_size(limit))
 
-    def _decided(self):
+    def decided(self):
         """The durable decisions into the rules the limits come from (and the names). Where
         the file could not be read at start, every container's limit is unknown: it keeps what
         it holds and is admitted nothing more (new contexts included) until the decisions are
@@ -106,14 +145,14 @@ class RuntimeChanges:
         self.names = {cg: r.name for cg, r in v.runs.items() if r.name}
         self.decider.over_limit = "stall" if err else self.over_limit_asked
 
-    def _sweep_decisions(self, now: float):
+    def sweep(self, now: float):
         """Entries of containers that are gone leave the file (every SWEEP_EVERY)."""
         if now - self._swept < SWEEP_EVERY:
             return
         self._swept = now
         went = self.durable.sweep()
         if went:
-            self._decided()
+            self.decided()
             log.info("decisions of containers that are gone dropped: %s", ", ".join(went))
 
     def reload(self) -> bool:
@@ -124,7 +163,7 @@ class RuntimeChanges:
         recovered = self._reread_decisions()
         if self.reload_config is None:
             if recovered:
-                self._relimit()
+                self.relimit()
                 return True
             log.warning("reload: no config file was given (--config)")
             return False
@@ -134,15 +173,16 @@ class RuntimeChanges:
         except ConvgpuError as e:
             log.error("reload failed, keeping the last good config: %s", e)
             if recovered:
-                self._relimit()
+                self.relimit()
             return False
-        self.rules = rules
-        self._decided()                    # run-time decisions and the agent's: not the file's
-        if "policy" in settings and settings["policy"] != self.policy:
-            log.info("policy %s -> %s", self.policy, settings["policy"])
-            self.policy = settings["policy"]
-        self.max_wait = settings.get("max_wait", self.max_wait)
-        self._relimit()
+        self.rules.take_config(rules)
+        self.decided()                     # run-time decisions and the agent's: not the file's
+        d = self.decider
+        if "policy" in settings and settings["policy"] != d.policy:
+            log.info("policy %s -> %s", d.policy, settings["policy"])
+            d.policy = settings["policy"]
+        d.max_wait = settings.get("max_wait", d.max_wait)
+        self.relimit()
         log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
                  format_size(rules.default))
         return True
@@ -156,11 +196,18 @@ class RuntimeChanges:
             return False
         log.info("decisions read again from %s: %s", self.durable.path,
                  ", ".join(f"{n} {k}" for k, n in self.durable.value.counts().items()))
-        self._decided()
-        self._control(True)   # --over-limit kill again, if asked
+        self.decided()
+        self.write_control(True)   # --over-limit kill again, if asked
         return True
 
-    def _relimit(self):
-        for box in list(self.boxes.values()):
+    def relimit(self) -> int:
+        """Every running container's limit worked out again (a waiter that now fits resumes).
+        Returns how many changed."""
+        changed = 0
+        for box in list(self.books.boxes.values()):
             limit, source = self.rules.limit_for(box.container, box.name, box.labels)
-            self._apply_limit(box, self.books.capped(box.name, limit), source)
+            capped = self.books.capped(box.name, limit)
+            if (capped, source) != (box.limit, box.source):
+                self.apply_limit(box, capped, source)
+                changed += 1
+        return changed

@@ -123,7 +123,7 @@ class Sampler:
     def __init__(self, nvml: "Nvml", every: float, tracked, busy=lambda: set(), contexts: bool = False):
         self.nvml, self.every, self.tracked, self.busy = nvml, every, tracked, busy
         self.contexts = contexts   # tracked() gives (bytes, contexts): see sample()
-        self.ok_at = time.monotonic()   # the last sample NVML answered (stale: Enforcer._nvml_health)
+        self.ok_at = time.monotonic()   # the last sample NVML answered (stale: ContextCharge._nvml_health)
         self.error = ""                 # why the last sample failed, "" if it did not
         self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached, the backstop)
         self.seq = 0                                  # answers so far: a new one is looked at once

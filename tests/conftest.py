@@ -212,6 +212,16 @@ def short_tmp():
 
 
 @pytest.fixture
+def sleepers():
+    """Three real processes (`sleep 60`) to stop, resume and kill; killed at the end."""
+    ps = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    yield ps
+    for p in ps:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
 def private_copy(build, tmp_path):
     """A copy of the stand-in driver: a new inode nobody has probed."""
     d = tmp_path / "drv"

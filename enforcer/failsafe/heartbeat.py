@@ -1,6 +1,6 @@
 """The enforcer's heartbeat in BPF's control map, from a thread of its own.
 
-BPF admits only while the heartbeat is under 2 s old (HEARTBEAT_NS in bpf/convgpu.bpf.c); then
+BPF admits only while the heartbeat is under 2 s old (HEARTBEAT_NS in bpf/admit.bpf.c); then
 it fails open, so that no process waits on an enforcer that is gone. Beaten from the loop, a
 pass that took 2 s (a self-test child of a library just attached, a state file on a slow disk,
 the GIL held) let every process allocate unchecked. The loop still beats while it runs, so that

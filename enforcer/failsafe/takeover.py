@@ -1,6 +1,6 @@
 """A restarted enforcer continues the accounting of the one before, exactly.
 
-The enforcer's BPF state lives in maps pinned under /sys/fs/bpf (bpf/convgpu.bpf.c STATE).
+The enforcer's BPF state lives in maps pinned under /sys/fs/bpf (bpf/maps.bpf.c STATE).
 Its watchdog holds duplicates of the probe descriptors; after a crash the old programs stay
 attached (admission off) and keep those maps exact. A new enforcer loads its program over the
 same maps, attaches, takes `control.owner` (from then on only its programs admit), rebuilds its
@@ -19,7 +19,7 @@ import subprocess
 import time
 
 from ...probes import links
-from ..actions import alive
+from ..actuator import alive
 
 log = logging.getLogger(__name__)
 BPFFS = "/sys/fs/bpf"

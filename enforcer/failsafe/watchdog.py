@@ -13,7 +13,7 @@ attached): after the death the probes stay attached and keep the pinned maps exa
 restarted enforcer, loaded over the same maps, sends SIGTERM; then this exits and the old
 probes detach. Without a successor within CONVGPU_HANDOVER_S (600 s) it removes the pins too.
 `convgpu trace` runs one too, for discovery alone: a process stopped at its open of a driver
-file (bpf/convgpu.bpf.c, "discovery") is listed in the `held` map, which this resumes; so is
+file (bpf/discovery.bpf.c) is listed in the `held` map, which this resumes; so is
 every thread BPF stopped for admission, whether or not the enforcer wrote it in its state file.
     python -m convgpu.enforcer.failsafe.watchdog ENFORCER_PID STATE_FILE PIPE_FD ZERO_MAP_FDS HELD_MAP_FD [FD_SOCK PIN_DIR]
 ZERO_MAP_FDS: comma-separated array maps whose entry 0 is zeroed (control: admission off;

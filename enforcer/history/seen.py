@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .jobs import Job, identify
 
-HUGE = 1 << 62   # BPF's `used` may wrap below zero for a moment (bpf/convgpu.bpf.c charged())
+HUGE = 1 << 62   # BPF's `used` may wrap below zero for a moment (bpf/books.bpf.c charged())
 
 
 @dataclass(frozen=True)

@@ -9,60 +9,63 @@ held here as *pending* until the shim reports the allocation (then BPF has charg
 Without probes (`--no-probes`) the reports themselves are the accounting: they go to the
 ledger (probes/ledger.py), which keeps the same tables BPF would.
 
-After a grant the process also gets *credit* (enforcer/serving/credit.py): half of what its container
-has left on the device, which its next allocations take without asking. Credit is pending
-too (pending = credit unspent + taken but not yet reported), and every unspent byte of the
+After a grant the process also gets *credit* (enforcer/serving/credit.py, ShimCredit): half of what
+its container has left on the device, which its next allocations take without asking. Credit is
+pending too (pending = credit unspent + taken but not yet reported), and every unspent byte of the
 container comes back (`revoke`) before any other request of it is decided."""
-import ctypes as ct
 import logging
 import time
-from collections import defaultdict
 
 from ...probes import gpumap
-from ...probes.ledger import DEV_PAGE, SHIM_MEMBER, SUBALLOC_MAX, footprint
+from ...probes.ledger import DEV_PAGE, SUBALLOC_MAX, footprint
 from ...units import format_size
 from .. import ctxest
 from . import memview
-from .credit import CreditPage
 from .peers import SHIM_CAPS, LogBudget
 
 log = logging.getLogger(__name__)
 
 
 class ShimBroker:
-    def __init__(self, enf):
-        self.enf = enf
-        self.pending: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # pid -> dev -> bytes
-        self.ledger = None if enf.tracer.kernel else enf.tracer   # no probes: we account
-        self.pages: dict[int, CreditPage] = {}    # pid -> its credit page
+    """Handed the tracer (or the ledger, --no-probes: then the shims' reports are the
+    accounting), the books, the shim processes' credit (ShimCredit), Placement (a shim process
+    is placed and waits as any other), BpfMaps (its `members` entry carries SHIM_MEMBER), the
+    decider's schedule(), the context charges (what the shim's view leaves for a context),
+    take(events, now) (the enforcer's event router: an exec the ledger saw first) and
+    --unmapped-charge."""
+
+    def __init__(self, tracer, books, credit, placement, maps, schedule, charges, take, unmapped_charge: str):
+        self.tracer, self.books, self.credit, self.placement, self.maps = tracer, books, credit, placement, maps
+        self.schedule, self.charges, self.take, self.unmapped_charge = schedule, charges, take, unmapped_charge
+        self.capacity = books.capacity
+        self.ledger = None if tracer.kernel else tracer   # no probes: we account
         self.asks = 0                              # requests that had to be decided here
         self.forget = lambda pid: None             # the socket side's per-process state (shim.py)
         self.say = LogBudget(SHIM_CAPS.log_lines, log)  # asks are a container's to repeat: lines per minute
 
     def _box(self, pid: int):
-        enf = self.enf
         if self.ledger is not None:   # an exec not yet read from the connector: the old image leaves first
             e = self.ledger.exec_seen(pid)
             if e is not None:
-                enf._take([e], time.monotonic())
-        box = enf.pid_box.get(pid)
+                self.take([e], time.monotonic())
+        box = self.books.pid_box.get(pid)
         if box is None:
             mapped = self._mapped(pid)
             # not a member yet, and it has opened no GPU: BPF places (and maps) it at its first
             # call; its messages until then are answered from a record that is not kept
-            box = enf._box_for(pid, keep=mapped)
+            box = self.placement.box_for(pid, keep=mapped)
             if box is None:
                 raise LookupError(f"pid {pid} has gone")
             if not mapped:
                 return box
-            enf._join(box, pid)
-        if pid not in enf.shimmed:
+            self.placement.join(box, pid)
+        if pid not in self.books.shimmed:
             if not self._mapped(pid):
                 return box
-            for dev in enf.capacity:   # charged from its first call, asked for or not (contexts)
-                enf._ensure_state(box, dev)
-            enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key | SHIM_MEMBER)
-            enf.shimmed.add(pid)
+            for dev in self.capacity:   # charged from its first call, asked for or not (contexts)
+                self.maps.ensure_state(box, dev)
+            self.maps.set_member(pid, box.key, shim=True)
+            self.books.shimmed.add(pid)
             if self.ledger is not None:
                 self.ledger.watch(pid)
             log.info("pid %d of %s uses the shim: it waits (or fails) instead of stopping", pid, box.name)
@@ -73,118 +76,88 @@ class ShimBroker:
         (whose calls BPF charges without stopping it at placement). A shim says hello before its
         first context, possibly before cuInit (an NVML query first): then nothing it opened tells
         its GPUs yet, and it stays out of `members`; its first driver call stops for placement
-        as anyone's, which maps it (enforcer/events.py), and its next message makes it a shim
+        as anyone's, which maps it (Placement.first_call), and its next message makes it a shim
         member. Before that, a process that said hello and called the driver outside the shim
         was charged on its ordinals as host GPUs: on GPU 0 for a process given GPU 1."""
-        tr = self.enf.tracer
+        tr = self.tracer
         if self.ledger is not None or not tr.gpumap.gpus or pid in tr.mapped:
             return True
         if not gpumap.opened_minors(pid, tr.gpumap.major):
             return False
-        tr.map_gpus(pid, self.enf.unmapped_charge == "all")
+        tr.map_gpus(pid, self.unmapped_charge == "all")
         return True
 
     def host(self, pid: int, ordinal: int) -> int:
         """The host GPU behind pid's CUDA ordinal: the shim speaks the process's own ordinals, the
         books host GPUs (probes/gpumap.py; the mapping BPF was given at its placement, or read now
         from its device nodes: a message naming a device comes after cuInit opened them)."""
-        g = self.enf.tracer.gpumap
+        g = self.tracer.gpumap
         return g.host(pid, ordinal) if g.gpus else ordinal
 
     def by_minor(self, minor: int) -> int:
         """The host GPU whose /dev/nvidiaN has this minor (the shim's NVML wrappers name GPUs so),
         -1 for none; without NVML's facts, the minor as the index (one GPU, minor 0)."""
-        gpus = self.enf.tracer.gpumap.gpus
+        gpus = self.tracer.gpumap.gpus
         return next((g.index for g in gpus if g.minor == minor), -1) if gpus else minor
 
     def shim_hello(self, pid: int) -> tuple[dict, int]:
         """The reply, and the process's credit page to pass with it."""
         box = self._box(pid)
-        page = self.pages.get(pid)
-        if page is None:
-            page = self.pages[pid] = CreditPage(DEV_PAGE, SUBALLOC_MAX)
+        page = self.credit.page(pid, DEV_PAGE, SUBALLOC_MAX)
         return ({"limit": box.limit, "credit": page.id,
-                 "devices": {str(d): min(self.enf.books.limit(box, d), cap) for d, cap in sorted(self.enf.capacity.items())}},
+                 "devices": {str(d): min(self.books.limit(box, d), cap) for d, cap in sorted(self.capacity.items())}},
                 page.fd)
 
     def shim_ask(self, pid: int, dev: int, size: int, wake):
-        enf = self.enf
+        books = self.books
         box = self._box(pid)
-        if dev not in enf.capacity:
+        if dev not in self.capacity:
             return {"deny": f"no GPU{dev} under the enforcer"}
-        if enf.pid_box.get(pid) is not box:   # an allocation comes after cuInit opened its GPUs
+        if books.pid_box.get(pid) is not box:   # an allocation comes after cuInit opened its GPUs
             return {"deny": f"pid {pid} has opened no GPU: nothing to allocate on"}
         if dev not in box.assigned:
-            enf._new_device(box, dev)
+            self.placement.new_device(box, dev)
         self.asks += 1
-        self.revoke(box, dev)
+        self.credit.revoke(box, dev)
         size = footprint(size)   # what it will be charged: whole device pages above 1 MiB
-        need = enf.books.demand(box, dev) + size
-        if need > enf.books.limit(box, dev):
+        need = books.demand(box, dev) + size
+        if need > books.limit(box, dev):
             box.over_limits += 1
             self.say(box.name, logging.WARNING, "deny %s pid %d on GPU%d: %s would bring it to %s, above its "
                      "limit %s", box.name, pid, dev, format_size(size), format_size(need),
-                     format_size(enf.books.limit(box, dev)))
-            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(enf.books.limit(box, dev))}"}
+                     format_size(books.limit(box, dev)))
+            return {"deny": f"{box.name}: {format_size(need)} is above its limit {format_size(books.limit(box, dev))}"}
         if need <= box.assigned[dev]:
-            self._hold(box, pid, dev, size)
-            self._credit(box, pid, dev)
+            self.credit.hold(box, pid, dev, size)
+            self.credit.give(box, pid, dev)
             return {"grant": True}
-        w = enf._waiter(box, dev, pid, size)
-        w.wakes.append((pid, size, wake))
+        w = self.placement.waiter(box, dev, pid, size)
+        w.wakes.append((pid, size, lambda answer: self._answered(box, pid, dev, size, wake, answer)))
         self.say(box.name, logging.INFO, "stall %s pid %d on GPU%d (shim, waits in its thread): %s would bring it to %s "
                  "(assigned %s)", box.name, pid, dev, format_size(size), format_size(need),
                  format_size(box.assigned[dev]))
-        enf.schedule()
+        self.schedule()
         return None
 
-    def _hold(self, box, pid: int, dev: int, size: int):
-        box.shim_pending[dev] = box.shim_pending.get(dev, 0) + size
-        self.pending[pid][dev] += size
-
-    def _credit(self, box, pid: int, dev: int):
-        """After a grant: half of what the container has left on dev, for the next allocations."""
-        page = self.pages.get(pid)
-        extra = (box.assigned[dev] - self.enf.books.demand(box, dev)) // 2
-        if page is not None and dev not in box.waiting and extra > 0:
-            self._hold(box, pid, dev, extra)
-            page.give(dev, extra)
-
-    def revoke(self, box, dev: int):
-        """Takes back every unspent byte of credit of box's processes on dev."""
-        for pid in box.pids & self.pages.keys():
-            left = self.pages[pid].take_all(dev)
-            if left:
-                self._settle(pid, dev, left)   # clamped: the page is the process's to scribble on
+    def _answered(self, box, pid: int, dev: int, size: int, wake, answer: dict):
+        """The scheduler resumed (or refused) a shim waiter (Actuator.answer_shim)."""
+        if answer.get("grant"):
+            self.credit.hold(box, pid, dev, size)
+            self.credit.give(box, pid, dev)
+        wake(answer)
 
     def unspent(self, box, dev: int) -> int:
-        return sum(self.pages[pid].unspent(dev) for pid in box.pids & self.pages.keys())
-
-    def granted(self, box, dev: int, wakes, answer: dict):
-        """The scheduler resumed (or refused) a shim waiter."""
-        for pid, size, wake in wakes:
-            if answer.get("grant"):
-                self._hold(box, pid, dev, size)
-                self._credit(box, pid, dev)
-            wake(answer)
-
-    def _settle(self, pid: int, dev: int, size: int):
-        box = self.enf.pid_box.get(pid)
-        held = self.pending[pid][dev]
-        take = min(held, size)
-        self.pending[pid][dev] = held - take
-        if box is not None:
-            box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - take)
+        return self.credit.unspent(box, dev)
 
     def shim_alloc(self, pid: int, dev: int, addr: int, size: int):
         if self.ledger is not None and addr:
             self.ledger.alloc(pid, dev, size)
-        self._settle(pid, dev, footprint(size))   # charged by now (BPF, or the ledger just above)
+        self.credit.settle(pid, dev, footprint(size))   # charged by now (BPF, or the ledger just above)
 
     def shim_free(self, pid: int, dev: int, addr: int, size: int):
         if self.ledger is not None:
             self.ledger.free(pid, dev, size)
-        self.enf.schedule()            # the bytes are off; room for a waiter?
+        self.schedule()            # the bytes are off; room for a waiter?
 
     def shim_context(self, pid: int, dev: int, primary: bool):
         if self.ledger is not None:    # with probes, BPF counts contexts itself
@@ -194,52 +167,47 @@ class ShimBroker:
     def shim_meminfo(self, pid: int, dev: int) -> tuple[int, int]:
         """(total, used) by the rule of enforcer/serving/memview.py: the limit less this process's
         context; used, what the container holds besides it (unspent credit is not held)."""
-        enf = self.enf
+        books = self.books
         box = self._box(pid)
-        used, nctx, reserved = enf.books.usage(box, dev)
+        used, nctx, reserved = books.usage(box, dev)
         used -= (used >> 63) << 64           # BPF's counter may have wrapped below zero
         w = box.waiting.get(dev)
         allocated = (used + reserved + box.shim_pending.get(dev, 0) + (w.unreserved if w else 0)
-                     - self.unspent(box, dev))
+                     - self.credit.unspent(box, dev))
         if box.pids <= {pid}:    # alone in its container: its contexts are the container's
             contexts = {pid: nctx}
         else:                    # a walk of BPF's usage map: only where there are others to tell apart
-            contexts = {u.pid: u.contexts for u in enf.tracer.usage() if u.dev == dev and u.pid in box.pids}
-        procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), enf.excess.get((q, dev))) for q in box.pids}
-        return memview.view(min(enf.books.limit(box, dev), enf.capacity.get(dev, 0)), allocated, procs, pid, self.ceiling(dev).bytes)
+            contexts = {u.pid: u.contexts for u in self.tracer.usage() if u.dev == dev and u.pid in box.pids}
+        excess = self.charges.excess
+        procs = {q: memview.ProcContexts(max(contexts.get(q, 0), 0), excess.get((q, dev))) for q in box.pids}
+        return memview.view(min(books.limit(box, dev), self.capacity.get(dev, 0)), allocated, procs, pid,
+                            self.ceiling(dev).bytes)
 
     def ceiling(self, dev: int) -> ctxest.Estimate:
         """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""
-        enf = self.enf
-        est = enf._estimate(dev)
-        if dev not in enf.devices:
+        est = self.charges.estimate(dev)
+        if dev not in self.charges.devices:
             return ctxest.ceiling(ctxest.Device(dev), est, DEV_PAGE)
-        return ctxest.ceiling(enf.devices[dev], est, DEV_PAGE)
+        return ctxest.ceiling(self.charges.devices[dev], est, DEV_PAGE)
 
     def caught(self, pid: int):
         """BPF stopped pid, a shim user, at a call it made outside the shim's wrappers (or above
         its limit): from now on it is stopped and resumed like any process (resumes skip shim
         users, which wait in their threads), until it says hello again."""
-        box = self.enf.pid_box.get(pid)
+        box = self.books.pid_box.get(pid)
         self.say(box.name if box else str(pid), logging.WARNING, "pid %d%s called the driver outside the "
                  "shim (or above its limit): BPF stopped it; it is stopped and resumed like any process",
                  pid, f" of {box.name}" if box else "")
         self.shim_gone(pid)
         if box is not None:
-            self.enf._t("members")[ct.c_uint(pid)] = ct.c_ulonglong(box.key)
+            self.maps.set_member(pid, box.key)
 
     def shim_gone(self, pid: int):
         self.forget(pid)
-        page = self.pages.pop(pid, None)
-        if page is not None:
-            page.close()
-        for dev, held in self.pending.pop(pid, {}).items():
-            box = self.enf.pid_box.get(pid)
-            if box is not None:
-                box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - held)
-        self.enf.shimmed.discard(pid)
-        box = self.enf.pid_box.get(pid)
+        self.credit.drop(pid)
+        self.books.shimmed.discard(pid)
+        box = self.books.pid_box.get(pid)
         if box is not None:
             for w in box.waiting.values():
                 w.wakes[:] = [x for x in w.wakes if x[0] != pid]
-        self.enf.schedule()
+        self.schedule()

@@ -19,22 +19,22 @@ from .podlimits import relimit
 log = logging.getLogger(__name__)
 
 
-def _gpus(enf) -> dict[str, int]:
-    """{GPU key: capacity} as the enforcer counts its GPUs."""
-    return {enf._gpu_key(d): c for d, c in enf.capacity.items()}
+def _gpus(rt) -> dict[str, int]:
+    """{GPU key: capacity} as the enforcer counts its GPUs (rt: its Runtime, enforcer/runtime.py)."""
+    return {rt.gpu_key(d): c for d, c in rt.books.capacity.items()}
 
 
-def prepare(enf, uid, raw) -> dict:
+def prepare(rt, uid, raw) -> dict:
     claim = parse(uid, raw)
-    held = enf.durable.value.claims
+    held = rt.durable.value.claims
     old = held.get(uid)
     if old is not None and not claim.containers:
         claim = type(claim)(claim.ref, claim.pods, claim.gpus, old.containers)   # matched already: kept
     if old == claim:
         return {"changed": False}
-    gpus = _gpus(enf)
+    gpus = _gpus(rt)
     others = {k: v for k, v in held.items() if k != uid}
-    plugin = {k for p in enf.rules.pods.values() if not p.lower_only for k, _ in p.gpus}
+    plugin = {k for p in rt.rules.pods.values() if not p.lower_only for k, _ in p.gpus}
     for key, size in claim.gpus:
         if key not in gpus:
             raise ConvgpuError(f"claim {claim.ref}: GPU {key} is not one of the enforcer's GPUs "
@@ -48,30 +48,30 @@ def prepare(enf, uid, raw) -> dict:
                                f"{format_size(total)}, past its {format_size(gpus[key])}",
                                "the ResourceSlice's capacity is more than the enforcer's: give both the same "
                                "--reserve / --gpu-memory")
-    enf.durable.commit(enf.durable.value.with_claims({**held, uid: claim}), f"claim {claim.ref}")
-    changed = relimit(enf)
+    rt.durable.commit(rt.durable.value.with_claims({**held, uid: claim}), f"claim {claim.ref}")
+    changed = relimit(rt)
     log.info("DRA claim %s prepared: %s for pods %s; %d running container(s) changed", claim.ref,
              ", ".join(f"{format_size(b)} on {k}" for k, b in claim.gpus), ",".join(claim.pods), changed)
     return {"changed": True}
 
 
-def unprepare(enf, uid) -> dict:
-    held = enf.durable.value.claims
+def unprepare(rt, uid) -> dict:
+    held = rt.durable.value.claims
     if not isinstance(uid, str) or uid not in held:
         return {"changed": False}
     gone = held[uid]
-    enf.durable.commit(enf.durable.value.with_claims({k: v for k, v in held.items() if k != uid}),
+    rt.durable.commit(rt.durable.value.with_claims({k: v for k, v in held.items() if k != uid}),
                        f"the end of claim {gone.ref}")
-    changed = relimit(enf)
+    changed = relimit(rt)
     log.info("DRA claim %s unprepared; %d running container(s) changed", gone.ref, changed)
     return {"changed": True}
 
 
-def containers(enf, raw) -> dict:
+def containers(rt, raw) -> dict:
     """{uid: [container ids]} for prepared claims; uids not prepared (any more) are skipped."""
     if not isinstance(raw, dict):
         raise ConvgpuError(f"invalid claim containers {str(raw)[:200]!r}", 'send {"uid": ["container id", ...]}')
-    held = enf.durable.value.claims
+    held = rt.durable.value.claims
     new = dict(held)
     for uid, cids in raw.items():
         if uid in held:
@@ -79,8 +79,8 @@ def containers(enf, raw) -> dict:
             new[uid] = parse(uid, {**c.wire(), "containers": cids})
     if new == held:
         return {"changed": False}
-    enf.durable.commit(enf.durable.value.with_claims(new), "the containers of the DRA claims")
-    changed = relimit(enf)
+    rt.durable.commit(rt.durable.value.with_claims(new), "the containers of the DRA claims")
+    changed = relimit(rt)
     log.info("DRA claims matched to containers: %s; %d running container(s) changed",
              ", ".join(f"{new[u].ref} {len(new[u].containers)}" for u in sorted(new) if new[u] != held.get(u)), changed)
     return {"changed": True}

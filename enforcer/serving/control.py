@@ -4,12 +4,14 @@ Each request is {"cmd": NAME, ...}; each reply {"ok": true, ...} or {"ok": false
 from ...errors import ConvgpuError
 from ...faults import FAULT
 from ...units import format_size, parse_size
-from .server import Handler, Peer
+from .server import Handler, Peer, request
 
 
 class ControlHandler(Handler):
-    def __init__(self, enforcer):
-        self.enf = enforcer
+    """Handed the enforcer's Reporter (what it shows) and Runtime (what may change while it runs)."""
+
+    def __init__(self, reporter, runtime):
+        self.reporter, self.runtime = reporter, runtime
 
     def handle(self, peer: Peer, msg: dict):
         cmd = msg.get("cmd")
@@ -25,30 +27,30 @@ class ControlHandler(Handler):
             return {"ok": False, "error": str(e)}
 
     def cmd_ping(self, msg):
-        return {"pid": self.enf.status()["pid"]}
+        return {"pid": self.reporter.status()["pid"]}
 
     def cmd_status(self, msg):
-        return {"status": self.enf.status()}
+        return {"status": self.reporter.status()}
 
     def cmd_snapshot(self, msg):
         pids = msg.get("pids") or None
         if pids is not None and not (isinstance(pids, list) and all(isinstance(p, int) for p in pids)):
             raise ConvgpuError(f"invalid pids {pids!r}", "give a list of process ids")
         container = msg.get("container")
-        return self.enf.snapshot(set(pids) if pids else None, str(container) if container else None)
+        return self.reporter.snapshot(set(pids) if pids else None, str(container) if container else None)
 
     def cmd_limit_set(self, msg):
         name = msg.get("container")
         size = parse_size(msg.get("size"), "limit")
         try:
-            name, limit = self.enf.set_limit(str(name), size)
+            name, limit = self.runtime.set_limit(str(name), size)
         except KeyError:
             raise ConvgpuError(f"no container {name!r} is known to the enforcer",
                                "see `convgpu status` for names and ids") from None
         return {"container": name, "limit": limit, "message": f"limit of {name} set to {format_size(limit)}"}
 
     def cmd_reload(self, msg):
-        if not self.enf.reload():
+        if not self.runtime.reload():
             raise ConvgpuError("reload failed; the last good config stays", "see the enforcer's log")
         return {}
 
@@ -62,27 +64,36 @@ class ControlHandler(Handler):
             raise ConvgpuError(f"invalid name {str(name)[:80]!r}", "give a name of 1 to 64 characters")
         if len(cgroup) > 4096:
             raise ConvgpuError("invalid cgroup (longer than a path)", "give a cgroup path")
-        self.enf.register_run(cgroup, self.enf.books.capped(name or cgroup, limit), name or None)
+        self.runtime.register_run(cgroup, self.runtime.books.capped(name or cgroup, limit), name or None)
         return {}
 
     def cmd_pod_limits(self, msg):
         """The Kubernetes agent's limits (kube/pods.py): {container id or pod uid: [bytes, source]}."""
         from .podlimits import apply
-        return apply(self.enf, msg.get("limits"))
+        return apply(self.runtime, msg.get("limits"))
 
     def cmd_claim_prepare(self, msg):
         """The DRA plugin's prepared claim (kube/dra.py, serving/claimlimits.py)."""
         from .claimlimits import prepare
-        return prepare(self.enf, msg.get("uid"), msg.get("claim"))
+        return prepare(self.runtime, msg.get("uid"), msg.get("claim"))
 
     def cmd_claim_unprepare(self, msg):
         from .claimlimits import unprepare
-        return unprepare(self.enf, msg.get("uid"))
+        return unprepare(self.runtime, msg.get("uid"))
 
     def cmd_claim_containers(self, msg):
         from .claimlimits import containers
-        return containers(self.enf, msg.get("containers"))
+        return containers(self.runtime, msg.get("containers"))
 
     def cmd_claim_list(self, msg):
         """The prepared claims (the DRA plugin reads them back after its restart)."""
-        return {"claims": {u: c.wire() for u, c in sorted(self.enf.durable.value.claims.items())}}
+        return {"claims": {u: c.wire() for u, c in sorted(self.runtime.durable.value.claims.items())}}
+
+
+def answers(path: str) -> bool:
+    """An enforcer answers a ping on this control socket."""
+    try:
+        request(path, {"cmd": "ping"}, timeout=2)
+        return True
+    except (OSError, ValueError):
+        return False

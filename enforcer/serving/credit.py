@@ -14,6 +14,7 @@ import glob
 import mmap
 import os
 import secrets
+from collections import defaultdict
 
 from ... import __file__ as _package
 from ...errors import PrerequisiteError
@@ -67,3 +68,63 @@ class CreditPage:
         del self.words      # the mmap cannot close while a ctypes view of it lives
         self.mm.close()
         os.close(self.fd)
+
+
+class ShimCredit:
+    """What shim processes were granted and have not reported allocating yet (*pending*: BPF
+    has not charged it), and their credit pages. Handed the books (each process's container,
+    what a container needs: Books.demand). Credit never stands between a container's processes:
+    every unspent byte of a container comes back (`revoke`) before any other request of it is
+    decided (serving/broker.py), and before its limit changes (enforcer/runtime.py)."""
+
+    def __init__(self, books):
+        self.books = books
+        self.pending: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # pid -> dev -> bytes
+        self.pages: dict[int, CreditPage] = {}    # pid -> its credit page
+
+    def page(self, pid: int, dev_page: int, small: int) -> CreditPage:
+        page = self.pages.get(pid)
+        if page is None:
+            page = self.pages[pid] = CreditPage(dev_page, small)
+        return page
+
+    def hold(self, box, pid: int, dev: int, size: int):
+        box.shim_pending[dev] = box.shim_pending.get(dev, 0) + size
+        self.pending[pid][dev] += size
+
+    def give(self, box, pid: int, dev: int):
+        """After a grant: half of what the container has left on dev, for the next allocations."""
+        page = self.pages.get(pid)
+        extra = (box.assigned[dev] - self.books.demand(box, dev)) // 2
+        if page is not None and dev not in box.waiting and extra > 0:
+            self.hold(box, pid, dev, extra)
+            page.give(dev, extra)
+
+    def revoke(self, box, dev: int):
+        """Takes back every unspent byte of credit of box's processes on dev."""
+        for pid in box.pids & self.pages.keys():
+            left = self.pages[pid].take_all(dev)
+            if left:
+                self.settle(pid, dev, left)   # clamped: the page is the process's to scribble on
+
+    def unspent(self, box, dev: int) -> int:
+        return sum(self.pages[pid].unspent(dev) for pid in box.pids & self.pages.keys())
+
+    def settle(self, pid: int, dev: int, size: int):
+        """`size` bytes of pid's pending were allocated (charged by now) or given back."""
+        box = self.books.pid_box.get(pid)
+        held = self.pending[pid][dev]
+        take = min(held, size)
+        self.pending[pid][dev] = held - take
+        if box is not None:
+            box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - take)
+
+    def drop(self, pid: int):
+        """pid's shim process is gone: its page closes, its pending bytes leave its container."""
+        page = self.pages.pop(pid, None)
+        if page is not None:
+            page.close()
+        for dev, held in self.pending.pop(pid, {}).items():
+            box = self.books.pid_box.get(pid)
+            if box is not None:
+                box.shim_pending[dev] = max(0, box.shim_pending.get(dev, 0) - held)

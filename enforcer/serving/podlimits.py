@@ -40,28 +40,22 @@ def parse(raw) -> dict[str, PodLimit]:
     return out
 
 
-def apply(enf, raw) -> dict:
+def apply(rt, raw) -> dict:
+    """rt: the enforcer's Runtime (enforcer/runtime.py)."""
     limits = parse(raw)
-    claimed = {k for c in enf.durable.value.claims.values() for k, _ in c.gpus}
+    claimed = {k for c in rt.durable.value.claims.values() for k, _ in c.gpus}
     both = sorted({k for p in limits.values() if not p.lower_only for k, _ in p.gpus} & claimed)
     if both:   # kube/owner.py keeps the two agents apart; this is the enforcer's own check
         raise ConvgpuError(f"pod limits refused: GPU {', '.join(both)} holds DRA claims (kube/dra.py)",
                            "a node runs the device plugin or DRA on a GPU, never both: see docs/KUBERNETES.md")
-    enf.durable.commit(enf.durable.value.with_pods(limits), "the pod limits")
-    changed = relimit(enf)
+    rt.durable.commit(rt.durable.value.with_pods(limits), "the pod limits")
+    changed = relimit(rt)
     log.info("pod limits: %d keys, %d running container(s) changed", len(limits), changed)
     return {"keys": len(limits), "changed": changed}
 
 
-def relimit(enf) -> int:
+def relimit(rt) -> int:
     """The decisions just committed into the rules, and every running container's limit worked
     out again (a waiter that now fits resumes). Returns how many changed."""
-    enf._decided()
-    changed = 0
-    for box in list(enf.boxes.values()):
-        limit, source = enf.rules.limit_for(box.container, box.name, box.labels)
-        capped = enf.books.capped(box.name, limit)
-        if (capped, source) != (box.limit, box.source):
-            enf._apply_limit(box, capped, source)
-            changed += 1
-    return changed
+    rt.decided()
+    return rt.relimit()

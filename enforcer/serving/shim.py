@@ -79,7 +79,7 @@ class ShimHandler(Handler):
             return DEFER
         if op == "meminfo":
             dev = self.broker.by_minor(_int(msg, "minor", 0, 1 << 20)) if "minor" in msg else self._dev(peer, msg)
-            if dev not in self.broker.enf.capacity:
+            if dev not in self.broker.capacity:
                 return {"ok": False, "error": f"no GPU {dev} under the enforcer"}
             total, used = self.broker.shim_meminfo(peer.pid, dev)
             return {"ok": True, "total": total, "used": used}

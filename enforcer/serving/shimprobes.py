@@ -1,7 +1,7 @@
 """BPF sees the shim's own entry points (issue 24, row 2): a uprobe and a uretprobe on each
 wrapper of the enforcer's own shim library that stands before an admitted driver call
 (probes/table.py ADMITTED: the allocating and context-making calls) mark the calling thread
-"inside the shim" (bpf/convgpu.bpf.c shim_enter / shim_exit). Only a call made from inside a
+"inside the shim" (bpf/admit.bpf.c shim_enter / shim_exit). Only a call made from inside a
 wrapper, by a process that said `hello`, is spared a stop for its assignment; BPF still stops it
 above its limit. A process that said hello and then calls libcuda itself (or maps the shim and
 jumps past it) is admitted like anyone else.

@@ -12,7 +12,7 @@ dir, <state dir>/decisions.json, as the kubelet keeps its checkpoints (STYLE.md 
   version is migrated when read: MIGRATIONS) and a checksum over its decisions. A file that
   cannot be read (corrupt, a newer format, unreadable) is one error line, kept as it is for the
   operator and never written over; the enforcer then fails closed (enforcer/runtime.py
-  RuntimeChanges._decided says what that means and why);
+  Runtime.decided says what that means and why);
 - a container is what the kernel says it is: its cgroup path with the cgroup's id (the
   inode of its cgroupfs directory, which the kernel never reuses within a boot). An entry goes
   once that cgroup is gone, or its path holds another cgroup (a container restarted under the

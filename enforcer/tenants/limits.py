@@ -68,6 +68,11 @@ class LimitRules:
     # pod with claims gets its limit from them, in place of the pod-limits entry
     claims: dict = field(default_factory=dict)
 
+    def take_config(self, other: "LimitRules"):
+        """A reload: the config file's part (--limit, the default, the rules) from `other`, in
+        place (the parts hold this object); the run-time part is the durable decisions'."""
+        self.explicit, self.default, self.rules = other.explicit, other.default, other.rules
+
     def pod_limit(self, c: Container) -> PodLimit | None:
         if self.claims:
             from .claims import claim_limit   # claims.py builds PodLimits: imported late

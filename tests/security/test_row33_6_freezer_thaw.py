@@ -2,7 +2,7 @@
 process was killed while it waited, frozen: its box was dropped without a thaw, so
 `cgroup.freeze` stayed 1 on the emptied cgroup, and the next process to join it froze, with
 nobody left to thaw it. Now a frozen cgroup is thawed when its last process leaves
-(enforcer/events.py `_thaw_emptied`), with one log line. Real enforcer on the stand-in driver,
+(enforcer/actuator.py `Actuator.thaw_emptied`), with one log line. Real enforcer on the stand-in driver,
 cgroup2 freezer; the tenant as nobody in a cgroup of its own, a neighbour in another."""
 import signal
 import time

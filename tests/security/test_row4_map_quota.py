@@ -52,7 +52,7 @@ def test_row4_a_container_filling_the_maps_stops_at_its_own_quota(root, build, o
             # first call stops it too, until it is placed: a T alone is not the quota's stop (under
             # load, read there, the checks below found it running its 16,382 calls)
             at_quota = (lambda: attacker.p.poll() is not None) if over_limit == "kill" else \
-                (lambda: attacker.pid in enf.quota_held and _state(attacker.pid) == "T")
+                (lambda: attacker.pid in enf.quotas.held and _state(attacker.pid) == "T")
             until(lambda: _read(attacker, lines) or "ready" in lines or at_quota(), 180,
                   "the attacker neither finished nor stopped")
             victim = Container(build, "/usr/bin/python3", "-c", VICTIM, env=env)
@@ -135,7 +135,7 @@ def test_row4_processes_past_the_quota_are_not_placed(root, build, cgroups, env5
                 read_until(procs[-1], "ready")
             third = start_in(cg, build, env5, "alloc", "-n", 1, "-s", MiB, "--hold")
             procs.append(third)
-            until(lambda: third.pid in enf.quota_held, 20, "the third process was not held at the quota")
+            until(lambda: third.pid in enf.quotas.held, 20, "the third process was not held at the quota")
             wait_state(third.pid, "T")
             [box] = enf.status()["containers"]
             assert sorted(box["pids"]) == sorted(p.pid for p in procs[:2])

@@ -53,12 +53,12 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         b = enf.broker
         assert joined(p.pid, cg)
         hello, page = b.shim_hello(p.pid)
-        assert hello == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}, "credit": b.pages[p.pid].id}
-        assert page == b.pages[p.pid].fd
-        box = enf.pid_box[p.pid]
+        assert hello == {"limit": 3 * GiB, "devices": {"0": 3 * GiB}, "credit": b.credit.pages[p.pid].id}
+        assert page == b.credit.pages[p.pid].fd
+        box = enf.books.pid_box[p.pid]
         run_until(enf, lambda: enf.books.usage(box, 0)[0] == 3 * GiB)   # placed at its first (direct) call
         read_until(p, "ready")
-        assert p.pid not in enf.shimmed and not box.waiting   # BPF stopped it: "caught", a plain process now
+        assert p.pid not in enf.books.shimmed and not box.waiting   # BPF stopped it: "caught", a plain process now
         # above the limit: a real "no" (the shim returns out-of-memory)
         assert "above its limit 3.0 GiB" in b.shim_ask(p.pid, 0, GiB, lambda a: None)["deny"]
         assert b.shim_meminfo(p.pid, 0) == (3 * GiB, 3 * GiB)   # used is capped at the total
@@ -69,8 +69,8 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         p.stdin.write("\n")                                   # frees everything and exits
         p.stdin.flush()
         read_until(p, "freed")
-        run_until(enf, lambda: enf.books.usage(box, 0)[0] == 0 and p.pid not in enf.pid_box)
-        assert enf.pid_box[s.pid] is box
+        run_until(enf, lambda: enf.books.usage(box, 0)[0] == 0 and p.pid not in enf.books.pid_box)
+        assert enf.books.pid_box[s.pid] is box
         # within the assignment: granted and held as pending until the shim reports it, with
         # half of what is left as credit (pending too, but not "used" to the memory query)
         assert b.shim_ask(s.pid, 0, 2 * GiB, lambda a: None) == {"grant": True}
@@ -81,9 +81,9 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
                                   str(build / "cgcaller"), "alloc", "-n", "1", "-s", str(GiB), "--hold"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env=caller_env)
-        run_until(enf, lambda: other.pid in enf.pid_box and not enf.pid_box[other.pid].waiting)
+        run_until(enf, lambda: other.pid in enf.books.pid_box and not enf.books.pid_box[other.pid].waiting)
         read_until(other, "ready")
-        enf.set_limit("shimmed", 4 * GiB)                     # assigned stays 3 GiB: all there is
+        enf.runtime.set_limit("shimmed", 4 * GiB)                     # assigned stays 3 GiB: all there is
         assert box.shim_pending == {0: 2 * GiB} and b.unspent(box, 0) == 0   # credit taken back
         answers = []
         assert b.shim_ask(s.pid, 0, GiB + GiB // 2, answers.append) is None and answers == []
@@ -96,7 +96,7 @@ def test_shim_process_is_accounted_never_stopped_and_asks(enforcer, cgroups, bui
         b.shim_alloc(s.pid, 0, 0x1000, 2 * GiB)               # reported: no longer pending
         assert box.shim_pending == {0: GiB + GiB // 2 + GiB // 4}
         b.shim_gone(s.pid)
-        assert box.shim_pending == {0: 0} and s.pid not in enf.shimmed
+        assert box.shim_pending == {0: 0} and s.pid not in enf.books.shimmed
         s.kill()
         s.wait()
         other.kill()
@@ -110,20 +110,20 @@ def test_an_exit_whose_pidfd_never_fires_is_given_up(enforcer, cgroups, monkeypa
     """An exit's bytes are held against the card until the process's pidfd fires (its files
     closed, its device memory freed); a pid reused in between never fires it, so the hold ends
     after EXIT_WAIT all the same. It leaves its container at once."""
-    from convgpu.enforcer import events
-    monkeypatch.setattr(events, "EXIT_WAIT", 0.2)
+    from convgpu.enforcer import exits
+    monkeypatch.setattr(exits, "EXIT_WAIT", 0.2)
     enf, cg = enforcer, cgroups("reused")
     s = subprocess.Popen(["/bin/sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec sleep 60"])
     try:
         assert joined(s.pid, cg)
-        enf._join(enf._box_for(s.pid), s.pid, 0)      # placed: a member of its container on GPU0
-        enf._exiting(s.pid, GiB)                      # alive (as a reused pid would be): held
-        assert s.pid not in enf.pid_box and enf.books.tearing(0) == GiB
+        enf.placement.join(enf.placement.box_for(s.pid), s.pid, 0)   # placed: a member of its container on GPU0
+        enf.exits.exiting(s.pid, GiB)                 # alive (as a reused pid would be): held
+        assert s.pid not in enf.books.pid_box and enf.books.tearing(0) == GiB
         enf.step()
         assert enf.books.tearing(0) == GiB
         time.sleep(0.3)
         enf.step()
-        assert enf.books.tearing(0) == 0 and not enf._exits
+        assert enf.books.tearing(0) == 0 and not enf.books.exits
     finally:
         s.kill()
         s.wait()

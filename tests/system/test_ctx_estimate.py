@@ -186,7 +186,7 @@ def test_a_measurement_is_kept_and_a_restart_does_not_measure_again(root, build,
             with caplog.at_level(logging.INFO, logger="convgpu"), serving(enf):
                 if n == 2:
                     gpu = enf.status()["gpus"]["0"]
-                    assert not gpu["ctx_measuring"] and enf._measuring_now is None
+                    assert not gpu["ctx_measuring"] and enf.charge.measuring_now is None
                 until(lambda: not enf.status()["gpus"]["0"]["ctx_measuring"], 20, "never measured")
                 est = enf.status()["gpus"]["0"]["ctx_estimate"]
                 assert (est["source"], est["bytes"]) == ("measured-at-start", 648 * MiB), est

@@ -53,7 +53,7 @@ def test_a_first_context_on_a_second_gpu_does_not_count_the_first_twice(root, bu
             lines_until(p.stdout, lambda line: line.strip() == "ready", out, 20, "the two-GPU process")
             assert [x.strip() for x in out] == ["GPU0 +600", "GPU1 +100", "GPU0 +300", "ready"]
             assert proc_state(p.pid) != "T"
-            box = next(b for b in enf.boxes.values() if b.name == "two")
+            box = next(b for b in enf.books.boxes.values() if b.name == "two")
             until(lambda: enf.books.usage(box, 0)[:2] == (900 * MiB, 1), 5, "GPU0's usage settled")
             assert enf.books.usage(box, 0)[:2] == (900 * MiB, 1) and enf.books.usage(box, 1)[:2] == (100 * MiB, 1)
             assert box.adopted == {} and box.stalls == 0
@@ -119,7 +119,7 @@ def test_freezer_thaws_a_container_stalled_on_two_gpus_once_both_are_granted(roo
                  sys.executable, "-c", OVER, lib, str(dev)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
             lines_until(procs[-1].stdout, lambda line: line == "held", [], 20, f"GPU{dev}'s process")
-        box = next(b for b in enf.boxes.values() if b.name == "frz2")
+        box = next(b for b in enf.books.boxes.values() if b.name == "frz2")
         with lock:   # both calls reach BPF, which stops each at its entry, before the loop sees either
             for p in procs:
                 p.stdin.write("go\n")
@@ -130,7 +130,7 @@ def test_freezer_thaws_a_container_stalled_on_two_gpus_once_both_are_granted(roo
               10, "both waiters over the limit")
         assert (v1 / "freezer.state").read_text().strip() == "FROZEN"
         with lock:   # as the control socket would, in the loop's thread
-            enf.set_limit("frz2", 2 * GiB)
+            enf.runtime.set_limit("frz2", 2 * GiB)
         for dev, p in enumerate(procs):
             lines_until(p.stdout, lambda line: line == "allocated", [], 20, f"GPU{dev}'s process")
         with lock:   # a stop BPF made before those calls ran has its event in the ring buffer now
@@ -182,7 +182,7 @@ def test_freezer_thaws_the_rest_of_a_container_when_its_waiter_dies(root, build,
             procs.append(subprocess.Popen(join + [OVER, lib, "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           text=True, env=caller_env))
             lines_until(procs[1].stdout, lambda line: line == "held", [], 20, "the waiter")
-            box = next(b for b in enf.boxes.values() if b.name == "frzgone")
+            box = next(b for b in enf.books.boxes.values() if b.name == "frzgone")
             procs[1].stdin.write("go\n")
             procs[1].stdin.flush()
             until(lambda: 0 in box.waiting and box.waiting[0].over_limit, 10, "the waiter over its limit")

@@ -18,7 +18,7 @@ def test_close_gives_back_the_watchdog_lifeline(root, build):
     for i in range(2):
         enf = inprocess_enforcer(lib, f"close{i}", GiB)
         enf.start()
-        lifeline = enf._lifeline
+        lifeline = enf.lifeline
         assert os.path.exists(f"/proc/self/fd/{lifeline}")
         enf.close()
         assert not os.path.exists(f"/proc/self/fd/{lifeline}"), f"lifeline {lifeline} still open"

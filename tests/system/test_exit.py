@@ -182,7 +182,7 @@ def exit_scenario(lib, env, cgroups, caplog, physical, during, nvml=None) -> int
         resumed = stamp(caplog, rf"resumed exitb pids \[{b.p.pid}\]", after=exiting)
         gone = stamp(caplog, rf"pid {a.p.pid} gone")
         assert (resumed < gone) is during, (exiting, resumed, gone)
-        assert enf.books.tearing(0) == 0 and not enf._exits
+        assert enf.books.tearing(0) == 0 and not enf.books.exits
         st = enf.status()["gpus"]["0"]
         assert st["physical"] == (physical or {0: 4 * GiB})[0] and st["tearing_down"] == 0
         seen = signals.read()

@@ -71,16 +71,16 @@ def start(cg, build, env, cvd, *steps):
     return p
 
 
-def enforcer(build, env, tag):
+def enforcer(build, env, tag, **kw):
     enf = inprocess_enforcer(str(build / "standin" / "libcuda.so.1"), tag, GiB, {0: 4 * GiB, 1: 4 * GiB},
-                             nvml=TwoGpus(env["CONVGPU_STANDIN_SHM"]))
+                             nvml=TwoGpus(env["CONVGPU_STANDIN_SHM"]), **kw)
     if hasattr(enf.tracer, "gpumap"):   # (so that the code before issue 25 fails on what it charges)
         enf.tracer.gpumap.major = 1     # the stand-in's nodes (see the module's text)
     return enf
 
 
 def box_of(enf, name):
-    return next(b for b in enf.boxes.values() if b.name == name)
+    return next(b for b in enf.books.boxes.values() if b.name == name)
 
 
 def mapping_of(enf, pid):
@@ -168,7 +168,7 @@ def test_empty_list_sees_no_gpu_and_is_charged_nothing(build, two, cgroups):
             lines_until(p.stdout, lambda line: line.strip() == "ready", out, 20, "the process")
             assert out[0].strip() == "init 100 count -1"     # CUDA_ERROR_NO_DEVICE, as the driver
             time.sleep(0.3)
-            assert [u for u in enf.tracer.usage() if u.pid == p.pid] == [] and not enf.boxes
+            assert [u for u in enf.tracer.usage() if u.pid == p.pid] == [] and not enf.books.boxes
         finally:
             p.kill()
             p.wait()
@@ -206,8 +206,7 @@ def test_unmappable_is_said_and_charged_to_every_gpu_it_may_use(build, two, cgro
     """No device node open (CONVGPU_STANDIN_DEVNODES unset): nothing the kernel says fixes
     where ordinal 0 is. `all` charges it on both GPUs; `guess` on its environment's GPU only."""
     env = {k: v for k, v in two.items() if k != "CONVGPU_STANDIN_DEVNODES"}
-    enf = enforcer(build, env, f"un{charge}")
-    enf.unmapped_charge = charge
+    enf = enforcer(build, env, f"un{charge}", unmapped_charge=charge)
     with serving(enf):
         p = start(cgroups(f"un{charge}"), build, env, "1", "0:300")
         try:
@@ -294,7 +293,7 @@ def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
             assert (used0, used1) == (0, 300 * MiB)           # NVML: GPU 1 holds its 300 MiB
             assert view["cuda"][0] == t1 and view["cuda"][0] - view["cuda"][1] == 300 * MiB
             assert mapping_of(enf, p.pid)["hosts"] == [1]
-            assert p.pid in enf.shimmed                       # a shim user, whichever came first
+            assert p.pid in enf.books.shimmed                       # a shim user, whichever came first
         finally:
             p.kill()
             p.wait()

@@ -117,7 +117,7 @@ def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgro
 
         def exempt(pid):     # the real exemption, with a SIGCONT to the waiter inside it
             with exempting(pid):
-                seen["exempt"] = enf._t("control")[ct.c_int(0)].exempt
+                seen["exempt"] = enf.maps.table("control")[ct.c_int(0)].exempt
                 os.kill(p.pid, signal.SIGCONT)
                 time.sleep(0.5)
                 seen["waiter"] = proc_state(p.pid)
@@ -138,7 +138,7 @@ def test_a_library_attached_mid_run_exempts_only_its_self_test(root, build, cgro
         ok = [a for a in lp.probes if a.ok]
         assert ok and all(a.fired for a in ok), [a.probe.symbol for a in ok if not a.fired]
         assert seen["exempt"] > 0 and seen["waiter"] == "T"
-        assert enf._t("control")[ct.c_int(0)].exempt == 0
+        assert enf.maps.table("control")[ct.c_int(0)].exempt == 0
         # its stopped thread is held under ptrace, which SIGCONT does not undo; held whole
         # (ptrace refused), the recheck stops it again (issue 23)
         [w] = enf.status()["containers"][0]["gpus"]["0"]["waits"]

@@ -50,7 +50,7 @@ def test_three_runs_give_the_documented_recommendation(root, build, caller_env):
             # sampled once a second: each run seen at its peak, and tight stopped above its limit
             until(lambda: live("run:hist") == [364 * MiB, 464 * MiB, 564 * MiB] and live("run:tight") == [364 * MiB],
                   10, "the recorder never saw the runs at their peaks")
-            waiter = next(iter(next(b for b in list(enf.boxes.values()) if b.name == "tight").pids))
+            waiter = next(iter(next(b for b in list(enf.books.boxes.values()) if b.name == "tight").pids))
             for p in hist:
                 p.stdin.write("\n")
                 p.stdin.flush()

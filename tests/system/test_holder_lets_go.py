@@ -45,11 +45,11 @@ def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
         until(lambda: (enf.step(), select.select([p.stdout], [], [], 0.01)[0])[1], 30, "the child placed")
         line = p.stdout.readline().strip()
         assert line == "up", (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
-        assert enf.holder is not None and enf.holder.seized >= 1, "its stop did not go through the holder"
+        assert enf.holds.holder is not None and enf.holds.holder.seized >= 1, "its stop did not go through the holder"
         t0 = time.monotonic()
         until(lambda: (enf.step(), tracer_of(p.pid) == 0)[1], 10 * LINGER + 5, f"pid {p.pid} still traced")
         assert time.monotonic() - t0 < LINGER + 2
-        assert p.pid not in enf.holder.traced
+        assert p.pid not in enf.holds.holder.traced
     finally:
         if p is not None:
             p.kill()

@@ -138,7 +138,7 @@ def test_nvml_errors_mid_run_keep_each_context_at_its_measurement(faulty, caplog
         w = faulty.worker("nvfault")
         w.send(f"a {CHUNK}")
         w.stamp()
-        name = enf.pid_box[w.p.pid].name
+        name = enf.books.pid_box[w.p.pid].name
         until(lambda: row(enf, name)["context_source"] == "measured" and row(enf, name)["context_overhead"] == CTX,
               10, "NVML never measured the context")
         fake.fault = fault
@@ -166,7 +166,7 @@ def test_an_nvml_call_that_hangs_never_holds_admission(faulty, caplog):
     """Every NVML call hangs from just after the start. A new container is placed, allocates,
     is stopped at its limit and answered by `status` and by `convgpu trace`'s snapshot, all
     while the sampler's thread hangs; one line says so. Before, the first placement asked NVML
-    for the GPU's key (Enforcer._gpu_key) and a snapshot asked it for every process's memory,
+    for the GPU's key (runtime.gpu_key) and a snapshot asked it for every process's memory,
     both from the loop: the loop hung with them, and the process was never placed."""
     from convgpu.enforcer.serving.server import request
     fake = faulty.fake
@@ -175,7 +175,7 @@ def test_an_nvml_call_that_hangs_never_holds_admission(faulty, caplog):
         fake.fault = "hang"
         until(lambda: fake.calls > 0 and said(caplog, "NVML has not answered") == 1, 10, "the hang was never said")
         w = faulty.worker("nvhang")              # placed at its first context: no NVML asked
-        name = enf.pid_box[w.p.pid].name
+        name = enf.books.pid_box[w.p.pid].name
         for _ in range((LIMIT - EST) // CHUNK):  # 12 chunks next to the 256 MiB estimate
             w.send(f"a {CHUNK}")
             w.stamp()
@@ -221,14 +221,14 @@ def test_nvml_hanging_during_the_measurement_at_start_holds_newcomers_only_so_lo
         est = st["gpus"]["0"]["ctx_estimate"]
         assert (est["source"], est["bytes"], st["gpus"]["0"]["ctx_measuring"]) == ("conservative", GiB, False)
         assert "no answer within 3 s" in est["detail"]
-        name = enf.pid_box[w.p.pid].name
+        name = enf.books.pid_box[w.p.pid].name
         for _ in range(8):
             w.send(f"a {CHUNK}")
             w.stamp()
         w.send(f"a {CHUNK}")
         w.wait_stopped()
         until(lambda: row(enf, name)["waiting"] and row(enf, name)["used"] == 8 * CHUNK, 5, "no stall at 8")
-        assert enf._measuring == 0                  # its exemption ended with it
+        assert enf.maps.measuring == 0                  # its exemption ended with it
         fake.fault = None
         fake.release.set()
     assert proc_state(w.p.pid) != "T", "left stopped after the enforcer closed"
@@ -242,10 +242,10 @@ def test_the_first_samples_never_read_as_nvml_failing(faulty, caplog):
     enf = inprocess_enforcer(faulty.lib, "nvstart", LIMIT, nvml=faulty.nv, ctx_overhead=EST)
     enf.start()
     try:
-        until(lambda: (enf.step(), faulty.fake.calls > 0 and enf.sampler.ok_at > 0)[1], 10, "a first sample")
+        until(lambda: (enf.step(), faulty.fake.calls > 0 and enf.charge.sampler.ok_at > 0)[1], 10, "a first sample")
         time.sleep(1.5)                     # a second sample (MEASURE_EVERY is 1 s)
         enf.step()
-        assert enf.sampler.error == ""
+        assert enf.charge.sampler.error == ""
         failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("process_memory:")]
         assert failed == []
         assert said(caplog, "NVML has not answered") == 0

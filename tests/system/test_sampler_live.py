@@ -77,8 +77,8 @@ def test_samples_during_frees_still_in_the_driver_are_not_taken_as_context(root,
     try:
         enf = enforcer(lib, env)
         with serving(enf):
-            given, sample = [], enf.sampler.sample     # every value the sampler gives out
-            enf.sampler.sample = lambda: given.append(sample()) or given[-1]
+            given, sample = [], enf.charge.sampler.sample     # every value the sampler gives out
+            enf.charge.sampler.sample = lambda: given.append(sample()) or given[-1]
             w.send(f"a {2 * GiB}")
             w.stamp()
             until(lambda: enf.status()["containers"] and overhead(enf) == CTX, 5,

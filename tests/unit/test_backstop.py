@@ -6,8 +6,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-import pytest
-
 from convgpu.enforcer.backstop import SLACK, Backstop, overs
 from convgpu.enforcer.failsafe.stall import SignalStopper, _stat
 
@@ -41,10 +39,6 @@ class Books:
         return self.limits[box.key]
 
 
-def sleeper():
-    return subprocess.Popen(["sleep", "60"])
-
-
 def state(p) -> str:
     for _ in range(200):
         st = _stat(p.pid, "/proc")
@@ -60,18 +54,9 @@ def backstop(books, over_limit="stall", place=lambda pid: None, killed=None, who
                     lambda: over_limit)
 
 
-@pytest.fixture
-def procs():
-    ps = [sleeper() for _ in range(3)]
-    yield ps
-    for p in ps:
-        p.kill()
-        p.wait()
-
-
-def test_over_stops_every_process_of_it_and_only_it_until_it_fits(procs, caplog):
+def test_over_stops_every_process_of_it_and_only_it_until_it_fits(sleepers, caplog):
     caplog.set_level(logging.INFO, logger="convgpu")
-    a, b, c = procs
+    a, b, c = sleepers
     books = Books([Box(1, "tenant", {a.pid, b.pid}), Box(2, "neighbour", {c.pid})], {1: 256 * MiB, 2: GiB})
     bs = backstop(books)
     raw = {(a.pid, 0): 200 * MiB, (b.pid, 0): 1024 * MiB, (c.pid, 0): 512 * MiB}
@@ -91,8 +76,8 @@ def test_over_stops_every_process_of_it_and_only_it_until_it_fits(procs, caplog)
     assert "fits its limit again" in caplog.text
 
 
-def test_a_process_bpf_holds_whole_at_a_call_is_left_for_the_decider(procs):
-    a, b, _ = procs
+def test_a_process_bpf_holds_whole_at_a_call_is_left_for_the_decider(sleepers):
+    a, b, _ = sleepers
     books = Books([Box(1, "t", {a.pid, b.pid})], {1: 256 * MiB})
     bs = backstop(books, whole={b.pid})
     raw = {(a.pid, 0): GiB}
@@ -102,8 +87,8 @@ def test_a_process_bpf_holds_whole_at_a_call_is_left_for_the_decider(procs):
     assert _stat(a.pid, "/proc")[0] != "T" and state(b) == "stopped"
 
 
-def test_kill_takes_the_process_holding_most_beyond_its_allocations_until_it_fits(procs, caplog):
-    a, b, c = procs
+def test_kill_takes_the_process_holding_most_beyond_its_allocations_until_it_fits(sleepers, caplog):
+    a, b, c = sleepers
     books = Books([Box(1, "t", {a.pid, b.pid, c.pid})], {1: GiB})
     killed = []
     bs = Backstop(books, SignalStopper(), lambda pid: None, killed.append, lambda box, pid: False, lambda: set(),
@@ -115,8 +100,8 @@ def test_kill_takes_the_process_holding_most_beyond_its_allocations_until_it_fit
     assert f"pid {b.pid} killed" in caplog.text
 
 
-def test_a_process_never_placed_is_placed_by_what_it_holds_and_gpus_without_counts_are_skipped(procs):
-    a, b, _ = procs
+def test_a_process_never_placed_is_placed_by_what_it_holds_and_gpus_without_counts_are_skipped(sleepers):
+    a, b, _ = sleepers
     box = Box(1, "t", set())
     books = Books([box], {1: 256 * MiB})
 

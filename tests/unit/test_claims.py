@@ -75,7 +75,7 @@ def enf(tmp_path):
     e = Enforcer(Ledger().start(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), nvml=Nvml(),
                  run_dir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"))
     e.durable.open(wait=0)
-    yield e
+    yield e.runtime   # what the claim commands are handed (serving/control.py)
     e.durable.close()
 
 

@@ -40,25 +40,26 @@ def sampler(sample: dict):
 
 
 def charged(enf, box, dev):
-    a = enf._t("assign")[enf._t("assign").Key(container=box.key, dev=dev)]
+    t = enf.maps.table("assign")
+    a = t[t.Key(container=box.key, dev=dev)]
     used, contexts, _ = enf.books.usage(box, dev)
     return max(0, used + contexts * a.ctx_charge + a.extra_overhead)
 
 
 def test_estimate_from_the_first_context_then_the_measurement_alone(tmp_path):
     enf, led = enforcer(tmp_path)
-    assert {d: (e.source, e.bytes) for d, e in enf.est.items()} == {0: ("table-hint", 550 * MiB),
-                                                                    1: ("conservative", 1024 * MiB)}
-    assert enf._leaf == {} and enf._control(True) == 0 and enf._leaf["ctx_overhead"] == 1024 * MiB
+    assert {d: (e.source, e.bytes) for d, e in enf.charges.est.items()} == {0: ("table-hint", 550 * MiB),
+                                                                            1: ("conservative", 1024 * MiB)}
+    assert enf.maps.leaf == {} and enf.admission.write(True) == 0 and enf.maps.leaf["ctx_overhead"] == 1024 * MiB
     for pid in (10, 11, 20):
         led.context(pid, 0, True)
-        enf._place(pid, 0, 0)
+        enf.placement.place(pid, 0, 0)
     led.alloc(10, 0, 100 * MiB)
-    a, b = enf.boxes["a"], enf.boxes["b"]
+    a, b = enf.books.boxes["a"], enf.books.boxes["b"]
     assert charged(enf, a, 0) == 100 * MiB + 2 * 550 * MiB and charged(enf, b, 0) == 550 * MiB
     # NVML measures pid 10 (518 MiB) and pid 20 (600 MiB, above the estimate); 11 not yet
-    enf.excess = {(10, 0): (518 * MiB, 1), (20, 0): (600 * MiB, 1)}
-    assert enf._recharge()
+    enf.charges.excess = {(10, 0): (518 * MiB, 1), (20, 0): (600 * MiB, 1)}
+    assert enf.charge.recharge()
     assert charged(enf, a, 0) == 100 * MiB + 518 * MiB + 550 * MiB
     assert charged(enf, b, 0) == 600 * MiB
     st = {c["id"]: c["gpus"]["0"] for c in enf.status()["containers"]}
@@ -73,24 +74,24 @@ def test_what_a_process_holds_above_the_estimate_is_its_own_containers_never_the
     learned median of its device moved to 1.5 GiB for every context after it, across restarts.
     Now the excess is its container's charge while it runs, and the estimate stays."""
     enf, led = enforcer(tmp_path)
-    enf._control(True)
+    enf.admission.write(True)
     for pid in (10, 20):
         led.context(pid, 0, True)
-        enf._place(pid, 0, 0)
-    enf.sampler = sampler({(10, 0): (518 * MiB + 2048 * MiB, 1), (20, 0): (520 * MiB, 1)})
-    enf._measure_overhead()
-    a, b = enf.boxes["a"], enf.boxes["b"]
+        enf.placement.place(pid, 0, 0)
+    enf.charge.sampler = sampler({(10, 0): (518 * MiB + 2048 * MiB, 1), (20, 0): (520 * MiB, 1)})
+    enf.charge.measure_overhead()
+    a, b = enf.books.boxes["a"], enf.books.boxes["b"]
     assert charged(enf, a, 0) == 2566 * MiB and charged(enf, b, 0) == 520 * MiB   # each its own
-    enf._gone(10)
-    enf._measure_overhead()
-    assert (enf.est[0].source, enf.est[0].bytes) == ("table-hint", 550 * MiB)
+    enf.placement.gone(10)
+    enf.charge.measure_overhead()
+    assert (enf.charges.est[0].source, enf.charges.est[0].bytes) == ("table-hint", 550 * MiB)
     led.context(21, 0, True)
     box_of = {21: "c"}
-    enf.container_of = lambda pid: Container("cgroup", box_of[pid], "/" + box_of[pid])
-    enf._place(21, 0, 0)
-    assert charged(enf, enf.boxes["c"], 0) == 550 * MiB
+    enf.placement.container_of = lambda pid: Container("cgroup", box_of[pid], "/" + box_of[pid])
+    enf.placement.place(21, 0, 0)
+    assert charged(enf, enf.books.boxes["c"], 0) == 550 * MiB
     enf2, _ = enforcer(tmp_path)           # and the same after a restart
-    assert (enf2.est[0].source, enf2.est[0].bytes) == ("table-hint", 550 * MiB)
+    assert (enf2.charges.est[0].source, enf2.charges.est[0].bytes) == ("table-hint", 550 * MiB)
 
 
 def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
@@ -101,16 +102,16 @@ def test_an_exiting_process_holds_its_measurement_or_the_estimate(tmp_path):
         enf, led = enforcer(tmp_path, {p: "a", q: "b"})
         for pid in (p, q):
             led.context(pid, 0, True)
-            enf._place(pid, 0, 0)
-        enf.excess = {(p, 0): (518 * MiB, 1)}
-        enf._exiting(p, 64 * MiB, contexts=1)
-        enf._exiting(q, 0, contexts=1)
-        assert {x.pid: x.held[0] for x in enf._exits.values()} == {p: 64 * MiB + 518 * MiB, q: 550 * MiB}
+            enf.placement.place(pid, 0, 0)
+        enf.charges.excess = {(p, 0): (518 * MiB, 1)}
+        enf.exits.exiting(p, 64 * MiB, contexts=1)
+        enf.exits.exiting(q, 0, contexts=1)
+        assert {x.pid: x.held[0] for x in enf.books.exits.values()} == {p: 64 * MiB + 518 * MiB, q: 550 * MiB}
     finally:
         for k in kids:
             k.kill()
             k.wait()
-        for fd in list(enf._exits):
+        for fd in list(enf.books.exits):
             os.close(fd)
 
 

@@ -1,0 +1,108 @@
+"""The Runtime part (enforcer/runtime.py) built alone: real rules, books and decisions file (in a
+temporary state dir, cgroup identities faked), fakes of the decider, the shim's credit, the
+map writer and Admission. No Enforcer, no kernel, no root."""
+import logging
+
+import pytest
+
+from convgpu.enforcer.books import Books, Box, Wait, Ask
+from convgpu.enforcer.runtime import Runtime
+from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants.config import Rule
+from convgpu.enforcer.tenants.containers import Container
+from convgpu.enforcer.tenants.limits import LimitRules
+from convgpu.errors import ConvgpuError
+
+MiB, GiB = 1 << 20, 1 << 30
+CGROUPS = {"/jobs/a": 101, "/jobs/run": 202}   # the cgroups that exist, and their ids
+
+
+class Decider:
+    def __init__(self, over_limit="kill"):
+        self.policy, self.max_wait, self.over_limit, self.schedules = "fifo", 60.0, over_limit, 0
+
+    def schedule(self):
+        self.schedules += 1
+
+
+class Calls(list):
+    def __call__(self, *args):
+        self.append(args)
+
+
+def part(tmp_path, reload=None, over_limit="kill"):
+    rules = LimitRules({}, 2 * GiB)
+    store = durable.Store(str(tmp_path), identity=CGROUPS.get).open(wait=0)
+    books = Books({0: 8 * GiB}, {0: 8 * GiB}, lambda box, dev: None, lambda dev: 0, lambda box, dev: box.limit)
+    revoke, written, control, decider = Calls(), Calls(), Calls(), Decider(over_limit)
+    rt = Runtime(rules, store, books, decider, revoke, written, control, reload)
+    rt.decided()   # as at start
+    return rt, books, decider, revoke, written, control
+
+
+def box(books, key, name, cgroup, limit, source, assigned=GiB):
+    b = Box(key, Container("cgroup", cgroup, cgroup), name, 0.0, limit, source, {key * 10}, assigned={0: assigned})
+    books.boxes[b.container.id] = books.by_key[key] = b
+    return b
+
+
+def test_limit_set_is_kept_before_it_applies_and_a_waiter_over_the_old_limit_may_fit(tmp_path):
+    rt, books, decider, revoke, written, _ = part(tmp_path)
+    a = box(books, 1, "a", "/jobs/a", 2 * GiB, "default", assigned=2 * GiB)
+    a.waiting[0] = Wait(0.0, {10}, over_limit=True, asks={10: Ask(10, 10, 3 * GiB, 0.0, over_limit=True, said=True)})
+    assert rt.set_limit("a", 4 * GiB) == ("a", 4 * GiB)
+    assert durable.Store(str(tmp_path), identity=CGROUPS.get).open(wait=0).value.limits["/jobs/a"] == \
+        durable.LimitSet(4 * GiB, "/jobs/a", 101)      # on disk before it applied
+    assert rt.rules.runtime == {"/jobs/a": 4 * GiB} and (a.limit, a.source) == (4 * GiB, "convgpu limit set")
+    w = a.waiting[0]
+    assert not w.over_limit and (w.asks[10].over_limit, w.asks[10].said) == (False, False)
+    assert revoke == [(a, 0)] and written == [(a, 0)] and decider.schedules == 1
+    assert rt.set_limit("a", 4 * GiB) == ("a", 4 * GiB) and decider.schedules == 1   # the same: nothing to do
+    assert rt.set_limit("a", 64 * GiB) == ("a", 8 * GiB)   # capped at the capacity
+    with pytest.raises(KeyError):
+        rt.set_limit("nobody", GiB)
+
+
+def test_a_run_is_registered_by_name_before_its_first_call_and_its_limit_set_by_that_name(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="convgpu")
+    rt, books, decider, _, written, _ = part(tmp_path)
+    with pytest.raises(ConvgpuError):
+        rt.register_run("/jobs/none", GiB, "ghost")     # no such cgroup: refused, nothing kept
+    rt.register_run("/jobs/run", GiB, "trainer")
+    assert rt.name_of("/jobs/run", "x") == "trainer" and rt.rules.runs == {"/jobs/run": GiB}
+    assert rt.registered() == [{"id": "/jobs/run", "name": "trainer", "cgroup": "/jobs/run", "limit": GiB,
+                                "source": "convgpu run --limit"}]
+    assert rt.set_limit("trainer", 3 * GiB) == ("trainer", 3 * GiB)
+    assert rt.registered()[0]["limit"] == 3 * GiB and written == [] and decider.schedules == 0
+    box(books, 2, "trainer", "/jobs/run", 3 * GiB, "convgpu limit set")
+    assert rt.registered() == []                         # placed: a container like any other
+
+
+def test_unreadable_decisions_hold_everyone_suspend_kill_and_a_reload_reads_them_again(tmp_path):
+    (tmp_path / durable.FILE).write_bytes(b"not json")
+    rt, books, decider, _, _, control = part(tmp_path, over_limit="kill")
+    assert rt.durable.error and decider.over_limit == "stall"
+    assert rt.rules.limit_for(Container("cgroup", "/jobs/a", "/jobs/a"), "a", None)[0] == 0   # held
+    a = box(books, 1, "a", "/jobs/a", 0, "unknown: the run-time decisions could not be read")
+    with pytest.raises(durable.NotKept):
+        rt.set_limit("a", GiB)                          # nothing decided while it is unreadable
+    assert not rt.reload()                              # still unreadable (and no config file)
+    (tmp_path / durable.FILE).unlink()                  # moved aside
+    assert rt.reload() and decider.over_limit == "kill" and control == [(True,)]
+    assert (a.limit, a.source) == (2 * GiB, "default") and decider.schedules == 1
+
+
+def test_a_reload_changes_the_rules_in_place_and_the_containers_whose_limit_came_from_them(tmp_path):
+    new = LimitRules({}, 3 * GiB, [Rule("cgroup", "/jobs/b*", GiB)])
+    rt, books, decider, _, written, _ = part(tmp_path, reload=lambda: (new, {"policy": "bf", "max_wait": 5.0}))
+    rules = rt.rules
+    a = box(books, 1, "a", "/jobs/a", 2 * GiB, "default")
+    b = box(books, 2, "b", "/jobs/b1", 2 * GiB, "default")
+    rt.set_limit("a", GiB)                               # run-time decisions outlive a reload
+    written.clear()
+    assert rt.reload()
+    assert rt.rules is rules and rules.default == 3 * GiB and rules.runtime == {"/jobs/a": GiB}
+    assert (decider.policy, decider.max_wait) == ("bf", 5.0)
+    assert (a.limit, a.source) == (GiB, "convgpu limit set")
+    assert (b.limit, b.source) == (GiB, new.rules[0].source) and written == [(b, 0)]
+    assert rt.relimit() == 0                             # worked out again: nothing changes
