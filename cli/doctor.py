@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..enforcer import ctxest
-from ..enforcer.tenants.containers import cgroup_layout
+from ..enforcer.tenants.cgroupfs import cgroup_layout
 from ..probes import loader
 from ..probes.libs import LibraryFinder
 from ..probes.nvml import Nvml

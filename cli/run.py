@@ -9,7 +9,7 @@ import subprocess
 
 import typer
 
-from ..enforcer.tenants.containers import cgroup_layout, remove_cgroup
+from ..enforcer.tenants.cgroupfs import cgroup_layout, remove_cgroup
 from ..errors import ConvgpuError
 from ..units import parse_size
 from . import common

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .enforcer.tenants.containers import cgroup_layout, remove_cgroup
+from .enforcer.tenants.cgroupfs import cgroup_layout, remove_cgroup
 from .errors import ConvgpuError, PrerequisiteError
 from .paths import REPO, standin_libcuda
 

@@ -8,6 +8,7 @@ import logging
 from ..units import format_size
 from .books import Box
 from .tenants import durable
+from .tenants.decisionfile import LimitSet, Run
 from .tenants.containers import Container, container_of_path
 
 SWEEP_EVERY = 2.0   # s between looks for containers gone that left a decision behind
@@ -69,7 +70,7 @@ class Runtime:
             c, name, box = container_of_path(cgroup), self.names.get(cgroup) or cgroup, None
         else:
             c, name = box.container, box.name
-        entry = durable.LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
+        entry = LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
         self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {name}")
         self.decided()
         limit = self.books.capped(name, limit)
@@ -122,7 +123,7 @@ class Runtime:
         if ident is None:
             from ..errors import ConvgpuError
             raise ConvgpuError(f"no cgroup {cgroup}", "make it before registering it (convgpu run does)")
-        run = durable.Run(limit, name, ident)
+        run = Run(limit, name, ident)
         self.durable.commit(self.durable.value.with_run(cgroup, run), f"the registration of {name or cgroup}")
         self.decided()
         log.info("convgpu run: %s (%s) limit %s", name or cgroup, cgroup, format_size(limit))

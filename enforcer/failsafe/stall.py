@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ...errors import ConvgpuError
-from ..tenants.containers import Layout, cgroup_layout
+from ..tenants.cgroupfs import Layout, cgroup_layout
 
 DEFAULT_TIMEOUT = 2.0
 _GONE_ERRNOS = (errno.ENOENT, errno.ENODEV, errno.ENOTDIR, errno.ESRCH)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import Enforcing, GiB, MiB, popen_in, read_until, start_in, stop_all, until, wait_state
-from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants import decisionfile, durable
 from convgpu.enforcer.tenants.limits import PodLimit
 
 pytestmark = pytest.mark.system
@@ -268,7 +268,7 @@ def test_an_unreadable_decisions_file_holds_every_container_until_it_is_repaired
     aside and `convgpu reload`: the limits are the rules' again and the waiter runs."""
     state = tmp_path / "state"
     state.mkdir()
-    good = durable.encode(durable.Decisions().with_pods({CID: PodLimit(GiB, "pod")}))
+    good = decisionfile.encode(decisionfile.Decisions().with_pods({CID: PodLimit(GiB, "pod")}))
     (state / durable.FILE).write_bytes(good[:len(good) // 2])
     before = (state / durable.FILE).read_bytes()
     enf = enforcing(build, *ARGS, "--over-limit", "kill", state_dir=str(state))

@@ -7,7 +7,7 @@ import pytest
 
 from convgpu.enforcer.daemon import Enforcer
 from convgpu.enforcer.serving import claimlimits, podlimits
-from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants import decisionfile
 from convgpu.enforcer.tenants.claims import ClaimShare, claim_limit, parse
 from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.tenants.limits import LimitRules, PodLimit
@@ -58,8 +58,8 @@ def test_the_limit_from_the_claims_of_a_pod():
 
 
 def test_claims_are_kept_in_the_decisions_file():
-    d = durable.Decisions().with_claims({"u1": share("ml/a", {"GPU-0": GiB}, containers=[A])})
-    assert durable.decode(durable.encode(d)) == d
+    d = decisionfile.Decisions().with_claims({"u1": share("ml/a", {"GPU-0": GiB}, containers=[A])})
+    assert decisionfile.decode(decisionfile.encode(d)) == d
     assert d.counts() == {"runs": 0, "limits": 0, "pods": 0, "claims": 1}
 
 

@@ -1,4 +1,4 @@
-"""containers.py and engines.py without root or a kernel: real-world cgroup paths, /proc texts
+"""containers.py, cgroupfs.py and engines.py without root or a kernel: real-world cgroup paths, /proc texts
 and mount tables (several captured on a hybrid-cgroup Debian 12 host running podman with runc),
 a fake /proc, a fake cgroup tree, fake engine executables and a fake docker socket."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from convgpu.enforcer.tenants.containers import (Container, CgroupIndex, Layout, cgroup_id, cgroup_layout,
-                                         cgroup_of_pid, container_of_path, container_of_pid,
-                                         parse_proc_cgroup)
+from convgpu.enforcer.tenants.cgroupfs import CgroupIndex, Layout, cgroup_id, cgroup_layout
+from convgpu.enforcer.tenants.containers import (Container, cgroup_of_pid, container_of_path, container_of_pid,
+                                                 parse_proc_cgroup)
 from convgpu.enforcer.tenants.engines import EngineLookup, Meta
 from convgpu.errors import ConvgpuError, NotFoundError
 
@@ -383,7 +383,7 @@ def test_engine_lookup_no_engines(tmp_path, monkeypatch):
 def test_remove_cgroup_retries_until_the_directory_goes(tmp_path, monkeypatch):
     """A cgroup's rmdir fails (EBUSY) until the kernel has moved its last task out: retried
     `tries` times; a directory already gone is done; one that never goes is left, quietly."""
-    from convgpu.enforcer.tenants import containers
+    from convgpu.enforcer.tenants import cgroupfs
     d = tmp_path / "cg"
     d.mkdir()
     calls, busy = [], [2]
@@ -395,13 +395,13 @@ def test_remove_cgroup_retries_until_the_directory_goes(tmp_path, monkeypatch):
             busy[0] -= 1
             raise OSError(16, "Device or resource busy")
         real(path)
-    monkeypatch.setattr(containers.os, "rmdir", rmdir)
-    containers.remove_cgroup(d, tries=5, pause=0)
+    monkeypatch.setattr(cgroupfs.os, "rmdir", rmdir)
+    cgroupfs.remove_cgroup(d, tries=5, pause=0)
     assert len(calls) == 3 and not d.exists()
     calls.clear()
-    containers.remove_cgroup(d, tries=5, pause=0)          # gone: one try
+    cgroupfs.remove_cgroup(d, tries=5, pause=0)          # gone: one try
     assert len(calls) == 1
     calls.clear()
     busy[0] = 99
-    containers.remove_cgroup(tmp_path, tries=4, pause=0)   # never goes: 4 tries, no error
+    cgroupfs.remove_cgroup(tmp_path, tries=4, pause=0)   # never goes: 4 tries, no error
     assert len(calls) == 4 and tmp_path.exists()

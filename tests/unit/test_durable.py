@@ -1,4 +1,4 @@
-"""enforcer/tenants/durable.py without a kernel: the decisions file's format (version, checksum,
+"""enforcer/tenants/durable.py and decisionfile.py without a kernel: the decisions file's format (version, checksum,
 migration, caps), the atomic write and what a failed one leaves, entries dropped when their
 container's cgroup is gone or replaced, the state dir's lock, and the order of limits."""
 import errno
@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants import decisionfile, durable
 from convgpu.enforcer.tenants.containers import Container
-from convgpu.enforcer.tenants.durable import Decisions, LimitSet, NotKept, Run, Store, Unreadable, decode, encode
+from convgpu.enforcer.tenants.decisionfile import Decisions, LimitSet, NotKept, Run, decode, encode
+from convgpu.enforcer.tenants.durable import Store
+from convgpu.enforcer.tenants.statefile import Unreadable
 from convgpu.enforcer.tenants.limits import LimitRules, PodLimit, unknown
 
 GiB = 1 << 30
@@ -89,11 +91,11 @@ def test_cut_short_or_garbage_is_unreadable():
 def test_an_older_version_is_migrated(monkeypatch):
     """A newer convgpu reads an older file: each version's step of MIGRATIONS, in order."""
     v2 = json.loads(encode(Decisions().with_pods({"k": POD})))
-    monkeypatch.setattr(durable, "VERSION", 3)
+    monkeypatch.setattr(decisionfile, "VERSION", 3)
     # a made-up version 3 that renamed "pods" to "kubernetes": reads as version 3 wants it
-    monkeypatch.setattr(durable, "MIGRATIONS", {2: lambda b: {"runs": b["runs"], "limits": b["limits"],
+    monkeypatch.setattr(decisionfile, "MIGRATIONS", {2: lambda b: {"runs": b["runs"], "limits": b["limits"],
                                                               "kubernetes": b["pods"]}})
-    monkeypatch.setattr(durable, "_parse", lambda b: Decisions(pods={k: PodLimit(*v[:2]) for k, v in b["kubernetes"].items()}))
+    monkeypatch.setattr(decisionfile, "_parse", lambda b: Decisions(pods={k: PodLimit(*v[:2]) for k, v in b["kubernetes"].items()}))
     assert decode(json.dumps(v2).encode()).pods == {"k": PodLimit(POD.bytes, POD.source)}
 
 
@@ -101,7 +103,7 @@ def test_a_version_1_file_reads_with_no_claims():
     """Version 2 added the DRA plugin's claims (issue 40): a version-1 file is read through
     MIGRATIONS[1], and an older convgpu refuses a version-2 file (it would drop the claims)."""
     body = {"runs": {}, "limits": {}, "pods": {"k": POD.wire()}}
-    doc = {"format": "convgpu-decisions", "version": 1, "sha256": durable.digest(body), "decisions": body}
+    doc = {"format": "convgpu-decisions", "version": 1, "sha256": decisionfile.digest(body), "decisions": body}
     d = decode(json.dumps(doc).encode())
     assert (d.pods, d.claims) == ({"k": POD}, {})
 
@@ -186,7 +188,7 @@ def test_entries_go_with_their_cgroup_and_a_new_cgroup_at_the_path_is_not_the_ol
 
 
 def test_caps(tmp_path, monkeypatch):
-    monkeypatch.setattr(durable, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(decisionfile, "MAX_ENTRIES", 3)
     cg = Cgroups(*(f"/r/{i}" for i in range(4)))
     d = Decisions()
     for i in range(3):

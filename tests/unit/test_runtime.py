@@ -7,7 +7,7 @@ import pytest
 
 from convgpu.enforcer.books import Books, Box, Wait, Ask
 from convgpu.enforcer.runtime import Runtime
-from convgpu.enforcer.tenants import durable
+from convgpu.enforcer.tenants import decisionfile, durable
 from convgpu.enforcer.tenants.config import Rule
 from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.tenants.limits import LimitRules
@@ -52,7 +52,7 @@ def test_limit_set_is_kept_before_it_applies_and_a_waiter_over_the_old_limit_may
     a.waiting[0] = Wait(0.0, {10}, over_limit=True, asks={10: Ask(10, 10, 3 * GiB, 0.0, over_limit=True, said=True)})
     assert rt.set_limit("a", 4 * GiB) == ("a", 4 * GiB)
     assert durable.Store(str(tmp_path), identity=CGROUPS.get).open(wait=0).value.limits["/jobs/a"] == \
-        durable.LimitSet(4 * GiB, "/jobs/a", 101)      # on disk before it applied
+        decisionfile.LimitSet(4 * GiB, "/jobs/a", 101)      # on disk before it applied
     assert rt.rules.runtime == {"/jobs/a": 4 * GiB} and (a.limit, a.source) == (4 * GiB, "convgpu limit set")
     w = a.waiting[0]
     assert not w.over_limit and (w.asks[10].over_limit, w.asks[10].said) == (False, False)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from convgpu.enforcer.tenants.containers import Layout
+from convgpu.enforcer.tenants.cgroupfs import Layout
 from convgpu.enforcer.failsafe.stall import (FreezerV1, FreezerV2, SignalStopper, StallError, Target,
                                     detect, make_stopper, v2_has_freeze)
 from convgpu.errors import ConvgpuError
