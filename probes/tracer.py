@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from .. import phases
 from . import detach, links, loader, untrusted
-from .discovery import Discovery, Said, container_of
+from .discovery import Discovery
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
 from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
 from .libs import SWEEP_BUDGET_S, Library, LibraryFinder, mapped_inodes
+from .said import Said, container_of
 from .table import CUDA, CUDART
 
 log = logging.getLogger(__name__)
