@@ -1,7 +1,7 @@
 """The enforcer's context charge, without BPF (the ledger stands in for the maps): every
 context costs its device's estimate from its first moment; once NVML has measured a process,
 extra_overhead turns its estimate into the measurement, never both; a process that leaves
-teaches its device's estimate. charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
+teaches its device's estimate. charged() in bpf/books.bpf.c is used + contexts x ctx_charge
 + extra_overhead: charged() below is the same sum over what the enforcer wrote."""
 import os
 import subprocess
