@@ -1,7 +1,8 @@
 """The enforcer's context charge, without BPF (the ledger stands in for the maps): every
 context costs its device's estimate from its first moment; once NVML has measured a process,
 extra_overhead turns its estimate into the measurement, never both; what a process holds above
-the estimate is its own container's charge, and teaches no one's estimate (issue 39). charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
+the estimate is its own container's charge, and teaches no one's estimate (issue 39). charged()
+in bpf/books.bpf.c is used + contexts x ctx_charge
 + extra_overhead: charged() below is the same sum over what the enforcer wrote."""
 import os
 import subprocess
