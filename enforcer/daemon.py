@@ -336,7 +336,7 @@ class Enforcer(Events, Actions, ContextOverhead, RuntimeChanges, Reporting, Adop
         if self._measuring_now is not None or self._measure_queue:
             self._measure_step(now)
         if self.sampler is not None and self.sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(self.sampler.raw, self.sampler.seq, now)
+            dirty |= self.backstop.step(self.sampler.raw, self.sampler.seq, now, self.sampler.compute)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
