@@ -160,6 +160,6 @@ def test_doctor_says_per_gpu_what_a_context_is_charged_and_why(tmp_path):
     store.set_measured("NVIDIA H200 driver 580.159.04", 518 * MiB)
     store.save()
     kept = checks(H200())["context GPU0"]
-    assert kept.ok and kept.detail.startswith("648.0 MiB per context (measured-at-start; a start with")
+    assert kept.ok and kept.detail.startswith("552.0 MiB per context (measured-at-start; a start with")
     none = checks(type("NoNvml", (), {"ok": False, "driver": ""})())
     assert list(none) == ["context GPU0"] and not none["context GPU0"].ok and "(no NVML)" in none["context GPU0"].detail
