@@ -234,11 +234,12 @@ class Recorder:
 
     def _failed(self, e: Exception):
         why = f"{self.file.path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
-        if why != self.error:
+        with self._cv:          # the writer thread and a caller's flush() may both fail at once: said once
+            said, self.error = why == self.error, why
+        if not said:
             log.error("job history cannot be %s (%s); it is kept as it is, and new runs wait in memory (at most "
                       "%d) until it is %s", "read" if isinstance(e, Unreadable) else "written", why, MAX_PENDING,
                       "repaired or moved aside" if isinstance(e, Unreadable) else "writable")
-        self.error = why
 
     def _loop(self):
         from .recommend import summarize
