@@ -159,10 +159,7 @@ static __always_inline void ctx_gone(u64 id, struct cg_proc *p, u16 api, u32 ns,
 static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, int pop)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 slot = api;
-    u64 *h = hits.lookup(&slot);
-    if (h)
-        *h += 1;
+    count_hit(api);
     if (retired())                  // a successor's program does it (see retired())
         return 0;
     s32 dev = -1;
@@ -180,10 +177,7 @@ static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, in
 static __always_inline int rt_mark(struct pt_regs *ctx, u16 api)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 slot = api;
-    u64 *h = hits.lookup(&slot);
-    if (h)
-        *h += 1;
+    count_hit(api);
     if (retired())                  // a successor's program does it (see retired())
         return 0;
     u32 tgid = id >> 32;

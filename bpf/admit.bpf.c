@@ -350,10 +350,7 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
 static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 slot = api;
-    u64 *h = hits.lookup(&slot);
-    if (h)
-        *h += 1;
+    count_hit(api);
     if ((id >> 32) == self_tgid() || retired())
         return 0;
     // A process the enforcer has not placed makes an entry only at an admitted call, which

@@ -278,7 +278,7 @@ struct cg_config {
     __u32 pad;
 };
 
-/* Discovery (bpf/convgpu.bpf.c, "discovery"): written by the tracer; zeroed by the watchdog
+/* Discovery (bpf/discovery.bpf.c): written by the tracer; zeroed by the watchdog
  * when the tracer or enforcer dies, so nothing is stopped at open with nobody to resume it. */
 struct cg_discovery {
     __u32 on;              /* stop a process that opens a driver-named file until it is probed */
@@ -286,7 +286,7 @@ struct cg_discovery {
     __u64 beat_ns;         /* the tracer's loop last ran (bpf_ktime_get_ns clock): stale, no stops */
 };
 
-/* Driver identity (bpf/convgpu.bpf.c, "discovery"; probes/nodes.py): per start, from the running
+/* Driver identity (bpf/discovery.bpf.c; probes/nodes.py): per start, from the running
  * kernel. An open of a character device of these majors is an open of the GPU, whatever its path. */
 struct cg_nodes {
     __u32 major[2];        /* nvidia (/dev/nvidiactl, /dev/nvidiaN), nvidia-uvm; 0: none */

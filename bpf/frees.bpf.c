@@ -87,10 +87,7 @@ static __always_inline void settle_stashed(u64 id, u16 api, u32 ns, u64 key, str
 static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 slot = api;
-    u64 *h = hits.lookup(&slot);
-    if (h)
-        *h += 1;
+    count_hit(api);
     if (retired())                  // a successor's program does it (see retired())
         return 1;
     u32 tgid = id >> 32;

@@ -73,7 +73,9 @@ static __always_inline u64 alloc_node_bytes(u64 params, u32 tgid, struct cg_thre
     return footprint(bytes);
 }
 
-// A module's static data (__device__ variables) where the image says it: the stand-in's
+// A module's static data (__device__ variables) where the image says it, charged from one device
+// page up: less shares the context's own pages (JAX's and CuPy's JIT'd cubins carry a few bytes;
+// NVML counts them in the context, as small allocations' slack). The stand-in's
 // "CONVGPU-STANDIN-MODULE <bytes>\n", or an ELF cubin's .nv.global sections (uninitialized,
 // NOBITS) and .nv.global.init. UNSIZED for anything else (a fat binary, compressed or not, PTX).
 #define ELF_SECTIONS 64
@@ -155,7 +157,7 @@ static __always_inline u64 indirect_size(struct cg_thread *t, u16 api, u32 tgid,
     }
     if (api == API_cuModuleLoadData || api == API_cuModuleLoadDataEx || api == API_cuLibraryLoadData) {   // (CUmodule * or CUlibrary *, const void *image, ...)
         u64 n = image_bytes(t->call.a1);
-        return n == UNSIZED ? 0 : n;
+        return n == UNSIZED || n < DEV_PAGE ? 0 : n;
     }
     struct cg_obj *g = own_obj(tgid, NS_GRAPH, t->call.a1, p);   // instantiate: (CUgraphExec *, CUgraph, ...)
     if (!g)

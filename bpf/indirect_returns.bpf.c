@@ -96,7 +96,7 @@ int exit_module(struct pt_regs *ctx)
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     if (bytes == UNSIZED)
         emit(id, c.api, OP_UNSIZED, 0, dev, v, 0, 0, 0);
-    else if (bytes)
+    else if (bytes >= DEV_PAGE)     // less: in the context's own pages (indirect.bpf.c)
         obj_add(id, p, c.api, NS_MODULE, v, bytes, dev, 0);
     release(&c);
     return 0;

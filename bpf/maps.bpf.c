@@ -141,6 +141,16 @@ static __always_inline void stat_inc(u32 slot)
         *v += 1;
 }
 
+// Every probed call counts in `hits` (per API), whatever else it does: the self-test's proof
+// that a probe fires (probes/loader.py read_hits).
+static __always_inline void count_hit(u16 api)
+{
+    u32 slot = api;
+    u64 *h = hits.lookup(&slot);
+    if (h)
+        *h += 1;
+}
+
 static __always_inline s32 clamp_dev(s64 dev)
 {
     return (dev >= 0 && dev < CG_MAX_DEV) ? (s32)dev : 0;

@@ -33,7 +33,7 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
             "probes": True, "unprobed": "stall", "unmapped_charge": "all", "max_objects": MapQuota.objects,
             "max_threads": MapQuota.threads, "max_processes": MapQuota.processes}
-# what the BPF maps hold (bpf/convgpu.bpf.c MAX_OBJS, MAX_THREADS): quotas above these let
+# what the BPF maps hold (bpf/maps.bpf.c MAX_OBJS, MAX_THREADS): quotas above these let
 # fewer containers than 16 sit at them at once before a neighbour's entries find no room
 MAP_SIZES = MapQuota(262144 // 16, 65536 // 16, 65536 // 64)
 

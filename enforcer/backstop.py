@@ -85,14 +85,16 @@ class Backstop:
         self.seq = -1                       # the last sample looked at
         self._unplaceable: dict[int, int] = {}   # pid -> start time: no container (the host's, gone)
 
-    def step(self, raw: dict[tuple[int, int], int], seq: int, now: float | None = None) -> bool:
-        """One NVML sample (seq: the sampler's count; an old one is not looked at twice).
-        True if a container was stopped, killed or resumed."""
+    def step(self, raw: dict[tuple[int, int], int], seq: int, now: float | None = None,
+             compute: set[int] | None = None) -> bool:
+        """One NVML sample (seq: the sampler's count; an old one is not looked at twice;
+        compute: the pids NVML lists as compute processes, None: all). True if a container was
+        stopped, killed or resumed."""
         if seq == self.seq:
             return False
         self.seq, now = seq, now if now is not None else time.monotonic()
         raw = {k: n for k, n in raw.items() if k[1] not in self.off and n > 0}
-        self._place_strays(raw)
+        self._place_strays({k: n for k, n in raw.items() if compute is None or k[0] in compute})
         boxes = {b.key: b for b in self.books.boxes.values()}
         found = overs({k: b.pids for k, b in boxes.items()}, raw,
                       lambda key, dev: self.books.limit(boxes[key], dev))
@@ -112,7 +114,8 @@ class Backstop:
     def _place_strays(self, raw):
         """A process NVML counts memory for that no container holds: it never made an admitted
         call (a green context, a call of a driver newer than the probes). Placed by what it
-        holds; the enforcer's own children and processes of no container are left out."""
+        holds; the enforcer's own children, processes of no container and graphics processes
+        (a display server: the caller passes compute processes only) are left out."""
         known = {p for b in self.books.boxes.values() for p in b.pids} | self.exempt()
         for pid in sorted({pid for pid, _ in raw} - known):
             st = _stat(pid, "/proc")
@@ -197,9 +200,15 @@ class Backstop:
                 _signal(p, signal.SIGCONT)
         return True
 
-    def _runs(self, pid: int) -> bool:
-        st = _stat(pid, "/proc")
-        return st is not None and st[0] not in "TtZXx"
+    @staticmethod
+    def _runs(pid: int) -> bool:
+        """Some thread of pid runs: a process whose main thread a ptrace hold keeps (a wait of
+        its own) may still have others running."""
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return False
+        return any((st := _stat(int(t), f"/proc/{pid}/task")) is not None and st[0] not in "TtZXx" for t in tids)
 
     def held(self) -> tuple[set[int], set[str]]:
         """What the watchdog must resume if the enforcer dies: the pids stopped here (the

@@ -55,13 +55,14 @@ ARCH_DEFAULTS = (
 # holds memory back until NVML measures the process (a second); too low lets a container past
 # its limit, so it errs high.
 CONSERVATIVE = 1024 * MiB
-# A context measured at start is a bare driver-API one; a framework's is larger: CuPy and JAX
-# 518-550 MiB where the bare one is 518 MiB on the H100, PyTorch with cuBLAS loaded 612 MiB
-# (1.18 x bare). With the backstop (issue 39) a context charged below what NVML then measures
-# can put a job that filled its limit in that first second over it, so the margin covers the
-# largest framework context measured: 1/4 (518 -> 648 MiB). Too high holds 130 MiB back for a
-# second, until NVML measures the process.
-MEASURED_MARGIN = 4          # the charge adds 1/MEASURED_MARGIN to the bare context
+# A context measured at start is a bare driver-API one; a framework's is larger (CuPy and JAX
+# 518-550 MiB where the bare one is 518 MiB on the H100: 1/16 covers it, and 518 + 1/16 is the
+# table's 550 MiB). PyTorch with cuBLAS (612 MiB) is above it for the second before NVML
+# measures the process; a larger margin was tried (1/4, 648 MiB) and made a job of a 518 MiB
+# context and a 256 MiB block "over" a 900 MiB limit, stopped for good (and killed under
+# --over-limit kill) on the H200: a figure too high refuses jobs that fit, one too low is caught
+# by the backstop (issue 39) within a second.
+MEASURED_MARGIN = 16         # the charge adds 1/MEASURED_MARGIN to the bare context
 PAGE = 2 * MiB               # the device's allocation granularity: charges in whole pages
 TABLE_ENV = "CONVGPU_CTX_TABLE"   # "off": the table is empty (tests of a model never seen)
 # The ceiling's margin over the largest figure known: a context grows as a framework loads more

@@ -337,7 +337,7 @@ class Enforcer:
             self.charge.measure_next()
         sampler = self.charge.sampler
         if sampler is not None and sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(sampler.raw, sampler.seq, now)
+            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody

@@ -1,7 +1,7 @@
 """Where the running kernel keeps a task's tracer: offsets of `ptrace`, `parent` and `tgid` in
 its `struct task_struct`, read from the kernel's own BTF (/sys/kernel/btf/vmlinux, a file of the
 kernel, not of any container). BPF reads them from the current task on its way to a stop
-(bpf/convgpu.bpf.c, foreign_tracer): a thread traced by a process other than convgpu can have
+(bpf/holds.bpf.c, foreign_tracer): a thread traced by a process other than convgpu can have
 its SIGSTOP swallowed by that tracer (issue 33, attack 2: a 40-line PTRACE_SEIZE loop dropped
 30 stops and took 2,048 MiB under 256 MiB), so where such a stop is the last check before the
 call's body, BPF kills instead. Kernel headers cannot give these offsets: the ones bcc compiles

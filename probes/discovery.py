@@ -1,5 +1,5 @@
 """Event-driven discovery, fail closed: a process that opens a file named like the driver is
-stopped there by BPF (bpf/convgpu.bpf.c, "discovery") and resumed once that file is probed.
+stopped there by BPF (bpf/discovery.bpf.c) and resumed once that file is probed.
 
 A uprobe belongs to an inode, and a container may bring its own driver copy (CUDA forward
 compatibility, an image that bundles the driver, a file on an overlay): found by polling /proc,
@@ -9,20 +9,11 @@ opened through /proc/PID/fd/FD (probes/untrusted.py: non-blocking, a regular fil
 a known one resumes the process at once, a new one is queued, read and attached by the loop, a
 few per pass (ATTACH_PER_PASS, PASS_BUDGET_S: hundreds of copies opened at once cost bounded
 work per pass, issue 24 row 7). A file that cannot be probed is a loud warning, said once per
-container and reason (LOG_EVERY_S), and the caller's `on_unprobed` decides (trace: let it run;
+container and reason (probes/said.py), and the caller's `on_unprobed` decides (trace: let it run;
 enforce: --unprobed stall|kill|allow). A file that is not a regular file (a FIFO) cannot be
 mapped, so it cannot hold code: its opener is let go at once.
 
-Discovery follows the loop: each pass stamps `beat_ns` in the discovery map, and BPF stops
-nobody once it is DISCOVERY_STALE_NS old; a thread resumes those already held if the loop has
-not run for STALE_S (a hung loop must not hold every new CUDA process: row 3).
-
-Nothing stays stopped for good: BPF lists every thread it stops in `held` before the stop,
-and the watchdog (enforcer/failsafe/watchdog.py) that runs beside every tracer with discovery on
-resumes them all and turns discovery off if the tracer dies. A stop whose event never came (the
-ring buffer was full) is found in `held` by the loop (`lost`) and looked at as if it had come;
-each stop's `held` value carries a stamp, so a resume never deletes the entry of the stop that
-follows it (the same thread opening a driver file again at once, at the same fd)."""
+Nothing stays stopped for good, and a hung loop holds nobody: probes/held.py."""
 import collections
 import contextlib
 import ctypes as ct
@@ -34,21 +25,18 @@ import time
 from dataclasses import dataclass
 
 from . import loader, reading, untrusted
+from .held import HELD_NODE, HELD_OPEN, Held  # noqa: F401 (HELD_OPEN: enforcer/actions.py)
 from .identity import Identity
 from .libs import Library
+from .said import container_of
 from .table import CUDA
 from ..threads import Thread
 
-HELD_OPEN = 1 << 32   # bpf/convgpu.bpf.c: a `held` value for a stop at a driver's open (else a stall)
-HELD_NODE = 1 << 33   # ... at its open of a GPU node (probes/identity.py)
-LOST_AFTER_S = 1.0    # a stop listed in `held` this long with no event told (ring buffer full) is looked at
 ATTACH_PER_PASS = 4   # new driver copies attached in one loop pass (one: ~30 links, milliseconds)
 PASS_BUDGET_S = 0.5   # and no more attaching once a pass has spent this on it
-STALE_S = 3.0         # bpf/convgpu.bpf.c DISCOVERY_STALE_NS: BPF stops nobody after this
 BEAT_EVERY_S = 0.5
 COPIES_PER_CONTAINER = 32   # driver copies probed at once for one container: each costs ~60 links
                             # (descriptors, kernel uprobes); a real one brings one or two
-LOG_EVERY_S = 600.0   # one line per (container, reason) in this long; the rest are counted
 WHAT = {"stall": "kept stopped until it is killed or the enforcer stops", "kill": "killed",
         "allow": "let run UNCHECKED"}
 
@@ -67,36 +55,6 @@ class Unprobed:
 def allow(pid: int, lib: Library, reason: str) -> str:
     """`convgpu trace`'s choice: a view never holds a process (Discovery says so, loudly)."""
     return "allow"
-
-
-class Said:
-    """Log lines a container can cause, at most one per (container, reason) every LOG_EVERY_S
-    seconds (the next one says how many were left out); at most `keys` remembered."""
-
-    def __init__(self, every: float = LOG_EVERY_S, keys: int = 4096):
-        self.every, self.keys = every, keys
-        self.last: collections.OrderedDict = collections.OrderedDict()   # key -> (when, left out)
-
-    def __call__(self, level: int, key, msg: str, *args) -> bool:
-        now = time.monotonic()
-        when, skipped = self.last.pop(key, (None, 0))
-        if when is not None and now - when < self.every:
-            self.last[key] = (when, skipped + 1)
-            return False
-        self.last[key] = (now, 0)
-        while len(self.last) > self.keys:
-            self.last.popitem(last=False)
-        log.log(level, msg + (f" ({skipped} more like it left out)" if skipped else ""), *args)
-        return True
-
-
-def container_of(pid: int) -> str:
-    """A key for the rate limit: the process's cgroup, as the kernel names it."""
-    try:
-        with open(f"/proc/{pid}/cgroup", "rb") as f:
-            return f.read(4096).strip().split(b"\n")[-1].decode(errors="replace")
-    except OSError:
-        return "?"
 
 
 @dataclass
@@ -130,8 +88,7 @@ class Discovery:
         self.identity = Identity(self)          # and processes that open the GPU are checked there
         self.not_code: set[tuple] = set()       # inodes opened by a driver's name that are no ELF
         self.spent = reading.Spent()            # and each container's reading is budgeted
-        self.lost_seen: dict[int, int] = {}     # `held` as the last look for lost events found it
-        self.lost_looked = time.monotonic()
+        self.held = Held(lambda: self._map("held"))   # the threads BPF stopped at an open
         self.lost_events = 0                    # stops looked at with no event (ring buffer full)
         self.lost_looks = 0
 
@@ -149,23 +106,6 @@ class Discovery:
         if self.enabled and (force or now - self.beaten >= BEAT_EVERY_S):
             self.beaten = now
             self._write(True, self._exempt)
-
-    def _watch(self):
-        """A thread: if the loop has not run for STALE_S, BPF already stops nobody new; this
-        lets go of those it holds (fail open, as admission does when the heartbeat lapses)."""
-        said = False
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self.beaten < STALE_S:
-                said = False
-                continue
-            held = self._held()
-            if held and not said:
-                log.error("the loop has not run for %.0f s: %d process(es) held at a driver's open "
-                          "are let go unprobed, and discovery stops nobody until it runs again",
-                          time.monotonic() - self.beaten, len({k >> 32 for k in held}))
-                said = True
-            for key in held:
-                self._resume(key)
 
     def fail_safe_fds(self) -> tuple[list[int], int]:
         """(maps the watchdog zeroes, the `held` map it empties) if we die."""
@@ -187,7 +127,8 @@ class Discovery:
         self.beaten = time.monotonic()
         self._write(True)
         self._stop.clear()
-        self._sentinel = Thread(target=self._watch, name="convgpu-sentinel", daemon=True)
+        self._sentinel = Thread(target=self.held.watch, args=(lambda: self.beaten, self._stop),
+                                name="convgpu-sentinel", daemon=True)
         self._sentinel.start()
 
     def disable(self):
@@ -202,8 +143,8 @@ class Discovery:
             self._sentinel = None
         for _ in range(2):     # a program past its check when `on` went to 0 may still stop one
             time.sleep(0.02)   # (a vCPU the host took away mid-program): looked at twice
-            for key in self._held():
-                self._resume(key)
+            for key in self.held.listed():
+                self.held.resume(key)
         self.unprobed.clear()
         self.identity.clear()
         for p in self.pending.values():
@@ -227,51 +168,18 @@ class Discovery:
         finally:
             self._write(self.enabled)
 
-    def _held(self) -> list[int]:
-        """Threads (pid_tgid) stopped at a driver's open: ours to resume (stalls are the enforcer's)."""
-        return [k.value for k, v in self._map("held").items() if v.value & HELD_OPEN]
-
-    def still_held(self, key: int, fd: int) -> bool:
-        """key is still stopped at the open of fd that BPF told us about (the sentinel lets go
-        of those a stale loop held: their event, read later, names an fd they may have reused)."""
-        try:
-            v = self._map("held")[ct.c_uint64(key)].value
-        except KeyError:
-            return False
-        return bool(v & HELD_OPEN) and (v & 0xFFFFFFFF) == fd
-
-    def _resume(self, key: int):
-        """SIGCONT before the entry goes: dying in between leaves the watchdog one to resume.
-        The entry goes only if it is still the stop we resumed: the thread, running again, may
-        already be stopped at its next open (a driver's dlopen, then its cuInit's GPU node),
-        whose entry must stay (deleted, that thread stayed stopped with nobody to resume it)."""
-        k, held = ct.c_uint64(key), self._map("held")
-        try:
-            was = held[k].value
-        except KeyError:
-            was = None
-        try:
-            os.kill(key >> 32, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        try:
-            if was is None or held[k].value == was:
-                del held[k]
-        except KeyError:
-            pass
-
     def opened(self, pid: int, tid: int, fd: int):
         """BPF stopped thread tid of pid right after it opened a driver-named file as fd. Only
         our own non-blocking descriptor of that file is looked at (probes/untrusted.py)."""
         key = pid << 32 | tid
         self.stops += 1
         self.recent.append(pid)
-        if not self.still_held(key, fd):   # let go meanwhile (a stale loop): fd may be another file now
+        if not self.held.still(key, fd):   # let go meanwhile (a stale loop): fd may be another file now
             return
         try:
             mine = untrusted.open_process_fd(pid, fd)
         except OSError:       # gone already, or closed and reused: nothing to probe
-            self._resume(key)
+            self.held.resume(key)
             return
         try:
             st = untrusted.check(mine)
@@ -279,7 +187,7 @@ class Discovery:
             untrusted.close(mine)
             self.tracer.say(logging.WARNING, (container_of(pid), str(e)), "pid %d opened %s: %s; not a driver, "
                      "let go", pid, _seen_as(pid, fd), e)
-            self._resume(key)
+            self.held.resume(key)
             return
         inode = (st.st_dev, st.st_ino)
         self.openers.setdefault(inode, set()).add(pid)
@@ -348,20 +256,16 @@ class Discovery:
 
     def lost(self) -> int:
         """Stops at an open whose event never reached us (the ring buffer was full: the stats'
-        drops): listed in `held`, unchanged since the last look (LOST_AFTER_S ago, each stop's
-        value is stamped), and neither waiting for a file nor kept by --unprobed. Looked at as
-        if their event had come; else they stayed stopped until the tracer ended. Returns how many."""
-        now = time.monotonic()
-        if not self.enabled or now - self.lost_looked < LOST_AFTER_S:
+        drops): listed in `held`, unchanged since the last look (Held.unchanged), and neither
+        waiting for a file nor kept by --unprobed. Looked at as if their event had come; else
+        they stayed stopped until the tracer ended. Returns how many."""
+        same = self.held.unchanged() if self.enabled else None
+        if same is None:
             return 0
-        self.lost_looked = now
         self.lost_looks += 1
-        held = {k.value: v.value for k, v in self._map("held").items() if v.value & HELD_OPEN}
         known = {k for p in self.pending.values() for k in p.keys} | {c.key for c in self.identity.checks}
         kept = {pid for pid, u in self.unprobed.items() if u.action == "stall"}
-        lost = [(k, v) for k, v in held.items()
-                if self.lost_seen.get(k) == v and k not in known and k >> 32 not in kept]
-        self.lost_seen = held
+        lost = [(k, v) for k, v in same if k not in known and k >> 32 not in kept]
         for key, v in lost:
             self.lost_events += 1
             pid, tid, fd = key >> 32, key & 0xFFFFFFFF, v & 0xFFFFFFFF
@@ -397,7 +301,7 @@ class Discovery:
                           container_of(key >> 32), lib, failed.replace(str(lib), "*"))
             elif not any(key in p.keys for p in self.pending.values()):   # another copy it maps
                 self.identity.going_on(key)
-                self._resume(key)
+                self.held.resume(key)
 
     def hold(self, key: int, who: str, why: str, container: str, lib=None, kind=None) -> None:
         """key's process cannot be checked: --unprobed decides (stall, kill or allow), one line."""
@@ -408,9 +312,9 @@ class Discovery:
         self.identity.forget(key)
         if action == "kill":
             os.kill(pid, signal.SIGKILL)
-            self._resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
+            self.held.resume(key)     # a SIGKILL needs no SIGCONT; the entry goes all the same
         elif action == "allow":
-            self._resume(key)
+            self.held.resume(key)
         # stall: it stays in `held` (the watchdog resumes it if we die), stopped
 
     def enqueue(self, lib: Library, key: int) -> None:

@@ -3,7 +3,7 @@
 device 0 is host GPU 3), while convgpu's books, limits, NVML measurements and views speak of
 host GPUs (NVML indexes). BPF records the ordinal a process passes; this module tells the host
 GPU, and the enforcer writes it into BPF's `gpumap` while the process is stopped at its
-placement, before its first charge (bpf/convgpu.bpf.c host_of()).
+placement, before its first charge (bpf/books.bpf.c host_of()).
 
 Evidence, strongest first:
 - the kernel's: the /dev/nvidiaN character devices the process holds open (the driver opens one

@@ -60,7 +60,7 @@ class Identity:
         """BPF stopped thread tid of pid at its open of a GPU node (fd): look at what it maps."""
         self.stops += 1
         self.d.recent.append(pid)
-        if not self.d.still_held(pid << 32 | tid, fd):   # let go meanwhile: its next open is looked at
+        if not self.d.held.still(pid << 32 | tid, fd):   # let go meanwhile: its next open is looked at
             return
         try:
             gen = self.d._map("exec_gen")[ct.c_uint32(pid)].value   # before the look: see nodes.py
@@ -110,7 +110,7 @@ class Identity:
                 self.d._settle(failed, [c.key])     # --unprobed decides, with the copy's reason
             elif not any(c.key in p.keys for p in self.d.pending.values()):
                 self.going_on(c.key)
-                self.d._resume(c.key)
+                self.d.held.resume(c.key)
         return len(done)
 
     def going_on(self, key: int) -> None:

@@ -21,13 +21,13 @@ from .procevents import ProcEvents, image_of
 from .tracer import ProcUsage
 
 IMAGE_CHECK_S = 1.0     # without the connector (or after it lost events): images compared this often
-DEV_PAGE = 2 << 20      # as bpf/convgpu.bpf.c: device page of linear allocations
+DEV_PAGE = 2 << 20      # as bpf/maps.bpf.c: device page of linear allocations
 SUBALLOC_MAX = 1 << 20  # at most this is sub-allocated inside shared pages
 SHIM_MEMBER = 1 << 63   # bpf/convgpu.h: the membership flag of processes under the shim
 
 
 def footprint(size: int) -> int:
-    """Device memory behind an allocation of `size` (bpf/convgpu.bpf.c footprint(); measured
+    """Device memory behind an allocation of `size` (bpf/admit.bpf.c footprint(); measured
     on the H100: docs/gpu-runs/2026-11-22)."""
     return (size + DEV_PAGE - 1) & ~(DEV_PAGE - 1) if size > SUBALLOC_MAX else size
 
@@ -240,7 +240,7 @@ class Ledger:
 
     def _release(self, pid: int, op: str) -> Event:
         """Everything pid held leaves its container, and an event says so, as BPF's exit and exec
-        tracepoints do (process_gone in bpf/convgpu.bpf.c)."""
+        tracepoints do (process_gone in bpf/exit.bpf.c)."""
         left = contexts = 0
         for dev, r in self.rows.pop(pid, {}).items():
             self._charge(pid, dev, -r.live, -r.contexts)

@@ -44,7 +44,7 @@ def _tracefs_file(rel: str) -> str | None:
     return None
 
 
-# discovery's syscall tracepoints (bpf/convgpu.bpf.c): opens of a driver file or a GPU node, and
+# discovery's syscall tracepoints (bpf/discovery.bpf.c): opens of a driver file or a GPU node, and
 # executable mappings (probes/nodes.py)
 OPEN_TRACEPOINTS = ("sys_enter_openat", "sys_exit_openat", "sys_exit_open", "sys_exit_openat2",
                     "sys_enter_mmap", "sys_exit_mmap", "sys_enter_mprotect", "sys_exit_mprotect",

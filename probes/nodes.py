@@ -11,7 +11,7 @@ hash table), in the files the kernel lists as the process's executable mappings
 (/proc/PID/maps and /proc/PID/map_files, by inode: memfds and deleted files included).
 
 So BPF stops a process at its open of a GPU node unless it was checked since it last mapped
-executable code (bpf/convgpu.bpf.c, "discovery"), and `check` (run on the reader thread,
+executable code (bpf/discovery.bpf.c), and `check` (run on the reader thread,
 probes/reading.py, within a budget) names every mapped file that exports a driver entry point.
 An NVML-only tool maps none: it is let go and remembered as checked, and opens no node again
 unstopped until it maps new code. Everything read here is the process's (hostile): capped,

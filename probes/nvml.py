@@ -27,6 +27,7 @@ class Nvml:
     def __init__(self):
         self.ok = False
         self.error = ""
+        self.compute: set[int] = set()   # pids in the last process_memory()'s compute lists
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -88,9 +89,11 @@ class Nvml:
             return {}
         n = self._n
         out: dict[tuple[int, int], int] = {}
+        compute: set[int] = set()
         for i in range(n.nvmlDeviceGetCount()):
             h = n.nvmlDeviceGetHandleByIndex(i)
             procs = list(n.nvmlDeviceGetComputeRunningProcesses(h))
+            compute |= {p.pid for p in procs}
             try:
                 procs += n.nvmlDeviceGetGraphicsRunningProcesses(h)
             except Exception as e:
@@ -99,6 +102,7 @@ class Nvml:
                 used = p.usedGpuMemory
                 if used is not None and used < (1 << 62):   # N/A reads as a huge value
                     out[(p.pid, i)] = max(out.get((p.pid, i), 0), int(used))
+        self.compute = compute   # the backstop places only these by what they hold (a display server is none)
         return out
 
 
@@ -127,6 +131,7 @@ class Sampler:
         self.error = ""                 # why the last sample failed, "" if it did not
         self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached, the backstop)
         self.seq = 0                                  # answers so far: a new one is looked at once
+        self.compute: set[int] | None = None          # pids NVML lists as compute processes
         self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
@@ -141,6 +146,7 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 self._latest = self.sample()
+                self.compute = getattr(self.nvml, "compute", None)   # None: every pid may compute
                 self.ok_at, self.error = time.monotonic(), ""
                 self.seq += 1   # after raw: a reader that sees the count sees its answer
             except Exception as e:   # GPU lost, unknown error: the last sample stays in force

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from .. import phases
 from . import detach, links, loader, untrusted
-from .discovery import Discovery, Said, container_of
+from .discovery import Discovery
 from .events import EF_ORDINAL, FORMAT, Event, decode_many
 from .gpumap import GPUMAP_ALSO, Mapper, bpf_entries
 from .libs import SWEEP_BUDGET_S, Library, LibraryFinder, mapped_inodes
+from .said import Said, container_of
 from .table import CUDA, CUDART
 
 log = logging.getLogger(__name__)
@@ -331,7 +332,7 @@ class Tracer:
             self._release_unused()
 
     def map_gpus(self, pid: int, charge_also: bool = True):
-        """Write pid's ordinal -> host GPU rows into BPF's gpumap (bpf/convgpu.bpf.c host_of());
+        """Write pid's ordinal -> host GPU rows into BPF's gpumap (bpf/books.bpf.c host_of());
         the enforcer calls it while pid is stopped at its placement, before its first charge.
         charge_also: a mapping the evidence did not fix charges every GPU it may use."""
         self.gpumap.forget(pid)     # read now, not what an earlier look at this pid saw
@@ -343,7 +344,7 @@ class Tracer:
         return m
 
     def _swept(self, gone: dict[int, int]) -> None:
-        """The objects just deleted leave their containers' quotas (bpf/convgpu.bpf.c, q_left):
+        """The objects just deleted leave their containers' quotas (bpf/books.bpf.c, q_left):
         counted in `swept`, which only this writes, so BPF's own counters never race with it."""
         quotas, swept = self.b[b"quotas"], self.b[b"swept"]
         for key, n in gone.items():

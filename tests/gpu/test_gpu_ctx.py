@@ -165,8 +165,8 @@ def test_a_model_never_seen_is_charged_its_context_from_the_first_allocation(roo
     """Issue 31's case with the table emptied (CONVGPU_CTX_TABLE=off: every model is one never
     seen) and an empty state dir: a container limited to 1,536 MiB, started the moment the
     enforcer is, makes a context and four 384 MiB allocations. It waits until the enforcer has
-    measured a context on this GPU, then two allocations run (648 + 768 MiB charged) and the
-    third is stopped for good (648 + 1,152 > 1,536: over the limit). NVML never sees it above
+    measured a context on this GPU, then two allocations run (552 + 768 MiB charged) and the
+    third is stopped for good (552 + 1,152 > 1,536: over the limit). NVML never sees it above
     1,536 MiB; before, nothing was charged for the context and it held 518 + 1,536 MiB."""
     from convgpu.enforcer.serving.server import request
     from convgpu.enforcer.tenants.containers import cgroup_layout

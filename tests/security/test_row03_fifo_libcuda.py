@@ -114,9 +114,9 @@ def test_row03_a_hung_loop_stops_no_one_at_open(root, build, scratch):
         t.poll()
         a = opener(copies[0])       # held at its open: nobody polls from here on
         deadline = time.monotonic() + 10
-        while not t.discovery._held() and time.monotonic() < deadline:
+        while not t.discovery.held.listed() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert t.discovery._held(), "the first opener was not held"
+        assert t.discovery.held.listed(), "the first opener was not held"
         time.sleep(4.0)
         _opened(a, 5)               # let go by the sentinel
         b = opener(copies[1])

@@ -1,7 +1,7 @@
 """Issue 33, attack 3: CUDA arrays were accounted at their return but never admitted at their
 entry, so 8 x cuArray3DCreate_v2 of 512 MiB took 4,096 MiB under a 256 MiB limit, never
 stopped. Now every call that obtains device memory is admitted at its entry with its size
-(bpf/convgpu.bpf.c admit_call, array_bytes; probes/table.py ADMITTED): the first array, which
+(bpf/admit.bpf.c admit_call, array_bytes; probes/table.py ADMITTED): the first array, which
 can never fit, is stopped (or killed, --over-limit kill) before it runs. Real enforcer on the
 stand-in driver; the attacker as nobody in a cgroup of its own, a neighbour in another."""
 import pytest

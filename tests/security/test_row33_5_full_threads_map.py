@@ -2,7 +2,7 @@
 point) made a `threads` entry at every probed call, counted in no container's quota; its
 threads, each calling cuMemGetInfo_v2 and sleeping, filled the map (shrunk to 3,000 entries
 here; 65,536 on stock maps), and a full map admitted: a new process then took 2,048 MiB under
-256 MiB with no placement, no stall, no log. Now (bpf/convgpu.bpf.c on_enter) an unplaced
+256 MiB with no placement, no stall, no log. Now (bpf/admit.bpf.c call_enter) an unplaced
 process makes an entry only at an admitted call, which stops it until it is placed and counted;
 and a call that finds the map full anyway (more entries than the maps were sized for, all
 counted) is killed before it runs, never let through, with one log line. Real enforcer over a

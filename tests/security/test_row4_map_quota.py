@@ -1,7 +1,7 @@
 """Issue 24 row 4: one container filled the host-wide `objs` map (262,144 entries) with 1-byte
 allocations; every other process's objects then went unrecorded, their frees counted as
 unknown, and a victim doing 64 MiB alloc+free was stalled "over limit" after 4 rounds while
-holding nothing. Now every entry counts against its own container's quota (bpf/convgpu.bpf.c,
+holding nothing. Now every entry counts against its own container's quota (bpf/admit.bpf.c,
 quota_ok): the attacker is stopped (or killed, --over-limit kill) at its quota, before its
 call runs, and the victim's rounds stay exact. Real enforcer (in a thread) on the stand-in
 driver, attacker and victim in podman containers as nobody."""

@@ -113,7 +113,7 @@ def test_a_driver_file_opened_again_at_once_at_the_same_fd_is_resumed_every_time
 def test_a_stop_whose_event_was_lost_is_resumed(build, shared):
     """The first stop's event never reaches the loop (a full ring buffer): the stop is found in
     `held`, unchanged for LOST_AFTER_S, and looked at; the opener goes on."""
-    from convgpu.probes.discovery import LOST_AFTER_S
+    from convgpu.probes.held import LOST_AFTER_S
     d, lib = shared, build / "standin" / "libcuda.so.1"
     lost = d.t.discovery.lost_events
     d.dropping = True
@@ -157,7 +157,7 @@ def test_a_held_opener_that_is_killed_leaves_no_entry(shared, not_a_driver):
 def test_a_process_held_for_an_unprobed_file_is_resumed_when_the_tracer_stops(shared, not_a_driver):
     """Held on purpose (--unprobed stall), it stays stopped while the tracer runs, is not taken
     for a lost stop, and goes on when the tracer stops normally (discovery's disable)."""
-    from convgpu.probes.discovery import LOST_AFTER_S
+    from convgpu.probes.held import LOST_AFTER_S
     d = shared
     p = subprocess.Popen([sys.executable, "-c", OPENER, str(not_a_driver)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)

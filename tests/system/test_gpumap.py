@@ -302,7 +302,7 @@ def test_the_shim_speaks_of_host_gpus(build, two, cgroups, mode, first):
 def test_unmappable_vmm_bytes_leave_every_gpu_they_counted_on(build, two, cgroups):
     """cuMemRelease while mapped, then cuMemUnmap: the bytes go at the unmap, inside its loop
     over mappings, which gives them back on the process's own GPU and settles its `also` GPUs
-    once after the loop (bpf/convgpu.bpf.c charge_others). Every GPU they counted on drops to
+    once after the loop (bpf/books.bpf.c charge_others). Every GPU they counted on drops to
     0 while the process still lives (its exit would have hidden a leftover)."""
     env = {k: v for k, v in two.items() if k != "CONVGPU_STANDIN_DEVNODES"}
     enf = enforcer(build, env, "unvmm")

@@ -112,6 +112,10 @@ def test_a_process_never_placed_is_placed_by_what_it_holds_and_gpus_without_coun
     bs.off = {1: "MIG mode"}
     assert bs.step({(a.pid, 0): GiB, (b.pid, 1): 8 * GiB}, 1)
     assert box.pids == {a.pid} and state(a) == "stopped"
+    # a graphics process (a display server: in no compute list) is never placed by what it holds
+    bs.off = {}
+    bs.step({(a.pid, 0): GiB, (b.pid, 0): 8 * GiB}, 2, compute={a.pid})
+    assert box.pids == {a.pid}
 
 
 def test_doctor_says_where_the_backstop_is_off_and_why():

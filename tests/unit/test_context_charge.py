@@ -133,17 +133,17 @@ def test_a_gpu_never_seen_holds_its_newcomers_until_its_context_is_measured(tmp_
         assert adm.exempt == [(4242, True)] and charge.measured(time.monotonic()) is None   # no answer yet
         m.outcome = Outcome(518 * MiB, "a bare context")
         released = list(charge.measured(time.monotonic()))
-        # 518 MiB + 1/4 in whole 2 MiB pages; a newcomer that died meanwhile is dropped
-        assert [(e.pid, also, size) for e, also, size in released] == [(kid.pid, (), 648 * MiB)]
+        # 518 MiB + 1/16 in whole 2 MiB pages; a newcomer that died meanwhile is dropped
+        assert [(e.pid, also, size) for e, also, size in released] == [(kid.pid, (), 552 * MiB)]
         assert charges.waiting == set() and charge.held_new == {} and charge.measuring_now is None
-        assert (charges.est[0].source, charges.est[0].bytes) == ("measured-at-start", 648 * MiB)
+        assert (charges.est[0].source, charges.est[0].bytes) == ("measured-at-start", 552 * MiB)
         # GPU0's estimate changed: its containers' extra is rewritten with it, and so is control
-        assert written == [("early", 0, 600 * MiB - 648 * MiB)] and adm.rewrites == 1
+        assert written == [("early", 0, 600 * MiB - 552 * MiB)] and adm.rewrites == 1
         assert ctxest.MeasuredStore(str(tmp_path)).measured == {"NVIDIA H200 driver 580.159.04": 518 * MiB}
     finally:
         kid.kill()
         kid.wait()
-    assert x.extra == {0: -48 * MiB}
+    assert x.extra == {0: 48 * MiB}
 
 
 def test_nvml_measures_each_process_and_its_container_is_charged_that_never_twice(tmp_path, caplog):

@@ -1,7 +1,8 @@
 """The enforcer's context charge, without BPF (the ledger stands in for the maps): every
 context costs its device's estimate from its first moment; once NVML has measured a process,
 extra_overhead turns its estimate into the measurement, never both; what a process holds above
-the estimate is its own container's charge, and teaches no one's estimate (issue 39). charged() in bpf/convgpu.bpf.c is used + contexts x ctx_charge
+the estimate is its own container's charge, and teaches no one's estimate (issue 39). charged()
+in bpf/books.bpf.c is used + contexts x ctx_charge
 + extra_overhead: charged() below is the same sum over what the enforcer wrote."""
 import os
 import subprocess
@@ -160,6 +161,6 @@ def test_doctor_says_per_gpu_what_a_context_is_charged_and_why(tmp_path):
     store.set_measured("NVIDIA H200 driver 580.159.04", 518 * MiB)
     store.save()
     kept = checks(H200())["context GPU0"]
-    assert kept.ok and kept.detail.startswith("648.0 MiB per context (measured-at-start; a start with")
+    assert kept.ok and kept.detail.startswith("552.0 MiB per context (measured-at-start; a start with")
     none = checks(type("NoNvml", (), {"ok": False, "driver": ""})())
     assert list(none) == ["context GPU0"] and not none["context GPU0"].ok and "(no NVML)" in none["context GPU0"].detail

@@ -122,3 +122,19 @@ def test_a_circular_wait_needs_every_process_of_the_container_waiting():
         d.schedule()
         assert a.waiting[0].circular == circular
         assert [c for c in act.calls if c[0] == "kill"] == ([("kill", 11)] if circular else [])
+
+
+def test_a_call_over_its_limit_by_the_estimate_fits_after_all_once_nvml_measured_its_context():
+    """BPF called the 256 MiB call of a process with one context over a 900 MiB limit: its
+    context at an estimate of 1 GiB (a GPU never seen). NVML measured it at 518 MiB: 774 MiB
+    fit, so it is resumed, never held for a limit it is within (issue 39 asked: an estimate too
+    high must not hold a job for good). Measured at 700 MiB, it stays."""
+    for measured, resumed in ((518 * MiB, True), (700 * MiB, False)):
+        d, books, state, act = decider()
+        d.process_holds = lambda box, dev, m=measured: {7: (m, m)}
+        x = box(books, state, 1, "c", 900 * MiB, 900 * MiB, {7}, used=0, contexts=1)
+        state[(1, 0)].used = measured - CTX        # what books.held counts: its context measured, no bytes
+        wait(x, Ask(7, 7, 256 * MiB, time.monotonic(), over_limit=True))
+        d.schedule()
+        assert (("resume", "c", 0, "fits its assignment") in act.calls) is resumed, (measured, act.calls)
+        assert (0 in x.waiting and x.waiting[0].asks[7].over_limit) is not resumed

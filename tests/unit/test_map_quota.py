@@ -13,7 +13,7 @@ from convgpu.errors import ConfigError
 def test_defaults_fit_the_maps_sixteen_times():
     q = map_quota(settings_from(None, {}))
     assert q == MapQuota(16384, 4096, 1024)
-    # bpf/convgpu.bpf.c: MAX_OBJS 262144, MAX_THREADS 65536 (threads, procs, members, held)
+    # bpf/maps.bpf.c: MAX_OBJS 262144, MAX_THREADS 65536 (threads, procs, members, held)
     assert 16 * q.objects == 262144 and 16 * q.threads == 65536 and 64 * q.processes == 65536
     assert q.leaf() == {"max_objs": 16384, "max_threads": 4096, "max_procs": 1024}
 

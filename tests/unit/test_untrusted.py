@@ -9,7 +9,7 @@ import pytest
 
 from convgpu.paths import build_dir
 from convgpu.probes import untrusted
-from convgpu.probes.discovery import Said
+from convgpu.probes.said import Said
 from convgpu.probes.table import CUDA, PROBES
 
 STANDIN = build_dir() / "standin" / "libcuda.so.1"
@@ -152,7 +152,7 @@ def _parents(p):
 
 
 def test_said_once_per_key_then_counts(caplog):
-    caplog.set_level(logging.INFO, logger="convgpu.probes.discovery")
+    caplog.set_level(logging.INFO, logger="convgpu.probes.said")
     say = Said(every=3600)
     for i in range(50):
         say(logging.WARNING, ("c1", "not ELF"), "copy %d", i)
