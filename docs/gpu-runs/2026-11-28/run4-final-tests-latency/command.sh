@@ -1,0 +1,5 @@
+set -o pipefail; source tests/gpu/env.sh > $OUT/env.txt 2>&1; export CONVGPU_GPU_LOG=$OUT/gpu-results.jsonl CONVGPU_REQUIRE_SYSTEM=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base964 ./.base964 > $OUT/base.txt 2>&1
+timeout 250 python3 -m pytest -m gpu tests/gpu/test_gpu_indirect.py "tests/gpu/test_gpu_waits.py::test_twelve_short_lived_cupy_processes_in_a_row" "tests/gpu/test_gpu_guarantee.py::test_restart_after_kill_9_with_a_large_stalled_call" tests/gpu/test_gpu_enforce.py -v -p no:cacheprovider -rA --durations=10 > $OUT/pytest.txt 2>&1; grep -E 'PASSED|FAILED|ERROR|passed|failed' $OUT/pytest.txt | cut -c1-200
+timeout 60 python3 -m bench.backstop_cost --seconds 10 --json $OUT/backstop_cost.json 2>&1 | tail -3
+timeout 150 python3 -m bench.probe_latency --rounds 3 --iters 300 --sizes 4K --apis cuMemAlloc_v2 --modes bare,enforced,enforced@base --baseline-pythonpath /tmp/base964 --json $OUT/latency.json > $OUT/latency.txt 2>&1; tail -15 $OUT/latency.txt
