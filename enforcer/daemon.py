@@ -227,7 +227,9 @@ class Enforcer:
         self.tracer.selftest_later = True   # admission on first: it only reports (Tracer.poll)
         if self.tracer.kernel:
             prev = self.adopter.load_over_pins()
-            shimprobes.attach(self.tracer.b)   # only calls from inside the shim wait in it
+            self.tracer.shims = shimprobes.libraries(self.run_dir)   # never taken for drivers
+            for path in self.tracer.shims or (None,):   # only calls from inside them wait in the shim
+                shimprobes.attach(self.tracer.b, path)
         else:
             self.tracer.start()
             prev = []

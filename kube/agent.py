@@ -69,20 +69,15 @@ class Agent:
 
 
 def offer_shim(run_dir: str, host_run_dir: str | None = None):
-    """Put the package's libconvgpu.so where Allocate can mount it from (the host's run dir:
-    root's, outside any container) and say what to mount: that copy and the enforcer's shim
-    dir, both read-only (kube/devices.py). The copy replaces the old one by rename, so a pod
-    starting meanwhile mounts one whole library, old or new."""
+    """Say what Allocate mounts, both read-only (kube/devices.py): the enforcer's copy of the
+    package's libconvgpu.so in the host's run dir (root's, outside any container; the same file
+    the enforcer marks as the shim's: paths.offered_shim) and the enforcer's shim dir."""
     import os
-    import shutil
 
-    from ..cli.shim import library
+    from ..paths import offered_shim
     from . import devices as dv
-    lib_dir = os.path.join(run_dir, "lib")
-    os.makedirs(lib_dir, mode=0o755, exist_ok=True)
-    tmp = os.path.join(lib_dir, f".libconvgpu.so.{os.getpid()}")
-    shutil.copyfile(library(), tmp)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, os.path.join(lib_dir, "libconvgpu.so"))
+    from ..cli.shim import library
+    library()   # not built: the one-line error says how to build it
+    offered_shim(run_dir)
     host = host_run_dir or run_dir
     return dv.ShimOffer(os.path.join(host, "lib", "libconvgpu.so"), os.path.join(host, "shim"))

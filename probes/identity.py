@@ -44,17 +44,22 @@ class Identity:
         self._skip = None
 
     def skip(self) -> frozenset:
-        """Inodes never taken for a driver: convgpu's own shim, whose wrappers export the
-        driver's names and call the (probed) driver."""
-        if self._skip is None:
-            from ..paths import shim_library
-            path = shim_library()
-            try:
-                st = os.stat(path) if path else None
-            except OSError:
-                st = None
-            self._skip = frozenset({(st.st_dev, st.st_ino)} if st else ())
-        return self._skip
+        """Inodes never taken for a driver: convgpu's own shim libraries (the package's and the
+        copy pods mount: Tracer.shims, set by the enforcer), whose wrappers export the driver's
+        names and call the (probed) driver."""
+        from ..paths import shim_library
+        paths = tuple(self.d.tracer.shims) or (shim_library(),)
+        if self._skip is None or self._skip[0] != paths:
+            inodes = set()
+            for path in paths:
+                try:
+                    st = os.stat(path) if path else None
+                except OSError:
+                    st = None
+                if st:
+                    inodes.add((st.st_dev, st.st_ino))
+            self._skip = (paths, frozenset(inodes))
+        return self._skip[1]
 
     def opened(self, pid: int, tid: int, fd: int, container: str) -> None:
         """BPF stopped thread tid of pid at its open of a GPU node (fd): look at what it maps."""

@@ -83,6 +83,7 @@ class Tracer:
         self.selftest_exempt = lambda pid: contextlib.nullcontext()   # the enforcer's: admission skips pid
         self.on_release = lambda fds: None   # the enforcer's: its watchdog drops its duplicates of these links
         self.say = Said()                  # log lines a container can cause: rate-limited
+        self.shims: tuple[str, ...] = ()   # the enforcer's shim libraries: never taken for drivers
         self.discovery = Discovery(self)   # enable_discovery(): stopped at open until probed
         # CUDA ordinals are process-local (probes/gpumap.py): the host GPUs (gpumap.gpus, from
         # NVML) of each process; `mapped`: processes whose ordinals BPF maps itself (the

@@ -15,19 +15,29 @@ through). Each wrapper starts with a push (`objdump -d`), which the kernel emula
 hit here, not a single step (FACTS.md)."""
 import logging
 
-from ...paths import shim_library
+from ...paths import offered_shim, shim_library
 from ...probes import links
 from ...probes.table import ADMITTED
 
 log = logging.getLogger(__name__)
 
 
-def attach(b, path: str | None = None) -> int:
-    """Marks on every admitted wrapper of the shim library at `path` (default: the package's);
-    returns how many wrappers. Without the library (not built) nothing is marked, and shim
-    processes are admitted like any other (safe, not graceful)."""
+def libraries(run_dir: str) -> tuple[str, ...]:
+    """The shim libraries whose wrappers are marked: the package's, and the copy that pods mount
+    (made here if missing; the Kubernetes agent keeps the same file: paths.offered_shim)."""
+    try:
+        offered = offered_shim(run_dir)
+    except OSError as e:   # pods' copy is then a stranger: probed as a driver, its calls admitted once
+        log.warning("the shim copy for pods in %s/lib cannot be made: %s", run_dir, e)
+        offered = None
+    return tuple(p for p in (shim_library(), offered) if p)
+
+
+def attach(b, path: str | None) -> int:
+    """Marks on every admitted wrapper of the shim library at `path` (the package's, or the copy
+    pods mount: paths.offered_shim); returns how many wrappers. Without the library (not built)
+    nothing is marked, and shim processes are admitted like any other (safe, not graceful)."""
     import bcc
-    path = path or shim_library()
     if path is None:
         log.warning("the shim library is not built: processes under a shim are stopped like any other")
         return 0
