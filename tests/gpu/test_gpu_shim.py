@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,15 @@ def enforcer(root, request, tmp_path):
                            stderr=subprocess.PIPE, text=True, cwd="/")
     log = []
     lines_until(enf.stderr, lambda line: "enforcing:" in line, log, 120, "enforcer log")
+    # The ceiling a test reads must be the one its job is told: the context measured at start,
+    # not the conservative figure in force until that measurement lands (a test read 1,152 MiB
+    # while its job was told 622 MiB on the H200, 2026-11-28).
+    from convgpu.enforcer.serving.server import request
+    deadline = time.monotonic() + 120
+    while request(f"{run_dir}/control.sock", {"cmd": "status"})["status"]["gpus"]["0"]["ctx_estimate"]["source"] \
+            != "measured-at-start":
+        assert time.monotonic() < deadline, "the enforcer never measured a context at start"
+        time.sleep(0.2)
     from convgpu.cli.shim import shim_env
     env = dict(os.environ, **shim_env(run_dir), CONVGPU_SHIM_LOG="2")
 

@@ -84,7 +84,7 @@ def test_daemonset_only_the_enforcer_privileged_only_the_host_paths_it_needs(obj
     hosts = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert hosts == {"bpffs": "/sys/fs/bpf", "tracefs": "/sys/kernel/tracing", "debugfs": "/sys/kernel/debug",
                      "cgroup": "/sys/fs/cgroup", "modules": "/lib/modules", "headers": "/usr/src",
-                     "run": "/run/convgpu", "bpf-cache": "/var/cache/convgpu",
+                     "run": "/run/convgpu", "bpf-cache": "/var/cache/convgpu", "state": "/var/lib/convgpu",
                      "device-plugins": "/var/lib/kubelet/device-plugins",
                      "pod-resources": "/var/lib/kubelet/pod-resources",
                      "pod-logs": "/var/log/pods", "container-logs": "/var/log/containers"}   # not all of /var/log
@@ -95,6 +95,7 @@ def test_daemonset_only_the_enforcer_privileged_only_the_host_paths_it_needs(obj
                                  "debugfs": ("/sys/kernel/debug", False), "cgroup": ("/sys/fs/cgroup", False),
                                  "modules": ("/lib/modules", True), "headers": ("/usr/src", True),
                                  "run": ("/run/convgpu", False), "bpf-cache": ("/var/cache/convgpu", False),
+                                 "state": ("/var/lib/convgpu", False),   # decisions survive a restart
                                  "device-plugins": ("/var/lib/kubelet/device-plugins", True),
                                  "pod-resources": ("/var/lib/kubelet/pod-resources", True)}
     assert mounts["kube"] == {"device-plugins": ("/var/lib/kubelet/device-plugins", False),
