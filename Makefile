@@ -52,7 +52,7 @@ LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
 NVML_OUT := $(BUILD)/standin-nvml
 TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so $(NVML_OUT)/libnvidia-ml.so.1 \
 	$(OUT)/libcudart.so.13 $(OUT)/libcudart.so \
-	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/turns $(BUILD)/alloc_bench
+	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/turns $(BUILD)/alloc_bench $(BUILD)/reenter
 
 .PHONY: all standin check-prologue clean
 all: standin check-prologue
@@ -92,6 +92,9 @@ $(BUILD)/cgcaller: $(SI)/cgcaller.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 
 $(BUILD)/turns: $(SI)/turns.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/turns.c -L$(OUT) -l:libcuda.so.1
+
+$(BUILD)/reenter: $(SI)/reenter.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/reenter.c -L$(OUT) -l:libcuda.so.1
 
 $(BUILD)/alloc_bench: bench/alloc_bench.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ bench/alloc_bench.c -L$(OUT) -l:libcuda.so.1 -ldl

@@ -32,7 +32,8 @@ struct cg_call {                    // a driver call in flight on one thread
     u8 ordinal;                     // wdev is the process's ordinal: no mapping yet (host_of)
     u64 want;                       // enforce: what the stopped call needs
     s32 wdev;                       //   on this device
-    u32 pad2;
+    u32 site;                       // low half of the entry's address: which library's copy of
+                                    // the function it entered (call_enter: forwarded or re-entered)
 };
 struct cg_thread {                  // one entry per thread that ever called CUDA
     s32 dev;                        // current device, -1 unknown

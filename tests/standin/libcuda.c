@@ -31,6 +31,7 @@ int g_ndev = 1;             /* the GPUs this process sees (visible.c) */
 int g_host[SI_MAX_DEV];     /* its ordinal -> host GPU (the shared segment counts by host GPU) */
 static struct obj g_primary[SI_MAX_DEV]; /* primary contexts, see below */
 uint64_t g_capacity = SI_DEFAULT_CAPACITY;
+uint64_t g_alloc_ms;
 uint64_t g_free_ms;
 uint64_t g_free_return_ms;
 /* An H200's 132 SMs x 2,048 resident threads: cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 64 KiB) took
@@ -200,6 +201,7 @@ API CUresult cuInit(unsigned int Flags)
         g_ndev = standin_visible((int)(n > SI_MAX_DEV ? SI_MAX_DEV : n), g_host);
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
+        g_alloc_ms = env_u64("CONVGPU_STANDIN_ALLOC_MS", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
         g_free_return_ms = env_u64("CONVGPU_STANDIN_FREE_RETURN_MS", 0);
         g_resident_threads = env_u64("CONVGPU_STANDIN_RESIDENT_THREADS", 270336);

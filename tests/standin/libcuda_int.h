@@ -39,6 +39,7 @@ int standin_visible(int nhost, int *host);
 void standin_uuid(int host, unsigned char out[16]);
 void standin_open_nodes(const int *host, int n);
 extern uint64_t g_capacity; /* CONVGPU_STANDIN_CAPACITY, per device */
+extern uint64_t g_alloc_ms; /* CONVGPU_STANDIN_ALLOC_MS: how long cuMemAlloc_v2 runs before it allocates */
 extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 keeps the bytes */
 extern uint64_t g_free_return_ms;   /* CONVGPU_STANDIN_FREE_RETURN_MS: how long it runs on after */
 extern uint64_t g_resident_threads; /* CONVGPU_STANDIN_RESIDENT_THREADS: what a stack byte is multiplied by */

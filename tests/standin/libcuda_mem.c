@@ -93,6 +93,11 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     CHECK_INIT();
     int dev;
     CUresult rc = cur_dev(&dev);
+    if (g_alloc_ms) {   /* a window inside the call, before it allocates: a signal's handler may call in */
+        struct timespec ts = {.tv_sec = g_alloc_ms / 1000, .tv_nsec = (g_alloc_ms % 1000) * 1000000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
     return rc ? rc : do_alloc(dptr, bytesize, dev);
 }
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import Enforcing, GiB, MiB, proc_state, read_until, shim_env, start_in, stop_all, until
+from conftest import Enforcing, GiB, MiB, popen_in, proc_state, read_until, shim_env, start_in, stop_all, until
 
 pytestmark = pytest.mark.system
 
@@ -72,3 +72,21 @@ def test_the_copy_pods_mount_is_the_enforcers_and_waits_in_the_shim(cgroups, bui
         assert (g["used"], g["reserved"]) == (2 * GiB, 0), g
     finally:
         stop_all((a, b), enf)
+
+
+def test_the_same_call_reentered_from_a_signal_handler_stays_counted(cgroups, build, env5):
+    """Not a forwarder: the same call at the same site, entered again from a signal handler
+    while the first is inside the driver. The first call's allocation is not settled at its
+    return (one call slot a thread), so its reservation must stay: the two 256 MiB blocks are
+    all counted, 256 MiB used and 256 MiB reserved. Released as for a forwarder, 256 MiB would
+    be held and counted nowhere."""
+    enf = Enforcing(build, "--gpu-memory", "4GiB", "--limit", "nested=1GiB")
+    a = None
+    try:
+        env = dict(env5, CONVGPU_STANDIN_ALLOC_MS="400")
+        a = popen_in(cgroups("nested"), build / "reenter", 256 * MiB, 100, env=env)
+        assert f"allocated 2 {512 * MiB} pid={a.pid}" in read_until(a, "ready")
+        g = _gpu0(enf, "nested")
+        assert (g["used"], g["reserved"]) == (256 * MiB, 256 * MiB), g
+    finally:
+        stop_all((a,), enf)
