@@ -373,12 +373,13 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     // library: that call, forwarded. A library that exports the driver's names and calls the
     // driver with its own arguments (a copy of the shim, which discovery must probe as a
     // driver; an interposer such as HAMi-core) is admitted at its entry and again here. This
-    // entry is the one admitted and settled (the outer return finds no call); the outer
-    // reservation is given back now, or it would stay counted for good: every pod under a copy
-    // of the shim was held at half its claim (docs/ENFORCE.md, "Forwarded calls"). Any other
-    // nesting leaves the open reservation counted, too much held but never too little: a call
-    // from a signal handler, even the same call at the same site, whose outer call still runs
-    // on and allocates with nothing left in the slot to charge it at its return.
+    // entry is the one admitted and settled (the outer return finds no call), so the outer
+    // reservation is given back now; kept, it stayed counted for good, and every pod, whose
+    // shim is such a copy, was held short of its claim (docs/ENFORCE.md, "Forwarded calls").
+    // Any other nesting leaves the open reservation counted, too much held but never too
+    // little: an interposer that passes arguments of its own, or a call from a signal handler,
+    // even the same call at the same site, whose outer call still runs on and allocates with
+    // nothing left in the slot to charge it at its return.
     u32 site = PT_REGS_IP(ctx);
     if (t->call.api == api && t->call.site != site && t->call.a0 == PT_REGS_PARM1(ctx) &&
         t->call.a1 == PT_REGS_PARM2(ctx))

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from ..units import format_size
 from . import common
-from .view import row, text
+from .view import not_placed, row, text
 
 
 def table(st: dict) -> Table:
@@ -53,8 +53,8 @@ def table(st: dict) -> Table:
                       format_size(g["used"]), format_size(g["context_overhead"]),
                       g.get("context_source", "-"), state,
                       f"{c['stalled_s']:.1f}s", str(c["stalls"]))
-    for r in st.get("registered", []):   # `convgpu run` jobs with no CUDA call yet
-        row(t, r["name"], "-", format_size(r["limit"]), "", "", "", "", "registered", "", "")
+    for r in st.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
+        row(t, r["name"], "-", format_size(r["limit"]), "", "", "", "", not_placed(r), "", "")
     return t
 
 

@@ -28,6 +28,11 @@ def row(t: Table, *cells):
     t.add_row(*map(text, cells))
 
 
+def not_placed(r: dict) -> str:
+    """The state cell of an entry with a limit and no CUDA call yet (enforcer/runtime.py registered)."""
+    return {"pod": "pod, no call yet", "claim": "claim, no call"}.get(r.get("what"), "registered")
+
+
 def _age(s: float | None) -> str:
     if s is None:
         return "-"
@@ -114,8 +119,8 @@ def enforce_table(s: Snapshot) -> Table:
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
             row(t, Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
-    for r in e.get("registered", []):   # `convgpu run` jobs with no CUDA call yet
-        row(t, Text(r["name"], style="bold"), "-", format_size(r["limit"]), "", "", Text("registered", style="dim"), "", "")
+    for r in e.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
+        row(t, Text(r["name"], style="bold"), "-", format_size(r["limit"]), "", "", Text(not_placed(r), style="dim"), "", "")
     return t
 
 

@@ -87,15 +87,30 @@ class Runtime:
                      if container in (run.name, cg) and cg not in placed), None)
 
     def registered(self) -> list[dict]:
-        """`convgpu run` jobs registered and not placed yet (no CUDA call so far), for status."""
-        placed = {b.container.cgroup for b in self.books.boxes.values()}
+        """For status: what has a limit and no placed process yet (no CUDA call so far), each
+        with what it is: `convgpu run` jobs ("registered"), the Kubernetes agent's containers and
+        pods ("pod"), DRA claims ("claim"). Names come from tenants (a job's owner, a claim's
+        name): the views show them as text, never markup."""
+        boxes = self.books.boxes.values()
+        placed = {b.container.cgroup for b in boxes}
+        ids = {b.container.id for b in boxes} | {b.container.pod for b in boxes if b.container.pod}
         out = []
-        for cg, run in sorted(self.durable.value.runs.items()):
+        v = self.durable.value
+        for cg, run in sorted(v.runs.items()):
             if cg in placed:
                 continue
             c = container_of_path(cg)
             limit, source = self.rules.limit_for(c, run.name, None)
-            out.append({"id": c.id, "name": run.name or cg, "cgroup": cg, "limit": limit, "source": source})
+            out.append({"id": c.id, "name": run.name or cg, "cgroup": cg, "limit": limit, "source": source,
+                        "what": "registered"})
+        for key, pod in sorted(v.pods.items()):
+            if key not in ids:
+                out.append({"id": key, "name": pod.job or key, "cgroup": "", "limit": pod.bytes,
+                            "source": pod.source, "what": "pod"})
+        for uid, claim in sorted(v.claims.items()):
+            if not ids & {*claim.pods, *claim.containers}:
+                out.append({"id": uid, "name": claim.ref, "cgroup": "", "limit": claim.bytes,
+                            "source": "DRA claim", "what": "claim"})
         return out
 
     def apply_limit(self, box: Box, limit: int, source: str):

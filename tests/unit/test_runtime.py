@@ -71,11 +71,35 @@ def test_a_run_is_registered_by_name_before_its_first_call_and_its_limit_set_by_
     rt.register_run("/jobs/run", GiB, "trainer")
     assert rt.name_of("/jobs/run", "x") == "trainer" and rt.rules.runs == {"/jobs/run": GiB}
     assert rt.registered() == [{"id": "/jobs/run", "name": "trainer", "cgroup": "/jobs/run", "limit": GiB,
-                                "source": "convgpu run --limit"}]
+                                "source": "convgpu run --limit", "what": "registered"}]
     assert rt.set_limit("trainer", 3 * GiB) == ("trainer", 3 * GiB)
     assert rt.registered()[0]["limit"] == 3 * GiB and written == [] and decider.schedules == 0
     box(books, 2, "trainer", "/jobs/run", 3 * GiB, "convgpu limit set")
     assert rt.registered() == []                         # placed: a container like any other
+
+
+def test_pods_and_claims_the_enforcer_holds_limits_for_are_listed_until_a_process_of_them_is_placed(tmp_path):
+    """status lists what has a limit and no CUDA call yet: pods (the agent's pod-limits, by
+    container id or pod uid) and DRA claims (by the pods and containers they are for), not only
+    `convgpu run` jobs. Names as the tenant gave them: the views print them as text."""
+    from convgpu.enforcer.tenants.claims import ClaimShare
+    from convgpu.enforcer.tenants.limits import PodLimit
+    rt, books, *_ = part(tmp_path)
+    cid = "c" * 64
+    v = rt.durable.value.with_pods({cid: PodLimit(3 * GiB, "pod ml/train: 3 units", job="ml/Job/[/x]/main"),
+                                    "uid-2": PodLimit(GiB, "pod ml/idle: 1 unit")})
+    rt.durable.commit(v.with_claims({"claim-1": ClaimShare("ml/small", ("uid-3",), (("gpu0", 20 * GiB),))}), "test")
+    assert rt.registered() == [
+        {"id": cid, "name": "ml/Job/[/x]/main", "cgroup": "", "limit": 3 * GiB, "source": "pod ml/train: 3 units",
+         "what": "pod"},
+        {"id": "uid-2", "name": "uid-2", "cgroup": "", "limit": GiB, "source": "pod ml/idle: 1 unit", "what": "pod"},
+        {"id": "claim-1", "name": "ml/small", "cgroup": "", "limit": 20 * GiB, "source": "DRA claim", "what": "claim"}]
+    b = Box(1, Container("docker", cid, "/docker/" + cid), "main", 0.0, 3 * GiB, "pod", {10}, assigned={0: GiB})
+    books.boxes[cid] = books.by_key[1] = b          # its first CUDA call: a container like any other
+    c = Box(2, Container("kubernetes", "uid-3", "/kubepods/poduid-3", pod="uid-3"), "pod-uid-3", 0.0, 20 * GiB,
+            "claim", {20}, assigned={0: GiB})
+    books.boxes["uid-3"] = books.by_key[2] = c      # a process of the claim's pod
+    assert [r["id"] for r in rt.registered()] == ["uid-2"]
 
 
 def test_unreadable_decisions_hold_everyone_suspend_kill_and_a_reload_reads_them_again(tmp_path):

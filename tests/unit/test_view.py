@@ -8,7 +8,7 @@ from convgpu.cli.view import render
 from convgpu.enforcer.model import ContainerRow, GpuRow, ProcessRow, Snapshot
 from convgpu.probes.events import Event
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 
 
 def proc(pid, live, overhead, src="nvml", gpu=0):
@@ -114,9 +114,18 @@ def test_names_from_processes_and_containers_are_text_never_markup():
     out = text_of(dataclasses.replace(s, containers=(a,), events=(ev,), enforce=enforce,
                                       notes=("lib [/y] not probed",)))
     assert out.count("[/x]") >= 4 and "[bold red]ab[/]" in out and "[/y]" in out
+    pending = [{"name": "ml/Job/[/p]/main", "limit": GiB, "what": "pod"}, {"name": "ml/[/c]", "limit": GiB, "what": "claim"},
+               {"name": "trainer", "limit": GiB, "what": "registered"}]
     st = dict(enforce, containers=enforce["containers"], unmapped_charge="all", gpu_mappings=[
-        {"pid": 7, "certain": False, "also": [0], "how": "[/z]"}])
+        {"pid": 7, "certain": False, "also": [0], "how": "[/z]"}], registered=pending)
     c = Console(width=200, record=True, color_system=None)
     c.print(table(st))
     out = c.export_text()
     assert "[bold red]ab[/]" in out and "[/z]" in out
+    # pods and claims with a limit and no CUDA call yet: listed, as text, with what they are
+    cells = [[x.strip() for x in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    lines = {c[0]: " ".join(c) for c in cells}
+    assert "pod, no call yet" in lines["ml/Job/[/p]/main"] and "claim, no call" in lines["ml/[/c]"]
+    assert "registered" in lines["trainer"] and "1.0 GiB" in lines["ml/[/c]"]
+    out = text_of(dataclasses.replace(s, enforce=dict(enforce, registered=pending)))
+    assert "ml/Job/[/p]/main" in out and "claim, no call" in out
