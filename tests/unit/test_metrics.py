@@ -51,7 +51,7 @@ def test_a_container_name_with_quotes_a_backslash_and_a_newline_is_escaped():
 def test_families_per_container_process_and_gpu():
     nv = GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", total=80 * GiB, used=9 * GiB, uuid="GPU-1234")
     text = render(status("train"), usage=[row(41, 0, 2 * GiB, 1), row(42, 0, 0, 1), row(99, 0, MiB, 0)],
-                  excess={(41, 0): 200 * MiB}, gpus=[nv])
+                  excess={(41, 0): (500 * MiB, 1)}, gpus=[nv])   # Charges.excess: NVML's 500 MiB for 1 context
     c = (("container", "train"), ("id", "abc"))
 
     def p(pid, container=c):
@@ -60,7 +60,7 @@ def test_families_per_container_process_and_gpu():
     want = {
         ("convgpu_container_limit_bytes", c[:1] + (("gpu", "0"),) + c[1:], 2 * GiB),
         ("convgpu_container_waiting", c[:1] + (("gpu", "0"),) + c[1:], 1),
-        ("convgpu_container_stalled_seconds", c[:1] + (("gpu", "0"),) + c[1:], 1.5),
+        ("convgpu_container_stalled_seconds_total", c, 1.5),   # the container's, once (not per GPU)
         ("convgpu_stalls_total", c, 3), ("convgpu_grants_total", c, 2), ("convgpu_over_limit_total", c, 1),
         # per process: live bytes; the per-context charge plus NVML's measured excess; stalled or not
         ("convgpu_process_memory_used_bytes", p(41), 2 * GiB),
