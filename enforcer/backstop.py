@@ -162,7 +162,7 @@ class Backstop:
                    if graphics and c.kind not in GRAPHICS_KINDS else "")
             box = self.books.pid_box.get(pid)
             if not why and box is None and self._unplaceable.get(pid) != st[1]:
-                box = self.place(pid)
+                box = self.place(pid, dev)
                 if box is None:
                     self._unplaceable[pid] = st[1]
             if why or (box is None and c.id not in self.books.boxes):

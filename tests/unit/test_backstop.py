@@ -79,7 +79,7 @@ def proof(holding=()):
     return Proof({0: 0}, major=195, opened=lambda pid, major: {0} if pid in holding else set())
 
 
-def backstop(books, over_limit="stall", place=lambda pid: None, killed=None, whole=frozenset(), holding=(),
+def backstop(books, over_limit="stall", place=lambda pid, dev: None, killed=None, whole=frozenset(), holding=(),
              container_of=None, procs=lambda cg: set(), saved=None, accounted=lambda: {}):
     return Backstop(books, SignalStopper(), Attribution(proof(holding)), place,
                     lambda pid: (killed.append(pid) if killed is not None else None),
@@ -138,7 +138,7 @@ def test_a_stray_that_proves_it_holds_the_memory_is_placed_and_gpus_without_coun
     box = Box(1, "t", set())
     books = Books([box], {1: 256 * MiB})
 
-    def place(pid):
+    def place(pid, dev):
         box.pids.add(pid)
         return box
     bs = backstop(books, place=place, holding={a.pid, b.pid}, container_of=lambda pid: box.container)
@@ -154,7 +154,7 @@ def test_a_pid_that_cannot_show_it_holds_the_memory_is_never_placed_stopped_or_k
     placed = []
     for mode in ("stall", "kill"):
         killed = []
-        bs = backstop(Books([], {}), mode, place=lambda pid: placed.append(pid), killed=killed, holding={b.pid})
+        bs = backstop(Books([], {}), mode, place=lambda pid, dev: placed.append(pid), killed=killed, holding={b.pid})
         books = bs.books
         bs.step({(a.pid, 0): 3 * GiB}, 1)
         assert placed == [] and killed == [] and running(a)
@@ -163,7 +163,7 @@ def test_a_pid_that_cannot_show_it_holds_the_memory_is_never_placed_stopped_or_k
                "pid has no device node of the GPU open" in caplog.text
     # a process that holds the node but started after NVML listed the memory (a reused pid) is
     # not its holder either: the row was first seen at an earlier sample
-    bs = backstop(Books([], {}), place=lambda pid: placed.append(pid), holding={b.pid})
+    bs = backstop(Books([], {}), place=lambda pid, dev: placed.append(pid), holding={b.pid})
     bs.attribution.first[(b.pid, 0)] = 0.0         # listed since boot: before b started
     bs.attribution.clock = lambda: 0.0
     bs.step({(b.pid, 0): GiB}, 1)
@@ -179,7 +179,7 @@ def test_a_graphics_process_is_placed_in_a_container_and_never_when_it_is_the_ho
     box = Box(1, "t", set())
     books = Books([box], {1: 256 * MiB})
 
-    def place(pid):
+    def place(pid, dev):
         box.pids.add(pid)
         return box
     where = {a.pid: box.container, b.pid: Container("/system.slice/gdm.service", "/system.slice/gdm.service",
