@@ -3,8 +3,9 @@ data dir, scraping and evaluating every second, the shipped rules with their `fo
 held-long threshold made quick: tests/prometheus_side.py) scrapes `convgpu enforce
 --metrics-port` on the stand-in driver, NVML's per-process counts on (the backstop runs). One
 container waits (it asks 512 MiB under a 256 MiB limit), one goes over its limit by the driver's
-count (a 1 GiB module no call sizes, under 256 MiB), one runs within its limit. Prometheus's
-HTTP API then shows their series exactly, exactly those two alerts firing, every query of the
+count (a 1 GiB module no call sizes, under 256 MiB), one runs within its limit, and a process
+on a copy of the driver nobody probes holds 256 MiB no container is charged with. Prometheus's
+HTTP API then shows their series exactly, exactly those three alerts firing, every query of the
 Grafana dashboard (deploy/grafana/convgpu.json) returning data; a raised limit ends the wait and
 its alert; a stopped enforcer fires ConvgpuEnforcerDown.
 
@@ -45,7 +46,7 @@ def test_prometheus_scrapes_the_enforcer_and_fires_the_alerts_an_operator_needs(
     enf = Enforcing(build, "--gpu-memory", "4GiB", "--default-limit", "1GiB", "--limit", "held=256MiB",
                     "--limit", "over=256MiB", "--metrics-port", str(port), env=nvml_env(build, env5),
                     start_timeout=120)   # a cold BPF cache (this test alone) compiles first
-    fits = held = over = None
+    fits = held = over = stray = None
     try:
         fits = start_in(cgroups("fits"), build, env5, "alloc", "-s", 128 * MiB, "--hold")
         assert first_line(fits, "allocated")[1:3] == ["1", str(128 * MiB)]
@@ -58,10 +59,18 @@ def test_prometheus_scrapes_the_enforcer_and_fires_the_alerts_an_operator_needs(
                         env=env5)
         first_line(over, "allocated")
         enf.wait_for("container over GPU0: over its limit by the driver's count")
+        # a copy of the driver that an enforcer with --no-discover never probes: no admitted
+        # call places its process, which proves no hold on the GPU (no device node open)
+        (tmp_path / "drv").mkdir()
+        shutil.copy(build / "standin" / "libcuda.so.1", tmp_path / "drv" / "libcuda.so.1")
+        stray = start_in(cgroups("stray"), build, dict(env5, LD_LIBRARY_PATH=str(tmp_path / "drv")), "alloc", "-s",
+                         256 * MiB, "--hold")
+        assert first_line(stray, "allocated")[1:3] == ["1", str(256 * MiB)]
 
         t0 = time.monotonic()
-        firing = {("ConvgpuContainerHeldLong", "held"), ("ConvgpuContainerOverLimitByDriver", "over")}
-        prom.until(lambda: prom.alerts() == firing, 20, "the two alerts firing, and only those")
+        firing = {("ConvgpuContainerHeldLong", "held"), ("ConvgpuContainerOverLimitByDriver", "over"),
+                  ("ConvgpuUnattributedMemory", "0")}
+        prom.until(lambda: prom.alerts() == firing, 20, "the three alerts firing, and only those")
         took = time.monotonic() - t0
         time.sleep(HOLD)
         assert prom.alerts() == firing     # nothing else fires: the backstop, probes, GPU, enforcer are well
@@ -86,7 +95,8 @@ def test_prometheus_scrapes_the_enforcer_and_fires_the_alerts_an_operator_needs(
                                                        (("container", "over"), ("id", cid(prom, "over"))): 0}
         gpu = (("gpu", "0"),)
         for name, want in (("convgpu_gpu_capacity_bytes", 4 * GiB), ("convgpu_gpu_backstop_enabled", 1),
-                           ("convgpu_gpu_unattributed_bytes", 0), ("convgpu_gpu_memory_total_bytes", 5 * GiB),
+                           ("convgpu_gpu_unattributed_bytes", 256 * MiB), ("convgpu_gpu_memory_total_bytes", 5 * GiB),
+                           ("convgpu_gpu_memory_used_bytes", (128 + 1024 + 256) * MiB),
                            ("convgpu_gpu_committed_bytes", committed(enf))):
             assert prom.values(name) == {gpu: want}, name
         assert prom.values("convgpu_probed_libraries") == {(): 1}
@@ -104,7 +114,7 @@ def test_prometheus_scrapes_the_enforcer_and_fires_the_alerts_an_operator_needs(
         # a raised limit ends the wait: the grant shows, and the alert resolves
         assert enf.cli("limit", "set", "held", "1GiB").returncode == 0
         assert first_line(held, "allocated")[1:3] == ["1", str(512 * MiB)]
-        prom.until(lambda: prom.alerts() == {("ConvgpuContainerOverLimitByDriver", "over")}, 20, "held's alert resolved")
+        prom.until(lambda: prom.alerts() == firing - {("ConvgpuContainerHeldLong", "held")}, 20, "held's alert resolved")
         prom.until(lambda: prom.values('convgpu_grants_total{container="held"}') == {
             (("container", "held"), ("id", cid(prom, "held"))): 1}, 10, "held's grant")
         assert {k[0][1]: v for k, v in prom.values("convgpu_container_used_bytes").items()}["held"] == 512 * MiB
@@ -118,7 +128,7 @@ def test_prometheus_scrapes_the_enforcer_and_fires_the_alerts_an_operator_needs(
         assert prom.query("convgpu_container_limit_bytes") == []
         print(f"alerts fired {took:.1f} s after the over-limit container was stopped")
     finally:
-        stop_all([fits, held, over], enf)
+        stop_all([fits, held, over, stray], enf)
         prom.close()
 
 
