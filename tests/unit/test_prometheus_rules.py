@@ -4,6 +4,7 @@ promtool: `check rules`, and `test rules` with series that fire and series that 
 never fires or fires on anything, fails them; every alert's runbook is in docs/OPERATOR.md; the
 PrometheusRule is made from the same file; and the exposition passes `promtool check metrics`
 (Prometheus's naming conventions: units in names, `_total` on counters)."""
+import json
 import re
 import shutil
 import subprocess
@@ -133,3 +134,32 @@ def test_the_exposition_follows_prometheus_naming_conventions(promtool):
     text = generate_latest(reg).decode()
     r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
+def exported_names() -> set[str]:
+    """Every sample name the enforcer can put on the wire (counters with `_total`, info with `_info`)."""
+    from convgpu.enforcer.families import every_family, job_families
+    return {s.name for f in every_family() + job_families(()) for s in f.samples} | {
+        f.name + {"counter": "_total", "info": "_info"}.get(f.type, "") for f in every_family() + job_families(())}
+
+
+def test_the_rules_and_the_dashboard_name_only_metrics_the_enforcer_exports():
+    """A misspelt metric in a rule or a panel returns nothing, silently, for ever: each name they
+    use is one the enforcer exports (or a recording rule of the file). The panels fit Grafana's
+    24 columns without overlapping, each has a query and a unit."""
+    rules = yaml.safe_load(RULES.read_text())["groups"]
+    recorded = {r["record"] for g in rules for r in g["rules"] if "record" in r}
+    dash = json.loads((ROOT / "deploy" / "grafana" / "convgpu.json").read_text())
+    exprs = [r["expr"] for g in rules for r in g["rules"]] + [t["expr"] for p in dash["panels"] for t in p.get("targets", ())]
+    used = {n for e in exprs for n in re.findall(r"\b(?:instance_gpu:|instance:)?convgpu_[a-z_]+(?::[a-z0-9]+)?", e)}
+    assert used - exported_names() - recorded == set()
+    assert len(used & recorded) >= 1 and len(used) >= 20
+    cells = set()
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["targets"] and "unit" in p["fieldConfig"]["defaults"], p["title"]
