@@ -17,17 +17,17 @@ class Reporter:
     the backstop, the shim broker (credit, asks, ceilings), Quotas, Holds, Runtime (its rules,
     decisions, registered runs), the history, Admission (a view turns alloc/free events on),
     `convgpu trace`'s accountant, the stall backend, and what is fixed at start: the state
-    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge and when it
-    started."""
+    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge, when it
+    started and --handover (the state file tells the watchdog how long a successor may take)."""
 
     def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
                  admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
-                 started: float):
+                 started: float, handover: float = 0.0):
         self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
         self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
         self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
         self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
-        self.unmapped_charge, self.started = unmapped_charge, started
+        self.unmapped_charge, self.started, self.handover = unmapped_charge, started, handover
         self._saved = None
 
     def status(self) -> dict:
@@ -193,7 +193,8 @@ class Reporter:
         self._saved = state
         if FAULT:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
-        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3],
+                    handover=self.handover)
 
     def capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))
