@@ -283,17 +283,20 @@ class Enforcer:
         self.heartbeat.loop_ran()
         self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
-        if any(st.get("handing_over") for st in prev):
+        if prev:
             self._take_over_holds(prev)
         log.info("enforcing: policy %s, capacity %s", self.decider.policy, self.reporter.capacity_text())
         return self
 
     def _take_over_holds(self, prev: list[dict]):
-        """The enforcer before us handed over (--handover): the calls it held are our waits now,
-        held whole (SIGCONT once granted: a stop at a recheck would run unchecked on any other
-        SIGCONT), and what else it held runs again (the backstop stops it again while it is
-        over). Its stops at a driver's open are its watchdog's to resume."""
-        events = self.adopter.stalled()
+        """The calls the enforcer before us left stopped are our waits now, held whole (SIGCONT
+        once granted: a stop at a recheck would run unchecked on any other SIGCONT): all it held
+        where it handed over (--handover), else any its watchdog's resume missed (a thread its
+        ptrace hold let go at its death and that stopped again). Where it handed over, what else
+        it held runs again (the backstop stops it again while it is over); its stops at a
+        driver's open are its watchdog's to resume."""
+        handed = any(st.get("handing_over") for st in prev)
+        events = self.adopter.stalled(handed)
         pids = {e.pid for e in events}
         holder = self.holds.holder
         for pid in pids if holder is not None else ():
@@ -301,12 +304,13 @@ class Enforcer:
         self._take(events, time.monotonic())
         ours = {self.stopper.root.rstrip("/") + b.container.cgroup for b in self.books.boxes.values() if b.waiting} \
             if not isinstance(self.stopper, SignalStopper) else set()
-        for st in prev:
+        for st in prev if handed else ():
             self.actuator.signal(set(st.get("pids", [])) - pids, signal.SIGCONT)
             watchdog.thaw(set(st.get("cgroups", [])) - ours)
-        log.info("took over %d calls held by the enforcer before (%s)", len(events),
-                 ", ".join(f"pid {e.pid} thread {e.tid}" for e in events) or "none")
-        self._changed()
+        if events:
+            log.info("took over %d calls held by the enforcer before (%s)", len(events),
+                     ", ".join(f"pid {e.pid} thread {e.tid}" for e in events))
+            self._changed()
 
     def close(self, hand_over: bool = False):
         """Nothing stays stopped: every waiter is resumed, admission is turned off. hand_over

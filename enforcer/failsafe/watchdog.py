@@ -137,7 +137,10 @@ def hand_over(path: str, control_fd: int, seconds: float, taken_over: list) -> b
     (SIGTERM: taken_over fills) or `seconds` pass. True if one came."""
     state = read_state(path)
     state.update(orphaned=True, handing_over=True, watchdog=os.getpid())
-    write_state(path, **state)   # previous() takes it for a take-over at once
+    try:
+        write_state(path, **state)   # previous() takes it for a take-over at once
+    except OSError:   # its run dir is gone: nobody can take over
+        return False
     deadline = time.monotonic() + seconds
     while not taken_over and time.monotonic() < deadline:
         heartbeat(control_fd)
