@@ -137,8 +137,11 @@ class Reporter:
         d = getattr(self.tracer, "discovery", None)
         if d is None:   # --no-probes
             return {}
+        # recent: the pids stopped at an open, latest last (the last 1,024), one entry a stop:
+        # a test counts its own process's stops exactly while other processes of the host open
+        # driver files of their own
         return {"discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
-                              "unprobed_policy": self.unprobed},
+                              "recent": list(d.recent), "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
     def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:
