@@ -245,10 +245,12 @@ class Placement:
 
     def place_stray(self, pid: int) -> Box | None:
         """The backstop's: a process NVML counts memory for, never placed (no admitted call),
-        joins its container."""
+        joins its container, past its process quota too (Quotas.stray: left out, its memory
+        counted against no container, issue 47)."""
         box = self.box_for(pid)
-        if box is None or self.quotas.process_full(box, pid):
+        if box is None:
             return None
+        self.quotas.stray(box, pid)
         self.join(box, pid)
         log.warning("pid %d of %s holds GPU memory and made no call convgpu admits: placed by what it holds",
                     pid, box.name)

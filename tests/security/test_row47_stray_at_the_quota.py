@@ -1,0 +1,67 @@
+"""Issue 47, finding 7 (a): a stray at the process quota was counted nowhere. A container at its
+--max-processes (1 here: one placed process, 64 MiB) gets a second process, as `nobody`, that
+takes 512 MiB through a driver copy of its own (no probe sees it: a call convgpu does not admit).
+NVML lists it, and the backstop places a process it lists by what it holds; at the quota that
+placement returned nothing, so the 512 MiB went against no container and nothing was said or
+stopped. Now the stray joins its container past the process quota (a process NVML lists holds
+a context, so the GPU's memory bounds how many there can be), and the container, 576 MiB under
+its 256 MiB limit, is stopped by the driver's count within a second."""
+import shutil
+import time
+
+import pytest
+
+from attack import scratch  # noqa: F401
+from conftest import GiB, MiB, StateWatch, popen_in, read_until, start_in, stop_all, until, wait_state
+from shim_attack import NOBODY, enforcer
+
+pytestmark = pytest.mark.system
+
+
+def nvml_env(build, env):
+    """The enforcer sees the stand-in GPU through the stand-in NVML, per-process lists on."""
+    return dict(env, LD_LIBRARY_PATH=f"{build}/standin-nvml:{env['LD_LIBRARY_PATH']}", CONVGPU_STANDIN_NVML_PROCS="1")
+
+
+def row(enf, name):
+    return next((c for c in enf.ctl(cmd="status")["status"]["containers"] if c["name"] == name), None)
+
+
+def test_row47_a_stray_past_the_process_quota_counts_against_its_container(cgroups, build, env5, scratch):
+    enf = enforcer(build, "--gpu-memory", "4GiB", "--limit", "many=256MiB", "--max-processes", "1",
+                   env=nvml_env(build, env5))
+    placed = stray = None
+    try:
+        cg = cgroups("many")
+        placed = start_in(cg, build, env5, "alloc", "-n", 1, "-s", 64 * MiB, "--hold")
+        assert f"allocated 1 {64 * MiB} pid={placed.pid}" in read_until(placed, "ready")
+        until(lambda: row(enf, "many") is not None, 10, "placed")
+        # the stray: the stand-in driver under a path of its own, which no probe watches
+        own = scratch / "attacker" / "drv"
+        own.mkdir()
+        shutil.copy(build / "standin" / "libcuda.so.1", own / "libcuda.so.1")
+        t0 = time.monotonic()
+        stray = popen_in(cg, *NOBODY, build / "cgcaller", "alloc", "-n", 1, "-s", 512 * MiB, "--hold",
+                         env=dict(env5, LD_LIBRARY_PATH=str(own)))
+        assert f"allocated 1 {512 * MiB} pid={stray.pid}" in read_until(stray, "ready")
+        # the container, both its processes, stopped by the driver's count
+        for p in (placed, stray):
+            wait_state(p.pid, "T", timeout=5)
+        took = time.monotonic() - t0
+        enf.wait_for(f"container many pid {stray.pid}: past its process quota (--max-processes 1), but it holds "
+                     "GPU memory no admitted call explains: placed all the same")
+        enf.wait_for(f"pid {stray.pid} of many holds GPU memory and made no call convgpu admits")
+        enf.wait_for("container many GPU0: over its limit by the driver's count: NVML 576.0 MiB")
+        r = row(enf, "many")
+        assert sorted(r["pids"]) == sorted((placed.pid, stray.pid)), r
+        g = r["gpus"]["0"]
+        assert (g["nvml_used"], g["over_by"], g["over_limit"]) == (576 * MiB, 320 * MiB, True), g
+        assert took < 3, took
+        # and they stay stopped while it is over: every thread of both, over a second
+        watches = [StateWatch(p.pid).start() for p in (placed, stray)]
+        time.sleep(1.0)
+        for w in watches:
+            seen = w.stop()
+            assert len(seen) >= 200 and set(seen) <= {"T", "t"}, sorted(set(seen))
+    finally:
+        stop_all([placed, stray], enf)
