@@ -15,7 +15,7 @@ import selectors
 import signal
 import time
 
-from . import backstop, ctxest, policies
+from . import attribution, backstop, ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
@@ -39,6 +39,7 @@ from .serving.broker import ShimBroker
 from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
+from .tenants.cgroupfs import cgroup_layout, procs_in
 from .tenants.containers import container_of_pid
 from .tenants.limits import LimitRules
 from ..probes.events import EF_TRACED
@@ -91,7 +92,7 @@ class Enforcer:
                                       ctx_overhead, ctxest.MeasuredStore(state_dir))
         self.books = Books(capacity, physical, cgstate_reader(tracer), self.charges.ctx, share_of(rules, gpus),
                            whole=self.holds.whole, freezer=not isinstance(stopper, SignalStopper))
-        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx)   # the one writer of BPF's maps
+        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx, self.books.beyond)   # the one writer of BPF's maps
         self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed)
         self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
                                process_holds=self._process_holds, holder=self.holds.current)
@@ -115,10 +116,14 @@ class Enforcer:
                            self._changed)
         self.broker = ShimBroker(tracer, self.books, self.credit, self.placement, self.maps, self.decider.schedule,
                                  self.charges, self._take, unmapped_charge)
-        # the driver's own count as the last word: over a limit however obtained (backstop.py)
-        self.backstop = backstop.Backstop(self.books, stopper, self.placement.place_stray, self.actuator.kill,
-                                          self.books.waits_whole, self._own_pids, self.charge.calls_of,
-                                          self.charge.accounted, over)
+        # the driver's own count as the last word: over a limit however obtained, by whoever can be
+        # shown to hold it (backstop.py, attribution.py)
+        proof = attribution.Proof({d: g.minor for d, g in gpus.items()})
+        self.backstop = backstop.Backstop(self.books, stopper, attribution.Attribution(proof), self.placement.place_stray,
+                                          self.actuator.kill, self.books.waits_whole, self._own_pids,
+                                          self.charge.calls_of, self.charge.accounted, over, container_of,
+                                          lambda cg: procs_in(cg, cgroup_layout()), self._save_now,
+                                          self.maps.write_assign)
         self.backstop.off = self.charge.backstop_off(capacity)
         # what `convgpu trace` shows while we run (it asks us rather than probing twice)
         self.acct = Accountant(nvml=Cached(list(gpus.values()), lambda: self.charge.sampler, nvml.driver)
@@ -151,6 +156,12 @@ class Enforcer:
             ctx = excess[(u.pid, dev)][0] if (u.pid, dev) in excess else max(u.contexts, 0) * self.charges.ctx(dev)
             out[u.pid] = (u.live + ctx, ctx)
         return out
+
+    def _save_now(self):
+        """The watchdog's state file, now: the backstop writes whom it stops before it stops them
+        (a death right after the stop resumed nobody before: issue 47)."""
+        self._held_due = 0.0
+        self.reporter.save_held()
 
     def _own_pids(self) -> set[int]:
         return ({os.getpid(), self.admission.exempt, self.maps.measuring}
@@ -340,7 +351,7 @@ class Enforcer:
             self.charge.measure_next()
         sampler = self.charge.sampler
         if sampler is not None and sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute)
+            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute, sampler.used)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody

@@ -243,15 +243,16 @@ class Placement:
             raise ProcessLookupError(ident.pid)
         return f"{c.kind} {c.id}"
 
-    def place_stray(self, pid: int) -> Box | None:
-        """The backstop's: a process NVML counts memory for, never placed (no admitted call),
-        joins its container, past its process quota too (Quotas.stray: left out, its memory
-        counted against no container, issue 47)."""
+    def place_stray(self, pid: int, dev: int) -> Box | None:
+        """The backstop's: a process that shows it holds memory NVML counts on GPU dev, never
+        placed (no admitted call), joins its container there (enforcer/attribution.py), past
+        its process quota too (Quotas.stray: left out, its memory counted against no container,
+        issue 47)."""
         box = self.box_for(pid)
         if box is None:
             return None
         self.quotas.stray(box, pid)
-        self.join(box, pid)
+        self.join(box, pid, dev)
         log.warning("pid %d of %s holds GPU memory and made no call convgpu admits: placed by what it holds",
                     pid, box.name)
         return box

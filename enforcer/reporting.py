@@ -40,7 +40,11 @@ class Reporter:
                               "unassigned": cap - assigned,
                               "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
-                              "backstop": backstop[str(dev)]}
+                              "backstop": backstop[str(dev)],
+                              # memory NVML counts that nobody can be shown to hold (enforcer/attribution.py)
+                              "unattributed": self.books.unattributed.get(dev, 0),
+                              # containers with no process left that hold memory their gone processes left
+                              "left_by_exited": [r for r in self.backstop.gone_rows(now) if r["gpu"] == dev]}
         rows = []
         sampler = self.charge.sampler
         raw = sampler.raw if sampler is not None else None
@@ -49,7 +53,7 @@ class Reporter:
             for dev in sorted(box.assigned):
                 used, contexts, reserved = self.books.usage(box, dev)
                 w = box.waiting.get(dev)
-                over = self.backstop.status(box.key, dev, now)
+                over = self.backstop.status(box.container.id, dev, now)
                 per[str(dev)] = {
                     "limit": self.books.limit(box, dev), "assigned": box.assigned[dev], "used": used,
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
@@ -60,6 +64,8 @@ class Reporter:
                     # the driver's count (NVML) against the limit: the backstop (enforcer/backstop.py)
                     "nvml_used": sum(raw.get((p, dev), 0) for p in box.pids) if raw is not None else None,
                     "over_by": over["over_by"], "over_s": over["over_s"],
+                    # memory its exited processes left (another process keeps the driver's files)
+                    "left_by_exited": over["left_by_exited"],
                     "circular": bool(w and w.circular),
                     "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
