@@ -245,13 +245,10 @@ class Placement:
 
     def place_stray(self, pid: int, dev: int) -> Box | None:
         """The backstop's: a process that shows it holds memory NVML counts on GPU dev, never
-        placed (no admitted call), joins its container there (enforcer/attribution.py), past
-        its process quota too (Quotas.stray: left out, its memory counted against no container,
-        issue 47)."""
+        placed (no admitted call), joins its container there (enforcer/attribution.py)."""
         box = self.box_for(pid)
-        if box is None:
+        if box is None or self.quotas.process_full(box, pid):
             return None
-        self.quotas.stray(box, pid)
         self.join(box, pid, dev)
         log.warning("pid %d of %s holds GPU memory and made no call convgpu admits: placed by what it holds",
                     pid, box.name)

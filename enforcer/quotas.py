@@ -91,19 +91,6 @@ class Quotas:
             self.held[pid] = box.key
         return True
 
-    def stray(self, box: Box, pid: int):
-        """A process NVML lists with memory that made no admitted call (the backstop places it by
-        what it holds) joins its container even past --max-processes: kept out, as a process
-        stopped at its first call is, its memory counted against no container and nothing held
-        it (issue 47; BPF never stopped it, it made no call BPF admits). What bounds such
-        entries is the GPU's memory, not the tenant: each process NVML lists holds a context
-        (hundreds of MiB). One line when it is past the quota."""
-        if pid in box.pids or len(box.pids) < self.quota.processes:
-            return
-        log.warning("container %s pid %d: past its process quota (--max-processes %d), but it holds GPU memory "
-                    "no admitted call explains: placed all the same, and its memory counts against the container",
-                    box.name, pid, self.quota.processes)
-
     def resume_due(self):
         """SIGCONT whoever waits at a quota once its container has room in every one; BPF's
         recheck lets its call run only then (else it is stopped again)."""

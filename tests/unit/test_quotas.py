@@ -121,21 +121,3 @@ def test_a_dead_waiter_is_forgotten_and_a_gone_container_resumes_its_waiter(slee
     q.ensure(x)
     q.drop(x)
     assert maps.calls == [("ensure", 1), ("drop", 1)]
-
-
-def test_a_stray_past_the_process_quota_is_not_stopped_or_killed_here_and_is_said(sleepers, caplog):
-    """The backstop places a stray (memory NVML lists, no admitted call) past --max-processes
-    (issue 47): Quotas neither keeps it out nor stops or kills it (nothing BPF stopped waits
-    here: the backstop holds its container by the driver's count); one line says it is past."""
-    caplog.set_level(logging.INFO, logger="convgpu")
-    a, b, c = sleepers
-    q, books, _, setting = part(over_limit="kill")
-    x = box(books, 5, "full", [a.pid])
-    q.stray(x, b.pid)                            # room: nothing to say
-    x.pids.add(b.pid)
-    q.stray(x, c.pid)                            # past the quota: said, not killed
-    assert q.held == {} and x.quota_hits == 0 and _stat(c.pid, "/proc")[0] not in "TtZX"
-    said = [r.message for r in caplog.records if "past its process quota" in r.message]
-    assert said == [f"container full pid {c.pid}: past its process quota (--max-processes 2), but it holds GPU "
-                    "memory no admitted call explains: placed all the same, and its memory counts against the "
-                    "container"]
