@@ -17,17 +17,17 @@ class Reporter:
     the backstop, the shim broker (credit, asks, ceilings), Quotas, Holds, Runtime (its rules,
     decisions, registered runs), the history, Admission (a view turns alloc/free events on),
     `convgpu trace`'s accountant, the stall backend, and what is fixed at start: the state
-    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge and when it
-    started."""
+    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge, when it
+    started and --handover (the state file tells the watchdog how long a successor may take)."""
 
     def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
                  admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
-                 started: float):
+                 started: float, handover: float = 0.0):
         self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
         self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
         self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
         self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
-        self.unmapped_charge, self.started = unmapped_charge, started
+        self.unmapped_charge, self.started, self.handover = unmapped_charge, started, handover
         self._saved = None
 
     def status(self) -> dict:
@@ -37,7 +37,7 @@ class Reporter:
             assigned = self.books.assigned(dev)
             est = self.charges.estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
-                              "unassigned": cap - assigned,
+                              "unassigned": cap - assigned, "committed": self.books.committed(dev),
                               "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
                               "backstop": backstop[str(dev)],
@@ -117,6 +117,8 @@ class Reporter:
         s, capacity = self.charge.sampler, self.books.capacity
         if s is not None and s.seq == 0 and s.error:   # never one answer: NVML lists no process here
             return {str(d): f"off: NVML gives no per-process memory ({s.error})" for d in capacity}
+        if s is not None and self.charge.nvml_failing:   # no new sample: no new finding (what it stopped stays)
+            return {str(d): f"off: {self.backstop.off.get(d, 'NVML has stopped answering')}" for d in capacity}
         return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
                 "on" if s is not None else "off: no NVML sampler" for d in capacity}
 
@@ -151,7 +153,8 @@ class Reporter:
         # recent: the pids stopped at an open, latest last (the last 1,024), one entry a stop:
         # a test counts its own process's stops exactly while other processes of the host open
         # driver files of their own
-        return {"discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
+        return {"probes": {"attached": len(self.tracer.attached), "failed": len(self.tracer.failed)},
+                "discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
                               "recent": list(d.recent), "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
@@ -198,7 +201,8 @@ class Reporter:
         self._saved = state
         if FAULT:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
-        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3],
+                    handover=self.handover)
 
     def capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))
