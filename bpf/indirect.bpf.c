@@ -77,7 +77,8 @@ static __always_inline u64 alloc_node_bytes(u64 params, u32 tgid, struct cg_thre
 // page up: less shares the context's own pages (JAX's and CuPy's JIT'd cubins carry a few bytes;
 // NVML counts them in the context, as small allocations' slack). The stand-in's
 // "CONVGPU-STANDIN-MODULE <bytes>\n", or an ELF cubin's .nv.global sections (uninitialized,
-// NOBITS) and .nv.global.init. UNSIZED for anything else (a fat binary, compressed or not, PTX).
+// NOBITS) and .nv.global.init. UNSIZED for anything else (a fat binary, compressed or not, PTX);
+// UNFITTABLE for a size past any card (sections that sum past it, a number of 20 digits).
 #define ELF_SECTIONS 64
 static __always_inline u64 image_bytes(u64 img)
 {
@@ -95,6 +96,8 @@ static __always_inline u64 image_bytes(u64 img)
         for (int i = 0; i < 20; i++) {
             if (digits[i] < '0' || digits[i] > '9')
                 break;
+            if (n > (UNFITTABLE - 9) / 10)  // 20 digits can wrap a u64: past any card instead
+                return UNFITTABLE;
             n = n * 10 + (digits[i] - '0');
         }
         return n;
@@ -118,8 +121,13 @@ static __always_inline u64 image_bytes(u64 img)
             bpf_probe_read_user(name, 10, (void *)(img + strtab + sh.name)))
             return UNSIZED;
         if (name[0] == '.' && name[1] == 'n' && name[2] == 'v' && name[3] == '.' && name[4] == 'g' &&
-            name[5] == 'l' && name[6] == 'o' && name[7] == 'b' && name[8] == 'a' && name[9] == 'l')
+            name[5] == 'l' && name[6] == 'o' && name[7] == 'b' && name[8] == 'a' && name[9] == 'l') {
+            // summed without wrap-around (issue 47: sizes that wrapped to 64 MiB were charged
+            // 64 MiB); a sum past any card is the fail-closed size, admitted never
+            if (sh.size > UNFITTABLE - bytes)
+                return UNFITTABLE;
             bytes += sh.size;
+        }
     }
     return bytes;
 }

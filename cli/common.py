@@ -10,6 +10,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from ..errors import ConvgpuError, EnforcerUnreachable
+from ..printable import printable
 
 err_console = Console(stderr=True)
 state = {"debug": False}
@@ -56,6 +57,16 @@ def check_stop(*_) -> None:
         raise KeyboardInterrupt
 
 
+class PrintableFormatter(logging.Formatter):
+    """Log lines name containers, processes, paths and units, which tenants choose: each
+    message is printable (control characters escaped: no terminal escape reaches a terminal,
+    and no newline makes a line that looks like another), a traceback after it as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def setup_logging(verbose: bool = False, debug: bool = False) -> None:
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
     if sys.stderr.isatty():
@@ -64,7 +75,7 @@ def setup_logging(verbose: bool = False, debug: bool = False) -> None:
     else:   # daemons and pipes: plain lines
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(PrintableFormatter(fmt))
     root = logging.getLogger("convgpu")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -78,7 +89,7 @@ def decisions_visible() -> None:
 
 
 def fail(message: str) -> "typer.Exit":
-    err_console.print(f"[bold red]convgpu:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]convgpu:[/] {escape(printable(message))}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 

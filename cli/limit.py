@@ -1,6 +1,7 @@
 """`convgpu limit set CONTAINER SIZE`: change a running container's limit."""
 import typer
 
+from ..printable import printable
 from ..units import parse_size
 from . import common
 
@@ -14,7 +15,8 @@ def set_limit(container: str = typer.Argument(..., help="Name, id (or a 6+ chara
               run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
     """Set CONTAINER's limit until it exits (beats --limit, rules and labels)."""
     parse_size(size, "SIZE")   # a typo is refused here, before the daemon is asked
-    typer.echo(common.control(run_dir, {"cmd": "limit-set", "container": container, "size": size})["message"])
+    # the message names the container (its name is its owner's): printable
+    typer.echo(printable(common.control(run_dir, {"cmd": "limit-set", "container": container, "size": size})["message"]))
 
 
 @common.handle_errors

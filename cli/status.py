@@ -4,6 +4,7 @@ import json
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..units import format_size
 from . import common
@@ -41,7 +42,7 @@ def table(st: dict) -> Table:
             notes.append(f"pid {m['pid']}: its CUDA devices are not established as host GPUs "
                          f"({m.get('contradiction') or m['how']}): {where}")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
-              title_justify="left", caption_justify="left", caption=text("\n".join(notes)) if notes else None)
+              title_justify="left", caption_justify="left", caption=Text("\n").join(map(text, notes)) if notes else None)
     for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "ctx from", "state", "stalled", "stalls"):
         t.add_column(col, justify="left" if col in ("container", "state") else "right")
     for c in st["containers"]:

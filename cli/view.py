@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..enforcer.model import Snapshot
+from ..printable import printable
 from ..units import format_size
 
 WIDTH = 100
@@ -17,11 +18,15 @@ MODES = {
 }
 
 
-def text(x) -> Text:
-    """A cell as text, never markup: names, comms, paths and notes come from processes and
-    containers (issue 39 attack 2: a process named `[/x]` ended the live view with rich's
-    MarkupError; every string rich is handed as a str is parsed as markup)."""
-    return x if isinstance(x, Text) else Text(str(x))
+def text(x, style: str = "") -> Text:
+    """A cell as text, never markup, its control characters escaped: names, comms, paths and
+    notes come from processes and containers (issue 39 attack 2: a process named `[/x]` ended
+    the live view with rich's MarkupError, every string rich is handed as a str being parsed as
+    markup; issue 47 finding 6: a name's terminal escapes reached the terminal, printable()).
+    A Text made elsewhere is checked too (rebuilt, in its style, where it has any)."""
+    if isinstance(x, Text):
+        return x if printable(x.plain) == x.plain else Text(printable(x.plain), style=x.style)
+    return Text(printable(x), style=style)
 
 
 def row(t: Table, *cells):
@@ -71,14 +76,14 @@ def container_table(s: Snapshot) -> Table:
     for c in s.containers:
         gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
         n = len(c.pids)
-        label = Text(c.name, style="bold")   # kind and id are in --json; processes below
+        label = text(c.name, "bold")   # kind and id are in --json; processes below
         label.append(f" [{n}]" if n > 1 else "", style="dim")
         row(t, label, gpus,
                   format_size(c.live), format_size(c.overhead), format_size(c.total),
                   format_size(c.peak), f"{c.rate:.1f}", _age(c.last_event_age))
         for p in c.processes:
             src = {"nvml": "", "estimate": " ~", "none": ""}[p.overhead_source]
-            row(t, Text(f"  {p.pid} {p.comm}", style="dim"), str(p.gpu), format_size(p.live),
+            row(t, text(f"  {p.pid} {p.comm}", "dim"), str(p.gpu), format_size(p.live),
                       format_size(p.overhead) + src, format_size(p.total), format_size(p.peak),
                       f"{p.rate:.1f}", _age(p.last_event_age))
     return t
@@ -117,20 +122,21 @@ def enforce_table(s: Snapshot) -> Table:
             state = (Text(f"over by {format_size(g['over_by'])}", style="bold red") if g.get("over_by") else
                      Text("over limit", style="bold red") if g["over_limit"] else
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
-            row(t, Text(c["name"], style="bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
+            row(t, text(c["name"], "bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
     for r in e.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
-        row(t, Text(r["name"], style="bold"), "-", format_size(r["limit"]), "", "", Text(not_placed(r), style="dim"), "", "")
+        row(t, text(r["name"], "bold"), "-", format_size(r["limit"]), "", "", Text(not_placed(r), style="dim"), "", "")
     return t
 
 
 def footer(s: Snapshot) -> Text:
     t = Text(style="dim")
     t.append(f"events {s.events_total}   dropped {s.drops}   ~ = estimated context overhead (no NVML)\n")
-    libs = f"probed ({len(s.libraries)}): " + ", ".join(s.libraries) if s.libraries else "no CUDA library probed yet"
+    # a library's path and a note's words may be a container's: printable
+    libs = printable(f"probed ({len(s.libraries)}): " + ", ".join(s.libraries)) if s.libraries else "no CUDA library probed yet"
     t.append(libs if len(libs) < WIDTH else libs[: WIDTH - 2] + "…")
     for n in s.notes:
-        t.append("\n" + n, style="yellow")
+        t.append("\n" + printable(n), style="yellow")
     return t
 
 

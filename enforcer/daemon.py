@@ -253,6 +253,7 @@ class Enforcer:
             self.sel.register(reader.fd, selectors.EVENT_READ, lambda _mask: reader.drain())
         signal.signal(signal.SIGHUP, self._on_hup)
         self.adopter.adopt(prev)
+        self.runtime.say_unmatched("at start")   # a limit written otherwise than a name is seen
         if self.tracer.kernel:   # what a stack limit costs, before a call is admitted
             self.maps.write_resident(self.charge.resident())
         self.charge.plan()   # a GPU model never seen: its newcomers wait for a measured context

@@ -48,6 +48,7 @@ class Reporter:
         rows = []
         sampler = self.charge.sampler
         raw = sampler.raw if sampler is not None else None
+        found = self.backstop.found
         for box in sorted(self.books.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
@@ -61,8 +62,12 @@ class Reporter:
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit) or over["over_by"] > 0,
-                    # the driver's count (NVML) against the limit: the backstop (enforcer/backstop.py)
-                    "nvml_used": sum(raw.get((p, dev), 0) for p in box.pids) if raw is not None else None,
+                    # the driver's count (NVML) against the limit, as the backstop attributed it
+                    # (enforcer/attribution.py: its strays not placed at the process quota and what
+                    # its gone processes left too, issue 47), else its placed processes' rows
+                    "nvml_used": None if raw is None else found.held.get((box.container.id, dev), 0)
+                    if found is not None and dev not in self.backstop.off
+                    else sum(raw.get((p, dev), 0) for p in box.pids),
                     "over_by": over["over_by"], "over_s": over["over_s"],
                     # memory its exited processes left (another process keeps the driver's files)
                     "left_by_exited": over["left_by_exited"],
@@ -145,9 +150,12 @@ class Reporter:
         d = getattr(self.tracer, "discovery", None)
         if d is None:   # --no-probes
             return {}
+        # recent: the pids stopped at an open, latest last (the last 1,024), one entry a stop:
+        # a test counts its own process's stops exactly while other processes of the host open
+        # driver files of their own
         return {"probes": {"attached": len(self.tracer.attached), "failed": len(self.tracer.failed)},
                 "discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
-                              "unprobed_policy": self.unprobed},
+                              "recent": list(d.recent), "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
     def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:

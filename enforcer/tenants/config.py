@@ -59,10 +59,11 @@ class Rule:
     limit: int
 
     def matches(self, c: Container, name: str | None, labels: dict | None) -> bool:
+        unit = c.unit is not None and fnmatch.fnmatchcase(c.unit, self.pattern)   # victim.service
         if self.match == "name":
-            return name is not None and fnmatch.fnmatchcase(name, self.pattern)
+            return (name is not None and fnmatch.fnmatchcase(name, self.pattern)) or unit
         if self.match == "id":
-            return fnmatch.fnmatchcase(c.id, self.pattern) or fnmatch.fnmatchcase(c.short, self.pattern)
+            return fnmatch.fnmatchcase(c.id, self.pattern) or fnmatch.fnmatchcase(c.short, self.pattern) or unit
         if self.match == "cgroup":
             return fnmatch.fnmatchcase(c.cgroup, self.pattern)
         key, eq, value = self.pattern.partition("=")

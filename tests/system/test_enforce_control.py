@@ -183,6 +183,41 @@ def test_config_rules_reload_and_a_bad_reload(cgroups, build, env5, tmp_path):
         enf.close()
 
 
+def test_a_limit_names_a_systemd_unit_as_systemd_shows_it(cgroups, build, env5, tmp_path):
+    """Issue 47: `--limit victim.service=1GiB` fell to the default for a unit's cgroup once a
+    unit's id became its path, with nothing said. A real cgroup named like a unit is matched by
+    its unit name with the suffix (--limit) and without it (a [[rule]] by name); the limits that
+    match no container seen so far are said in one line at start and one at reload."""
+    conf = tmp_path / "convgpu.toml"
+    conf.write_text('[[rule]]\nmatch = "name"\npattern = "worker"\nlimit = "640MiB"\n')
+    enf = Enforcing(build, "--config", str(conf), "--gpu-memory", "4GiB", "--default-limit", "256MiB",
+                    "--limit", "victim.service=768MiB", "--limit", "typo.servce=1GiB")
+    procs = []
+    try:
+        said = [x for x in enf.log if "limits that match no container seen so far" in x]
+        assert len(said) == 1 and said[0].split(" INFO ")[1] == (
+            "convgpu.enforcer.daemon: at start, limits that match no container seen so far: --limit victim.service, "
+            "--limit typo.servce, rule name 'worker' (a container is named by its name, id, short id or cgroup path; "
+            "a systemd unit also by its name with or without its suffix, victim.service or victim)"), said
+        victim = start_in(cgroups("victim.service"), build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold")
+        worker = start_in(cgroups("worker.service"), build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold")
+        procs += [victim, worker]
+        for p in procs:                       # under the default (256 MiB) both would wait
+            assert f"allocated 1 {512 * MiB} pid={p.pid}" in read_until(p, "ready")
+        st = {c["name"]: c for c in enf.ctl(cmd="status")["status"]["containers"]}
+        assert (st["victim"]["limit"], st["victim"]["source"]) == (768 * MiB, "--limit victim.service")
+        assert st["victim"]["cgroup"].endswith("/victim.service")
+        assert (st["worker"]["limit"], st["worker"]["source"]) == (640 * MiB, "rule name 'worker'")
+        conf.write_text('[[rule]]\nmatch = "id"\npattern = "worker.service"\nlimit = "576MiB"\n'
+                        '[[rule]]\nmatch = "name"\npattern = "nomatch*"\nlimit = "1GiB"\n')
+        enf.cli("reload")
+        enf.wait_for("limit of worker set to 576.0 MiB (rule id 'worker.service')")
+        line = enf.wait_for("at reload, limits that match no container seen so far")
+        assert line.split("seen so far: ")[1].startswith("--limit typo.servce, rule name 'nomatch*' ("), line
+    finally:
+        stop_all(procs, enf)
+
+
 def test_bad_config_refuses_to_start(build, tmp_path):
     for text, msg in (('[enforce]\npolicy = "lifo"\n', "invalid config file"),
                       ('[enforce]\ndefault_limit = "1.5 GiBs"\n', "[enforce] default_limit '1.5 GiBs'"),
