@@ -46,8 +46,8 @@ def gpu0(enf, name):
     return next((c["gpus"]["0"] for c in st["containers"] if c["name"] == name), None)
 
 
-def tenant(cgroups, build, env, name, copy):
-    return popen_in(cgroups(name), *NOBODY, build / "reenter", BLOCK, 100, copy,
+def tenant(cgroups, build, env, name, copy, *more):
+    return popen_in(cgroups(name), *NOBODY, build / "reenter", BLOCK, 100, copy, *more,
                     env=dict(env, CONVGPU_STANDIN_ALLOC_MS="400"))
 
 
@@ -90,6 +90,26 @@ def test_row47_4_past_its_limit_the_backstop_stops_it_within_a_second(cgroups, b
         g = gpu0(enf, "copies")
         assert g["over_limit"] and g["nvml_used"] == 2 * BLOCK and g["used"] == 2 * BLOCK, g
         assert took < 1.5, took
+    finally:
+        if t and t.poll() is None:
+            t.kill()
+            t.wait()
+        enf.close()
+
+
+def test_row47_4_the_inner_blocks_address_freed_and_taken_again_is_no_forward(cgroups, build, env5, second_driver):
+    """The handler frees its block before it returns, and the outer call's block gets the same
+    address (the driver hands addresses out again): the same pointer as the inner call's is the
+    forward only while the inner call's block is still in the books. Charged: the 200 MiB held."""
+    enf = enforcer(build, "--gpu-memory", "4GiB", "--limit", "copies=1GiB", "--lib", second_driver)
+    t = None
+    try:
+        t = tenant(cgroups, build, env5, "copies", second_driver, "free")
+        expect(t, "allocated", timeout=20)
+        assert expect(t, "reused", timeout=5) == ["reused", "1"]        # the same address, a new block
+        assert StandinNvml(env5["CONVGPU_STANDIN_SHM"]).process_memory()[(t.pid, 0)] == BLOCK
+        g = gpu0(enf, "copies")
+        assert (g["used"], g["reserved"]) == (BLOCK, 0), g               # a pointer compare alone: 0
     finally:
         if t and t.poll() is None:
             t.kill()
