@@ -45,6 +45,11 @@ def hold_signals() -> None:
         signal.signal(sig, note)
 
 
+def stopped_by(sig: int) -> bool:
+    """The command is ending because of this signal (the enforcer hands over at a SIGTERM)."""
+    return sig in _stopping
+
+
 def check_stop(*_) -> None:
     """Raise the KeyboardInterrupt that a ctypes callback may have swallowed."""
     if _stopping:

@@ -4,6 +4,7 @@ Every option can also be set in the config file's [enforce] table (same name, un
 an option given on the command line wins. Built-in defaults are in DEFAULTS."""
 import logging
 import os
+import signal
 import ssl
 from enum import Enum
 
@@ -32,7 +33,7 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
             "probes": True, "unprobed": "stall", "unmapped_charge": "all", "max_objects": MapQuota.objects,
-            "max_threads": MapQuota.threads, "max_processes": MapQuota.processes}
+            "max_threads": MapQuota.threads, "max_processes": MapQuota.processes, "handover": 0.0}
 # what the BPF maps hold (bpf/maps.bpf.c MAX_OBJS, MAX_THREADS): quotas above these let
 # fewer containers than 16 sit at them at once before a neighbour's entries find no room
 MAP_SIZES = MapQuota(262144 // 16, 65536 // 16, 65536 // 64)
@@ -149,6 +150,7 @@ def enforce(
     max_objects: int = typer.Option(None, "--max-objects", min=1, help=f"Device objects (allocations, VMM handles and mappings, arrays, contexts) one container may hold in the BPF maps; at it, its next call is stalled or killed as --over-limit says (default {MapQuota.objects})."),
     max_threads: int = typer.Option(None, "--max-threads", min=1, help=f"Threads calling CUDA one container may have tracked at once (default {MapQuota.threads})."),
     max_processes: int = typer.Option(None, "--max-processes", min=1, help=f"Processes using CUDA one container may have tracked at once (default {MapQuota.processes})."),
+    handover: float = typer.Option(None, "--handover", min=0.0, help="Seconds a successor may take, at a SIGTERM (systemctl restart, a DaemonSet rollout), to take over the calls this enforcer holds: they stay held and admission stays on meanwhile, so a restart lets no stalled process past its limit (default 0: a SIGTERM resumes them, as Ctrl-C always does). The systemd unit and the DaemonSet set 60."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
@@ -167,7 +169,7 @@ def enforce(
            "metrics_address": metrics_address, "metrics_tls": metrics_tls, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None,
            "max_objects": max_objects, "max_threads": max_threads, "max_processes": max_processes,
-           "unmapped_charge": unmapped_charge.value if unmapped_charge else None}
+           "unmapped_charge": unmapped_charge.value if unmapped_charge else None, "handover": handover}
     s = settings_from(conf, cli)
     quota = map_quota(s)
     if s["gpu_memory"] == 0:
@@ -193,7 +195,7 @@ def enforce(
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
                    unprobed=s["unprobed"], state_dir=s["state_dir"], quota=quota,
-                   unmapped_charge=s["unmapped_charge"])
+                   unmapped_charge=s["unmapped_charge"], handover=s["handover"])
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:
@@ -217,6 +219,6 @@ def enforce(
     except KeyboardInterrupt:
         pass
     finally:
-        enf.close()
+        enf.close(hand_over=common.stopped_by(signal.SIGTERM))   # Ctrl-C always releases at once
         engines.close()
         nvml.close()

@@ -15,7 +15,7 @@ import selectors
 import signal
 import time
 
-from . import backstop, ctxest, policies
+from . import attribution, backstop, ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
@@ -39,6 +39,7 @@ from .serving.broker import ShimBroker
 from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
+from .tenants.cgroupfs import cgroup_layout, procs_in
 from .tenants.containers import container_of_pid
 from .tenants.limits import LimitRules
 from ..probes.events import EF_TRACED
@@ -62,11 +63,12 @@ class Enforcer:
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
                  state_dir: str | None = None, quota: MapQuota | None = None,
-                 unmapped_charge: str = "all"):
+                 unmapped_charge: str = "all", handover: float = 0.0):
         self.tracer, self.rules, self.container_of = tracer, rules, container_of
         self.stopper = stopper = stopper or SignalStopper()
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
         self.run_dir, self.started = run_dir, time.time()
+        self.handover = handover   # s a successor may take to take over what we hold at a SIGTERM
         self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
         self.control_path = os.path.join(run_dir, "control.sock")
         self.pin_dir = takeover.pin_dir_for(run_dir)
@@ -91,7 +93,7 @@ class Enforcer:
                                       ctx_overhead, ctxest.MeasuredStore(state_dir))
         self.books = Books(capacity, physical, cgstate_reader(tracer), self.charges.ctx, share_of(rules, gpus),
                            whole=self.holds.whole, freezer=not isinstance(stopper, SignalStopper))
-        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx)   # the one writer of BPF's maps
+        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx, self.books.beyond)   # the one writer of BPF's maps
         self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed)
         self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
                                process_holds=self._process_holds, holder=self.holds.current)
@@ -115,10 +117,14 @@ class Enforcer:
                            self._changed)
         self.broker = ShimBroker(tracer, self.books, self.credit, self.placement, self.maps, self.decider.schedule,
                                  self.charges, self._take, unmapped_charge)
-        # the driver's own count as the last word: over a limit however obtained (backstop.py)
-        self.backstop = backstop.Backstop(self.books, stopper, self.placement.place_stray, self.actuator.kill,
-                                          self.books.waits_whole, self._own_pids, self.charge.calls_of,
-                                          self.charge.accounted, over)
+        # the driver's own count as the last word: over a limit however obtained, by whoever can be
+        # shown to hold it (backstop.py, attribution.py)
+        proof = attribution.Proof({d: g.minor for d, g in gpus.items()})
+        self.backstop = backstop.Backstop(self.books, stopper, attribution.Attribution(proof), self.placement.place_stray,
+                                          self.actuator.kill, self.books.waits_whole, self._own_pids,
+                                          self.charge.calls_of, self.charge.accounted, over, container_of,
+                                          lambda cg: procs_in(cg, cgroup_layout()), self._save_now,
+                                          self.maps.write_assign)
         self.backstop.off = self.charge.backstop_off(capacity)
         # what `convgpu trace` shows while we run (it asks us rather than probing twice)
         self.acct = Accountant(nvml=Cached(list(gpus.values()), lambda: self.charge.sampler, nvml.driver)
@@ -128,7 +134,7 @@ class Enforcer:
         self.reporter = Reporter(tracer, self.books, self.decider, self.charge, self.backstop, self.broker,
                                  self.quotas, self.holds, self.runtime, self.history, self.admission, self.acct,
                                  stopper, self.state_file, lambda: self.watchdog.pid if self.watchdog else None,
-                                 unprobed, unmapped_charge, self.started)
+                                 unprobed, unmapped_charge, self.started, handover)
         self.adopter = Adopter(tracer, self.maps, self.books, self.runtime, self.charges.ctx, container_of,
                                run_dir, self.state_file, self.pin_dir, self.owner)
         self.heartbeat = Heartbeat(self.maps.beat, HEARTBEAT_EVERY, LOOP_HUNG)
@@ -151,6 +157,12 @@ class Enforcer:
             ctx = excess[(u.pid, dev)][0] if (u.pid, dev) in excess else max(u.contexts, 0) * self.charges.ctx(dev)
             out[u.pid] = (u.live + ctx, ctx)
         return out
+
+    def _save_now(self):
+        """The watchdog's state file, now: the backstop writes whom it stops before it stops them
+        (a death right after the stop resumed nobody before: issue 47)."""
+        self._held_due = 0.0
+        self.reporter.save_held()
 
     def _own_pids(self) -> set[int]:
         return ({os.getpid(), self.admission.exempt, self.maps.measuring}
@@ -244,7 +256,7 @@ class Enforcer:
         if self.tracer.kernel:   # what a stack limit costs, before a call is admitted
             self.maps.write_resident(self.charge.resident())
         self.charge.plan()   # a GPU model never seen: its newcomers wait for a measured context
-        write_state(self.state_file, [], [])
+        write_state(self.state_file, [], [], handover=self.handover)
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
             log.warning("no probes (--no-probes): only processes under the preload shim are limited")
             self.admission.write(True)
@@ -271,11 +283,36 @@ class Enforcer:
         self.heartbeat.loop_ran()
         self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
+        if any(st.get("handing_over") for st in prev):
+            self._take_over_holds(prev)
         log.info("enforcing: policy %s, capacity %s", self.decider.policy, self.reporter.capacity_text())
         return self
 
-    def close(self):
-        """Nothing stays stopped: every waiter is resumed, admission is turned off."""
+    def _take_over_holds(self, prev: list[dict]):
+        """The enforcer before us handed over (--handover): the calls it held are our waits now,
+        held whole (SIGCONT once granted: a stop at a recheck would run unchecked on any other
+        SIGCONT), and what else it held runs again (the backstop stops it again while it is
+        over). Its stops at a driver's open are its watchdog's to resume."""
+        events = self.adopter.stalled()
+        pids = {e.pid for e in events}
+        holder = self.holds.holder
+        for pid in pids if holder is not None else ():
+            holder.refused[pid] = "taken over stopped from the enforcer before: held whole"
+        self._take(events, time.monotonic())
+        ours = {self.stopper.root.rstrip("/") + b.container.cgroup for b in self.books.boxes.values() if b.waiting} \
+            if not isinstance(self.stopper, SignalStopper) else set()
+        for st in prev:
+            self.actuator.signal(set(st.get("pids", [])) - pids, signal.SIGCONT)
+            watchdog.thaw(set(st.get("cgroups", [])) - ours)
+        log.info("took over %d calls held by the enforcer before (%s)", len(events),
+                 ", ".join(f"pid {e.pid} thread {e.tid}" for e in events) or "none")
+        self._changed()
+
+    def close(self, hand_over: bool = False):
+        """Nothing stays stopped: every waiter is resumed, admission is turned off. hand_over
+        (a SIGTERM with --handover): what we hold stays held for our successor (_hand_over)."""
+        if hand_over and self.handover > 0 and self.watchdog is not None:
+            return self._hand_over()
         self.heartbeat.stop()   # before admission goes off: it would write it back on
         if self.tracer.b is not None:
             self.admission.write(False)
@@ -313,6 +350,29 @@ class Enforcer:
             takeover.clear(self.pin_dir)   # no probes left to keep the maps exact
         self.tracer.close(background=True)
 
+    def _hand_over(self):
+        """A restart (systemctl restart, a DaemonSet rollout) is not a release: every stopped call
+        stays stopped, and admission on, for up to --handover s while our watchdog waits for the
+        successor that takes them over (failsafe/watchdog.py hand_over). Before, each restart
+        resumed every waiter and let it past its limit (6 GiB on a 4 GiB claim). A thread held
+        alone by ptrace is first stopped whole: the kernel lets a tracee run at its tracer's
+        exit, but leaves a process in a group stop stopped."""
+        self.heartbeat.stop()   # the watchdog beats from our exit on
+        held = {a.pid for b in self.books.boxes.values() for w in b.waiting.values() for a in w.asks.values()}
+        self.actuator.signal(held, signal.SIGSTOP)
+        self.reporter.save_held()
+        for srv in self.servers:
+            srv.close()
+        self.servers.clear()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.charge.close()
+        self.history.close()
+        self.durable.close()
+        log.info("handing over: %d processes stay stopped at their calls, admission on, for up to %.0f s "
+                 "until the next enforcer takes them over", len(held), self.handover)
+        os.close(self.lifeline)   # the watchdog hands over from now; the probes and pins stay
+
     def step(self):
         now = time.monotonic()
         held = self.heartbeat.loop_ran()
@@ -339,7 +399,7 @@ class Enforcer:
             self.charge.measure_next()
         sampler = self.charge.sampler
         if sampler is not None and sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute)
+            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute, sampler.used)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody

@@ -195,7 +195,9 @@ class ContextCharge:
         nv = self.sampler.take() if self.sampler is not None else None
         if nv is None:
             return False
-        self.charges.excess = nv
+        # a pid a gone member left memory under, now another process's: its row mixes the two
+        # (the backstop splits it), so it measures no context (enforcer/attribution.py)
+        self.charges.excess = {k: v for k, v in nv.items() if k[0] not in self.books.departed}
         self._check_mappings({pid for pid, _ in nv}, {(pid, dev) for pid, dev in nv})
         return self.recharge()
 

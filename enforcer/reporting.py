@@ -17,17 +17,17 @@ class Reporter:
     the backstop, the shim broker (credit, asks, ceilings), Quotas, Holds, Runtime (its rules,
     decisions, registered runs), the history, Admission (a view turns alloc/free events on),
     `convgpu trace`'s accountant, the stall backend, and what is fixed at start: the state
-    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge and when it
-    started."""
+    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge, when it
+    started and --handover (the state file tells the watchdog how long a successor may take)."""
 
     def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
                  admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
-                 started: float):
+                 started: float, handover: float = 0.0):
         self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
         self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
         self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
         self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
-        self.unmapped_charge, self.started = unmapped_charge, started
+        self.unmapped_charge, self.started, self.handover = unmapped_charge, started, handover
         self._saved = None
 
     def status(self) -> dict:
@@ -40,7 +40,11 @@ class Reporter:
                               "unassigned": cap - assigned,
                               "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
-                              "backstop": backstop[str(dev)]}
+                              "backstop": backstop[str(dev)],
+                              # memory NVML counts that nobody can be shown to hold (enforcer/attribution.py)
+                              "unattributed": self.books.unattributed.get(dev, 0),
+                              # containers with no process left that hold memory their gone processes left
+                              "left_by_exited": [r for r in self.backstop.gone_rows(now) if r["gpu"] == dev]}
         rows = []
         sampler = self.charge.sampler
         raw = sampler.raw if sampler is not None else None
@@ -49,7 +53,7 @@ class Reporter:
             for dev in sorted(box.assigned):
                 used, contexts, reserved = self.books.usage(box, dev)
                 w = box.waiting.get(dev)
-                over = self.backstop.status(box.key, dev, now)
+                over = self.backstop.status(box.container.id, dev, now)
                 per[str(dev)] = {
                     "limit": self.books.limit(box, dev), "assigned": box.assigned[dev], "used": used,
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
@@ -60,6 +64,8 @@ class Reporter:
                     # the driver's count (NVML) against the limit: the backstop (enforcer/backstop.py)
                     "nvml_used": sum(raw.get((p, dev), 0) for p in box.pids) if raw is not None else None,
                     "over_by": over["over_by"], "over_s": over["over_s"],
+                    # memory its exited processes left (another process keeps the driver's files)
+                    "left_by_exited": over["left_by_exited"],
                     "circular": bool(w and w.circular),
                     "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
@@ -184,7 +190,8 @@ class Reporter:
         self._saved = state
         if FAULT:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
-        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3],
+                    handover=self.handover)
 
     def capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))

@@ -28,6 +28,7 @@ class Nvml:
         self.ok = False
         self.error = ""
         self.compute: set[int] = set()   # pids in the last process_memory()'s compute lists
+        self.used: dict[int, int] = {}   # GPU -> its memory in use, as the last process_memory() read it
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -94,8 +95,12 @@ class Nvml:
         n = self._n
         out: dict[tuple[int, int], int] = {}
         compute: set[int] = set()
+        totals: dict[int, int] = {}
         for i in range(n.nvmlDeviceGetCount()):
             h = n.nvmlDeviceGetHandleByIndex(i)
+            # the GPU's own total, read with its lists: memory no list names (a process gone
+            # whose files another keeps) shows here alone (enforcer/attribution.py)
+            totals[i] = int(n.nvmlDeviceGetMemoryInfo(h).used)
             rows = list(n.nvmlDeviceGetComputeRunningProcesses(h))
             compute |= {p.pid for p in rows}
             try:
@@ -106,7 +111,7 @@ class Nvml:
             computed = _summed(rows)
             for pid in computed.keys() | drawn.keys():
                 out[(pid, i)] = max(computed.get(pid, 0), drawn.get(pid, 0))
-        self.compute = compute   # the backstop places only these by what they hold (a display server is none)
+        self.compute, self.used = compute, totals   # graphics: listed, not in compute (enforcer/attribution.py)
         return out
 
 
@@ -146,6 +151,7 @@ class Sampler:
         self.raw: dict[tuple[int, int], int] = {}   # NVML's last answer as it was (Cached, the backstop)
         self.seq = 0                                  # answers so far: a new one is looked at once
         self.compute: set[int] | None = None          # pids NVML lists as compute processes
+        self.used: dict[int, int] = {}                # GPU -> its memory in use, read with raw
         self._seen: dict[tuple[int, int], int] = {}   # (pid, dev) -> the last clean sample's excess
         self._out: dict[tuple[int, int], int] = {}    # (pid, dev) -> what was given out last
         self._latest: dict | None = None
@@ -161,6 +167,7 @@ class Sampler:
             try:
                 self._latest = self.sample()
                 self.compute = getattr(self.nvml, "compute", None)   # None: every pid may compute
+                self.used = dict(getattr(self.nvml, "used", {}))
                 self.ok_at, self.error = time.monotonic(), ""
                 self.seq += 1   # after raw: a reader that sees the count sees its answer
             except Exception as e:   # GPU lost, unknown error: the last sample stays in force

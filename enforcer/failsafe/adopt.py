@@ -4,6 +4,8 @@ import logging
 import os
 import time
 
+from ...probes.events import EF_ORDINAL, EF_RESERVED, Event
+from ...probes.table import API_NAMES
 from ...units import format_size
 from . import takeover
 from ..actuator import alive
@@ -97,3 +99,20 @@ class Adopter:
         log.info("took over from enforcer %s: %d containers, %s assigned",
                  ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(books.boxes),
                  format_size(sum(sum(b.assigned.values()) for b in books.boxes.values())))
+
+    def stalled(self) -> list[Event]:
+        """The calls the enforcer before us held when it handed over (--handover), as the events
+        that stopped them (we never heard those): each thread the pinned `threads` map shows
+        stopped at a call, of a live process. A member's is a stall (reserved where its
+        recheck kept its reservation), a process not placed yet's its first call."""
+        out = []
+        for k, t in self.maps.table("threads").items():
+            c = t.call
+            pid, tid = k.value >> 32, k.value & 0xFFFFFFFF
+            if not c.stalled or not c.api or not alive(pid) or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            box = self.books.pid_box.get(pid)
+            flags = (EF_RESERVED if c.reserved else 0) | (EF_ORDINAL if c.ordinal else 0)
+            out.append(Event(0, pid, tid, "", 0, "stall" if box else "unknown", API_NAMES.get(c.api, f"api{c.api}"),
+                             None, c.rdev if c.reserved else c.wdev, box.key if box else 0, c.want, 0, 0, flags))
+        return out

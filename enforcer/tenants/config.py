@@ -43,11 +43,12 @@ SETTINGS = {
     "max_threads": ("int", None),
     "max_processes": ("int", None),
     "unmapped_charge": ("choice", ("all", "guess")),
+    "handover": ("seconds", None),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
                 "libs", "discover", "probes", "unprobed", "max_objects", "max_threads", "max_processes",
-                "unmapped_charge")
+                "unmapped_charge", "handover")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

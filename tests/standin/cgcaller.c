@@ -5,7 +5,7 @@
  * machine, the real driver, so only real-driver semantics are used here.
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
- *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]
+ *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]
  *                 [--limit stack|heap|fifo]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
  *         stack heap fifo ctxlimit graph capture module graphprobe
@@ -20,6 +20,11 @@
  *   exit
  * fail family: first "failed cuMemAlloc_v2 CODE", then the protocol above
  *   with "allocated 0 0 ..." and "freed 0 0"; exit status 0 iff CODE != 0.
+ * --orphan: a child forked before cuInit (it makes no CUDA call) is sent every descriptor of
+ *   this process over a unix socket (SCM_RIGHTS) after "allocated ... ready"; it prints
+ *   "holding N pid=CHILD" and keeps them until stdin ends, while this process prints
+ *   "orphaned pid=CHILD" and leaves with _exit(0): nothing freed, no exit handler run. The
+ *   driver's files outlive the process that allocated (issue 47 finding 2).
  * graphprobe family: "started pid=PID", then one "step NAME ..." line after each step of a
  *   graph's life (--hold: waits for a stdin line after each), then "exit".
  * The primary context is retained once and, like cudart does, never
@@ -34,7 +39,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <dirent.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "cuda_min.h"
@@ -51,8 +58,9 @@ static struct {
     int hold_freed;
     const char *image;
     int from_file;
+    int orphan;
     CUlimit limit;      /* ctxlimit: which one */
-} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0, CU_LIMIT_MALLOC_HEAP_SIZE};
+} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0, 0, CU_LIMIT_MALLOC_HEAP_SIZE};
 
 static CUdevice g_dev;
 static CUcontext g_prim;
@@ -623,10 +631,68 @@ static uint64_t parse_size(const char *s)
     return (uint64_t)v << sh;
 }
 
+/* --orphan: the holder, forked before cuInit. It takes what it is sent and keeps it. */
+static int orphan_sock = -1;
+static pid_t orphan_pid;
+
+static void orphan_fork(void)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, sv) != 0)
+        die("socketpair", errno);
+    orphan_pid = fork();
+    if (orphan_pid < 0)
+        die("fork", errno);
+    if (orphan_pid > 0) {
+        close(sv[1]);
+        orphan_sock = sv[0];
+        return;
+    }
+    close(sv[0]);
+    char byte, ctl[CMSG_SPACE(253 * sizeof(int))];
+    struct iovec iov = {&byte, 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+    if (recvmsg(sv[1], &m, 0) != 1)
+        _exit(3);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    size_t n = c ? (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) : 0;
+    printf("holding %zu pid=%d\n", n, (int)getpid());
+    char line[256];
+    while (fgets(line, sizeof line, stdin))   /* until stdin ends: the test's word */
+        ;
+    _exit(0);
+}
+
+static void orphan_leave(void)
+{
+    int fds[253], n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    while (d && (e = readdir(d)) && n < 253) {
+        int fd = atoi(e->d_name);
+        if (e->d_name[0] != '.' && fd > 2 && fd != orphan_sock && fd != dirfd(d))
+            fds[n++] = fd;
+    }
+    char byte = 'o', ctl[CMSG_SPACE(sizeof fds)];
+    struct iovec iov = {&byte, 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl,
+                       .msg_controllen = CMSG_SPACE(n * sizeof(int))};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(n * sizeof(int));
+    memcpy(CMSG_DATA(c), fds, n * sizeof(int));
+    if (sendmsg(orphan_sock, &m, 0) != 1)
+        die("sendmsg(SCM_RIGHTS)", errno);
+    printf("orphaned pid=%d\n", (int)orphan_pid);
+    fflush(stdout);
+    _exit(0);
+}
+
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]"
+                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]"
                     " [--limit stack|heap|fifo]\n"
                     "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n"
                     "        stack heap fifo ctxlimit graph capture module graphprobe\n");
@@ -645,6 +711,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--no-free")) O.nofree = 1;
         else if (!strcmp(a, "--hold-freed")) O.hold_freed = 1;
         else if (!strcmp(a, "--from-file")) O.from_file = 1;
+        else if (!strcmp(a, "--orphan")) O.orphan = 1;
         else if (!v) usage();
         else if (!strcmp(a, "-n")) O.count = atol(v), i++;
         else if (!strcmp(a, "-s")) O.size = parse_size(v), O.size_set = 1, i++;
@@ -659,6 +726,8 @@ int main(int argc, char **argv)
     if (O.count < 1 || O.threads < 1)
         usage();
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (O.orphan)
+        orphan_fork();
 
     CK("cuInit", cuInit(0));
     CK("cuDeviceGet", cuDeviceGet(&g_dev, O.device));
@@ -728,6 +797,8 @@ int main(int argc, char **argv)
     printf("allocated %llu %llu pid=%d\n", (unsigned long long)ac, (unsigned long long)ab,
            (int)getpid());
     printf("ready\n");
+    if (O.orphan)
+        orphan_leave();
     wait_for_go();
     if (!O.nofree)
         pthread_barrier_wait(&b_free);

@@ -121,6 +121,10 @@ class Lists:
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
 
+    def nvmlDeviceGetMemoryInfo(self, h):
+        from types import SimpleNamespace
+        return SimpleNamespace(total=80 << 30, used=0)
+
     def _rows(self, rows):
         from types import SimpleNamespace
         return [SimpleNamespace(pid=pid, usedGpuMemory=n) for pid, n in rows]
