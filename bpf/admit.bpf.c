@@ -371,9 +371,10 @@ static __always_inline int arity(u16 api)
     return 2;
 }
 
-// The call in the slot has this entry's arguments: every one an admitted call has (a second
-// call that differs in its pitch's height or its VMM's location is no forward: charged at its
-// return with the slot's), the first two of any other.
+// The call in the slot has this entry's arguments: all an admitted call has, the first two of
+// any other. An inner call that asks otherwise (a taller pitch, a VMM handle on another GPU) is
+// no forward: the slot keeps the inner call's arguments, and an outer block settled with them
+// would be charged the inner call's size or GPU.
 static __always_inline int same_call(struct pt_regs *ctx, struct cg_call *c, u16 api)
 {
     int n = admitted(api) ? arity(api) : 2;
