@@ -37,7 +37,7 @@ class Reporter:
             assigned = self.books.assigned(dev)
             est = self.charges.estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
-                              "unassigned": cap - assigned,
+                              "unassigned": cap - assigned, "committed": self.books.committed(dev),
                               "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
                               "backstop": backstop[str(dev)],
@@ -112,6 +112,8 @@ class Reporter:
         s, capacity = self.charge.sampler, self.books.capacity
         if s is not None and s.seq == 0 and s.error:   # never one answer: NVML lists no process here
             return {str(d): f"off: NVML gives no per-process memory ({s.error})" for d in capacity}
+        if s is not None and self.charge.nvml_failing:   # no new sample: no new finding (what it stopped stays)
+            return {str(d): f"off: {self.backstop.off.get(d, 'NVML has stopped answering')}" for d in capacity}
         return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
                 "on" if s is not None else "off: no NVML sampler" for d in capacity}
 
@@ -143,7 +145,8 @@ class Reporter:
         d = getattr(self.tracer, "discovery", None)
         if d is None:   # --no-probes
             return {}
-        return {"discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
+        return {"probes": {"attached": len(self.tracer.attached), "failed": len(self.tracer.failed)},
+                "discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
                               "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 

@@ -8,6 +8,7 @@
 #   - tracefs mounted; a venv from the *system* python3 with --system-site-packages (bcc's
 #     Python part lives in the system dist-packages); the package, editable, with its test extras;
 #   - kubectl (Debian's kubernetes-client unless one is installed) for the deployment's tests;
+#   - prometheus (with promtool): the tests check the alert rules and scrape the enforcer with it;
 #   - the native parts (test stand-in libcuda, callers) built with make.
 set -eu
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 export DEBIAN_FRONTEND=noninteractive
 need=""
-for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static; do
+for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static prometheus; do
   dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
 done
 # kubectl renders the Kubernetes deployment (deploy/kubernetes) in the tests: Debian's
@@ -42,6 +43,11 @@ if [ -n "$need" ]; then
   apt-get update -qq
   # shellcheck disable=SC2086
   apt-get install -y -qq --no-install-recommends $need >/dev/null
+  # the package starts a Prometheus service on :9090 where systemd runs: the tests start their
+  # own (loopback only, a temporary data dir), so the one we installed is stopped and disabled
+  case " $need " in *" prometheus "*)
+    if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi ;;
+  esac
 fi
 
 if ! headers_ok; then

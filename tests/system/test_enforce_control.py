@@ -94,9 +94,10 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
-                                                              "unassigned": 4 * GiB, "physical": 5 * GiB,
+                                                              "unassigned": 4 * GiB, "committed": GiB, "physical": 5 * GiB,
                                                               "tearing_down": 0, "ctx_measuring": False,
-                                                              "backstop": "off: no NVML",
+                                                              "backstop": "off: no NVML", "unattributed": 0,
+                                                              "left_by_exited": [],
                                                               "ctx_estimate": {
                                                                   "bytes": 0, "source": "operator",
                                                                   "detail": "--ctx-overhead (the operator's figure on GPU0)"}}
