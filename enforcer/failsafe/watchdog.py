@@ -180,6 +180,21 @@ def release(path: str) -> tuple[set[int], int]:
     return done, thawed
 
 
+def swap_release(state: dict) -> int | None:
+    """Where the dead enforcer left processes swapped out or locked (its swap.json): a release
+    agent of its own session (enforcer/swap/agent.py --release) unlocks them and restores each
+    once it fits, so none stays locked with nobody to unlock it. Its pid, or None."""
+    argv = state.get("release")
+    try:
+        with open(argv[-1]) as f:
+            if not json.load(f).get("procs"):
+                return None
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+    return subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            cwd="/").pid
+
+
 def link_id(fd: int) -> int | None:
     """The BPF link behind a descriptor (fdinfo's link_id), None for anything else."""
     try:
@@ -266,8 +281,10 @@ def main() -> int:
         return 0
     for fd in zero_fds:   # first: nothing is stopped again
         admission_off(fd)
+    before = read_state(path) if path != "-" else {}
     stopped = resume_held(held_fd) if held_fd >= 0 else set()
     listed, thawed = release(path)
+    swap_release(before)
     if held_fd >= 0:   # a program past its check when the maps were zeroed may still stop one
         time.sleep(0.05)   # (its vCPU taken away mid-program by the host): looked at again
         stopped |= resume_held(held_fd)

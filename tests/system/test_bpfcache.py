@@ -194,7 +194,7 @@ def test_replayed_program_has_the_compiled_maps_types_and_code(pair):
     # mapping (issue 33: a driver recognised by the GPU nodes it opens and the code it maps), resident
     # (issue 39: what a stack byte costs per GPU), curctx (issue 47: each thread's current contexts)
     # included
-    assert len(names) == 29 and b"resident" in names and b"curctx" in names
+    assert len(names) == 30 and b"resident" in names and b"curctx" in names and b"swapped" in names
     for n in names:
         a, b = compiled[n], replayed[n]
         ka, kb = map_info(a.map_fd), map_info(b.map_fd)
