@@ -272,7 +272,18 @@ def main() -> int:
     wait_for_death(pipe_fd, fd_sock, held)
     taken_over: list = []
     signal.signal(signal.SIGTERM, lambda *_: taken_over.append(1))
-    handover = float(read_state(path).get("handover") or 0) if path != "-" else 0.0
+    state = read_state(path) if path != "-" else {}
+    handover = float(state.get("handover") or 0)
+    if handover > 0 and zero_fds and held:
+        # first: every process with a held call stopped whole. A thread the enforcer held alone by
+        # ptrace is let go by the kernel when its tracer is gone (its exit runs after the close of
+        # the lifeline and of its probes' links, which woke us), and one held at its recheck would
+        # run its call unchecked; a process in a group stop stays stopped (FACTS.md, issue 47)
+        for pid in state.get("pids", []):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
     if handover > 0 and zero_fds and held and hand_over(path, zero_fds[0], handover, taken_over):
         opened = resume_held(held_fd, opens_only=True) if held_fd >= 0 else set()
         print(f"convgpu watchdog: enforcer {pid} is gone; its successor took over what it held"

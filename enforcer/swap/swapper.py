@@ -26,7 +26,6 @@ import fnmatch
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from ...units import format_size
 from ..books import Ask, Wait
 from . import idle
+from .procfs import cgroup_room, cpu_of, start_of, stop_release
 
 log = logging.getLogger("convgpu.enforcer.daemon")   # the Enforcer logs as one
 LOCK_MS = 10000         # the driver's lock timeout: a process with work in flight longer fails the swap
@@ -50,7 +50,7 @@ class Swap:
     start: int
     cid: str
     name: str
-    state: str                                        # locking checkpointing out restoring unlocking failed
+    state: str                                        # locking checkpointing out restoring unlocking failed checking
     nvml: dict[int, int]                              # GPU -> NVML's bytes for it when it went (what moves)
     credit: dict[int, int] = field(default_factory=dict)   # GPU -> what its container was charged for it
     since: float = 0.0                                # when it went out (time.time())
@@ -99,11 +99,11 @@ class Swapper:
         if budget is not None and self.host_bytes() + sum(rows.values()) > budget:
             return (f"the swap budget {format_size(budget)} would be passed ({format_size(self.host_bytes())} out, "
                     f"{format_size(sum(rows.values()))} more)")
-        room = _cgroup_room(pid)
+        room = cgroup_room(pid)
         if room is not None and room < sum(rows.values()):
             return (f"its memory cgroup has {format_size(room)} left below its limit, and the driver would put "
                     f"{format_size(sum(rows.values()))} of host copy there")
-        self.procs[pid] = Swap(pid, _start(pid), box.container.id, box.name, "locking", rows, why=why)
+        self.procs[pid] = Swap(pid, start_of(pid), box.container.id, box.name, "locking", rows, why=why)
         self._save()
         self.tracer.touch(True)   # before the lock: its first call once locked is heard
         self.agent.submit("lock", pid, LOCK_MS / 1000 + 10, LOCK_MS)
@@ -193,6 +193,22 @@ class Swapper:
             return
         ok = r.rc == 0
         said = f"CUresult {r.rc}" if r.rc is not None else r.why
+        if s.state == "checking":   # one the enforcer before us left in between (load)
+            if r.state == 2:
+                s.state, s.since = "out", s.since or time.time()
+                self._credit(s, +1)
+                self.maps.set_swapped(s.pid, True)
+                self.tracer.touch(True)
+                self._save()
+            elif r.state == 1:
+                s.state = "unlocking"
+                self.agent.submit("unlock", s.pid, 30)
+            elif r.state == 3:
+                s.state, s.why = "failed", "the driver left it failed"
+                log.error("swap: pid %d of %s: the driver left it failed (kill it)", s.pid, s.name)
+            else:
+                self._back(s)
+            return
         if s.state == "locking":
             if ok:
                 s.state = "checkpointing"
@@ -322,7 +338,7 @@ class Swapper:
         for u in self.tracer.usage():
             counts[u.pid] = counts.get(u.pid, 0) + u.n_alloc + u.n_free + max(u.contexts, 0)
         for pid in list(self.books.pid_box):
-            self.seen[pid] = idle.observe(self.seen.get(pid), counts.get(pid, 0), _cpu(pid), False, now)
+            self.seen[pid] = idle.observe(self.seen.get(pid), counts.get(pid, 0), cpu_of(pid), False, now)
         for pid in set(self.seen) - set(self.books.pid_box):
             del self.seen[pid]
 
@@ -374,7 +390,7 @@ class Swapper:
     def load(self):
         """At a start: what an enforcer before us left out or in between (its processes still
         the same: pid and start time), taken back as ours; the driver says where each stands."""
-        _stop_release(f"{self.path}.pid")   # a release agent of the one before us: ours from now
+        stop_release(f"{self.path}.pid")   # a release agent of the one before us: ours from now
         try:
             with open(self.path) as f:
                 kept = json.load(f).get("procs", {})
@@ -387,7 +403,7 @@ class Swapper:
                 s.credit = {int(d): n for d, n in s.credit.items()}
             except TypeError:
                 continue
-            if _start(s.pid) != s.start or s.pid not in self.books.pid_box or self.agent is None:
+            if start_of(s.pid) != s.start or s.pid not in self.books.pid_box or self.agent is None:
                 continue
             s.asked = False
             self.procs[s.pid] = s
@@ -396,64 +412,7 @@ class Swapper:
                 self.maps.set_swapped(s.pid, True)
                 self.tracer.touch(True)
                 log.info("swap: pid %d of %s was out when the enforcer before us stopped: still out", s.pid, s.name)
-            else:   # in between: where the driver left it decides (locked: unlocked; running: nothing)
-                s.state = "unlocking"
-                self.agent.submit("unlock", s.pid, 30)
+            else:   # in between: where the driver left it decides
+                s.state = "checking"
+                self.agent.submit("state", s.pid, 30)
         self._save()
-
-
-def _stop_release(pidfile: str):
-    """SIGTERM the release agent named in pidfile (agent.py --release writes it), if it runs."""
-    try:
-        pid = int(open(pidfile).read())
-        if b"convgpu.enforcer.swap.agent" in open(f"/proc/{pid}/cmdline", "rb").read():
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):   # it stops between two steps, never inside a driver call
-                if not os.path.exists(f"/proc/{pid}"):
-                    break
-                time.sleep(0.05)
-    except (OSError, ValueError):
-        pass
-
-
-def _start(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _cpu(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _cgroup_room(pid: int) -> int | None:
-    """What its memory cgroup (v2 memory.max, v1 memory.limit_in_bytes) has left below its
-    limit; None where it has none or it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, ctrls, cg = line.split(":", 2)
-        for d, limit, usage in ((f"/sys/fs/cgroup{cg}", "memory.max", "memory.current"),
-                                (f"/sys/fs/cgroup/unified{cg}", "memory.max", "memory.current"),
-                                (f"/sys/fs/cgroup/memory{cg}", "memory.limit_in_bytes", "memory.usage_in_bytes")):
-            if ctrls not in ("", "memory") and "memory" not in ctrls.split(","):
-                continue
-            try:
-                lim = open(os.path.join(d, limit)).read().strip()
-                use = int(open(os.path.join(d, usage)).read())
-            except (OSError, ValueError):
-                continue
-            if lim == "max" or int(lim) >= 1 << 60:
-                return None
-            return int(lim) - use
-    return None
