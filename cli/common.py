@@ -1,6 +1,7 @@
 """What every command shares: logging set-up and the one place errors become output."""
 import functools
 import logging
+import os
 import signal
 import sys
 
@@ -77,6 +78,11 @@ def fail(message: str) -> "typer.Exit":
     return typer.Exit(1)
 
 
+def warn(message: str):
+    """A warning: one line on stderr; the command goes on (and exits 0)."""
+    err_console.print(f"[bold yellow]convgpu: warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def handle_errors(fn):
     """Domain errors -> one line with the remedy, exit 1; tracebacks only with --debug."""
     @functools.wraps(fn)
@@ -108,6 +114,11 @@ def control(run_dir: str, msg: dict) -> dict:
     try:
         reply = request(path, msg)
     except (FileNotFoundError, ConnectionRefusedError):
+        from ..enforcer.hostlock import running
+        other = running()
+        if other.get("run_dir") not in (None, "?", os.path.abspath(run_dir)):
+            raise EnforcerUnreachable(f"no enforcer answers on {path}; one runs with --run-dir {other['run_dir']} "
+                                      f"(pid {other['pid']})", f"add --run-dir {other['run_dir']}") from None
         raise EnforcerUnreachable(f"no enforcer answers on {path}",
                                   "start one with `convgpu enforce` (or give its --run-dir)") from None
     except PermissionError:

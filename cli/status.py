@@ -2,15 +2,15 @@
 import json
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
-from ..units import format_size
+from ..units import format_duration, format_size
 from . import common
-from .view import not_placed, row, text
+from .view import not_placed, row, short_id, state_of, text, used_of
 
 
-def table(st: dict) -> Table:
+def table(st: dict) -> Table | Group:
     caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])} assigned"
                      for d, g in st["gpus"].items())
     unchecked = st.get("unchecked_calls", 0)
@@ -42,19 +42,20 @@ def table(st: dict) -> Table:
                          f"({m.get('contradiction') or m['how']}): {where}")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
               title_justify="left", caption_justify="left", caption=text("\n".join(notes)) if notes else None)
-    for col in ("container", "GPU", "limit", "assigned", "used", "ctx", "ctx from", "state", "stalled", "stalls"):
-        t.add_column(col, justify="left" if col in ("container", "state") else "right")
+    # `used` is allocated plus contexts, as in `convgpu trace` (cli/view.py); `context` is its part
+    for col in ("container", "id", "GPU", "limit", "assigned", "used", "context", "ctx from", "state", "stalled",
+                "stalls"):
+        t.add_column(col, justify="left" if col in ("container", "id", "state") else "right")
     for c in st["containers"]:
         for dev, g in c["gpus"].items():
-            state = (f"over by {format_size(g['over_by'])} ({g['over_s']:.0f}s)" if g.get("over_by") else
-                     "over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
-                     if g["waiting"] else "running")
-            row(t, c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
-                      format_size(g["used"]), format_size(g["context_overhead"]),
-                      g.get("context_source", "-"), state,
-                      f"{c['stalled_s']:.1f}s", str(c["stalls"]))
+            row(t, c["name"], short_id(c.get("kind", ""), c.get("id", "")), dev, format_size(c["limit"]),
+                format_size(g["assigned"]), format_size(used_of(g)), format_size(g["context_overhead"]),
+                g.get("context_source", "-"), state_of(g), format_duration(c["stalled_s"]), str(c["stalls"]))
     for r in st.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
-        row(t, r["name"], "-", format_size(r["limit"]), "", "", "", "", not_placed(r), "", "")
+        row(t, r["name"], short_id("cgroup" if r.get("cgroup") else "", r.get("id", "")), "-",
+            format_size(r["limit"]), "", "", "", "", not_placed(r), "", "")
+    if not st["containers"] and not st.get("registered"):   # a line, not an empty table
+        return Group(text(t.title), text("no containers: none has made a CUDA call yet"), *map(text, notes))
     return t
 
 

@@ -45,13 +45,13 @@ def test_render_figures_and_width():
     row = next(line for line in lines if "trainer" in line)
     # container: live 384 MiB, overhead 2 x 519 MiB = 1038 MiB, total 1422 MiB, peak 512 MiB
     assert "384.0 MiB" in row and "1.0 GiB" in row and "1.4 GiB" in row and "512.0 MiB" in row
-    assert row.startswith(" trainer-with-a-very") and "5.0" in row  # 2 x 2.5 allocs/s
+    assert row.startswith("trainer-with-a-very") and "5.0" in row  # 2 x 2.5 allocs/s
     assert "beta" in out and " 101 python3" in out and " 102 python3" in out
     est = next(line for line in lines if " 201 " in line)
     assert "64.0 MiB ~" in est
     ev = next(line for line in lines if "cuMemAlloc_v2 (cudaMalloc)" in line)
     assert "128.0 MiB" in ev and "256.0 MiB" in ev
-    assert "Ctrl-C to end" in out and "events 7" in out and "dropped 0" in out
+    assert "q or Ctrl-C to end" in out and "events 7" in out and "dropped 0" in out
 
 
 def test_render_modes():
@@ -91,9 +91,10 @@ def test_snapshot_json_round_trip_and_enforce_table():
     back = Snapshot.from_json(s.to_json(), s.events)
     assert back == s
     text = text_of(back)
-    assert "enforce (pid 4242): policy bf, stall signal; assigned GPU0 3.0 GiB of 5.0 GiB" in text
+    assert "enforcer (pid 4242): policy bf, stall signal; assigned GPU0 3.0 GiB of 5.0 GiB" in text
     row = next(line for line in text.splitlines() if line.lstrip().startswith("trainer "))
-    assert row.split() == ["trainer", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting", "1.5s", "3.2s", "2"]
+    assert row.split() == ["trainer", "aaaaaaaaaaaa", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting",
+                           "1.5s", "3.2s", "2"]
     assert max(len(line) for line in text.splitlines()) <= 100
 
 

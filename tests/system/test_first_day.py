@@ -1,0 +1,173 @@
+"""An operator's first day (issue 52), on the stand-in driver with real uprobes and cgroups and
+the CLI as a user runs it (subprocesses): a limit no context fits in is refused at once; a
+stalled `convgpu run` says what it waits for and when it resumes; a name two jobs share is an
+error listing their ids; sizes without a unit and limits below what a container holds are
+refused; a second enforcer on the host refuses, naming the first; `convgpu trace` outlives a
+restart of the enforcer."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Enforcing, MiB, lines_until, rest_of, run_dir_for
+
+pytestmark = pytest.mark.system
+CTX = "256MiB"   # what the enforcer charges a context (the operator's figure: --ctx-overhead)
+ARGS = ("--gpu-memory", "5GiB", "--ctx-overhead", CTX)
+START = 120      # s an enforcer may take to start: the session's first compiles its BPF program (35 s seen under load)
+
+
+def run_job(enf, env, name, limit, *cmd):
+    """`convgpu run --limit LIMIT --name NAME -- CMD` under enf, its pipes open."""
+    return subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "run", "--limit", limit, "--name", name,
+                             "--run-dir", enf.run_dir, "--", *map(str, cmd)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def end(procs, *enforcers):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for e in enforcers:
+        if e:
+            e.close()
+
+
+def test_a_limit_no_context_fits_in_is_refused_and_a_stalled_run_says_why(build, env5, root):
+    """A context costs 256 MiB here. `--limit tiny=128MiB` is said in the log at start;
+    `run --limit 200MiB` is refused at once (before: it ran and its first CUDA call waited for
+    good, and only the enforcer's log said why); `limit set` below a context too. A job over
+    its limit says so on stderr with the command that frees it, and again when it resumes."""
+    enf = Enforcing(build, *ARGS, "--limit", "tiny=128MiB", start_timeout=START)
+    jobs = []
+    try:
+        assert any("--limit tiny (128.0 MiB) is below one CUDA context's charge on GPU0: 256.0 MiB (operator: "
+                   "--ctx-overhead" in line for line in enf.log), enf.log
+        jobs.append(run_job(enf, env5, "small", "200MiB", "/bin/true"))
+        out, err = jobs[-1].communicate(timeout=30)
+        assert jobs[-1].returncode == 1 and err.splitlines() == [
+            "convgpu: --limit of small (200.0 MiB) is below one CUDA context's charge on GPU0: 256.0 MiB (operator: "
+            "--ctx-overhead (the operator's figure on GPU0)): its first CUDA call would wait until the limit is "
+            "raised; give at least 256.0 MiB (the context) plus what the job allocates"], err
+        p = run_job(enf, env5, "slow", "512MiB", build / "cgcaller", "alloc", "-n", 1, "-s", 512 * MiB)
+        jobs.append(p)
+        seen = []
+        said = lines_until(p.stderr, lambda line: "waits for GPU memory" in line, seen, 20, "convgpu run")
+        cgroup = f"/convgpu.run/slow-{p.pid}"
+        assert said == (f"convgpu run: slow waits for GPU memory: on GPU0 it needs 768.0 MiB, above its limit "
+                        f"512.0 MiB, and waits until the limit is raised: `convgpu limit set {cgroup} SIZE "
+                        f"--run-dir {enf.run_dir}`; `convgpu status --run-dir {enf.run_dir}` shows more"), seen
+        r = enf.cli("limit", "set", cgroup, "255MiB", check=False)
+        assert r.returncode == 1 and "(255.0 MiB) is below one CUDA context's charge on GPU0: 256.0 MiB" in r.stderr
+        assert enf.cli("limit", "set", cgroup, "1GiB").stdout.strip() == "limit of slow set to 1.0 GiB"
+        resumed = lines_until(p.stderr, lambda line: "resumed" in line, seen, 20, "convgpu run")
+        assert resumed.startswith("convgpu run: slow resumed after ") and resumed.endswith("s"), resumed
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and f"allocated 1 {512 * MiB}" in out, err
+    finally:
+        end(jobs, enf)
+
+
+def test_a_shared_name_is_an_error_listing_the_ids_and_sizes_need_units(build, env5, root):
+    """Two `run --name same` jobs: `limit set same` is refused, naming both ids (before: it
+    changed the first found, silently); status shows an id column, and an id picks one. A
+    bare number is refused (before: `limit set X 4` set 4 bytes), so is a limit below what a
+    container holds, unless --force. An empty status says so."""
+    enf = Enforcing(build, *ARGS, start_timeout=START)
+    jobs = []
+    try:
+        empty = enf.cli("status").stdout
+        assert "no containers: none has made a CUDA call yet" in empty, empty
+        for _ in range(2):
+            jobs.append(run_job(enf, env5, "same", "1GiB", build / "cgcaller", "alloc", "-n", 1, "-s", 64 * MiB,
+                                "--hold"))
+            lines_until(jobs[-1].stdout, lambda line: line == "ready", [], 20, "job")
+        ids = [f"/convgpu.run/same-{p.pid}" for p in jobs]
+        r = enf.cli("limit", "set", "same", "2GiB", check=False)
+        assert r.returncode == 1 and r.stderr.strip() == (
+            f"convgpu: 'same' names 2 containers: id {ids[0]}, id {ids[1]}; give one of their ids "
+            "(`convgpu status` shows them)"), r.stderr
+        table = enf.cli("status").stdout
+        rows = [[x.strip() for x in line.split("│")[1:-1]] for line in table.splitlines() if " same " in line]
+        assert sorted(r[1] for r in rows) == sorted(f"same-{p.pid}" for p in jobs), table
+        first = f"same-{jobs[0].pid}"
+        r = enf.cli("limit", "set", first, "4", check=False)
+        assert r.returncode == 1 and r.stderr.strip() == (
+            "convgpu: SIZE '4' has no unit; did you mean 4GiB? write the unit: B for bytes, or K/M/G/T, "
+            "KiB/MiB/GiB/TiB, KB/MB/GB/TB"), r.stderr
+        r = enf.cli("limit", "set", first, "300MiB", check=False)   # it holds 64 MiB and a 256 MiB context
+        assert r.returncode == 1 and r.stderr.strip() == (
+            "convgpu: same holds 320.0 MiB on GPU0, more than 300.0 MiB: a lower limit stops it until it frees "
+            "the difference; give at least 320.0 MiB, or add --force"), r.stderr
+        assert enf.cli("limit", "set", first, "300MiB", "--force").stdout.strip() == "limit of same set to 300.0 MiB"
+        st = enf.ctl(cmd="status")["status"]
+        assert sorted((c["cgroup"], c["limit"]) for c in st["containers"]) == [(ids[0], 300 * MiB), (ids[1], 1 << 30)]
+    finally:
+        end(jobs, enf)
+
+
+def test_one_enforcer_per_host_whatever_the_run_dir(build, root, tmp_path):
+    """A second enforcer with a run dir of its own refuses at once, naming the first's pid and
+    run dir (before: it started, and the two stalled each other's processes); a client on the
+    wrong run dir is told where the enforcer is."""
+    enf = Enforcing(build, *ARGS, start_timeout=START)
+    second = None
+    try:
+        other = run_dir_for("second")
+        second = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--no-discover", "--lib",
+                                   str(build / "standin" / "libcuda.so.1"), "--run-dir", other, "--state-dir",
+                                   str(tmp_path), *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = second.communicate(timeout=30)
+        lock = os.environ["CONVGPU_HOST_LOCK"]
+        assert second.returncode == 1 and err.splitlines() == [
+            f"convgpu: another enforcer runs on this host (pid {enf.p.pid}, run dir {enf.run_dir}; it holds {lock}); "
+            "stop it first (`systemctl stop convgpu-enforce`, or its pid): one enforcer per host, as two would see "
+            "and stall each other's processes"], err
+        assert not os.path.exists(os.path.join(other, "control.sock"))
+        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "status", "--run-dir", other],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and f"one runs with --run-dir {enf.run_dir} (pid {enf.p.pid}); add --run-dir " \
+            f"{enf.run_dir}" in r.stderr, r.stderr
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        enf.close()
+
+
+def test_trace_outlives_a_restart_of_the_enforcer(build, root):
+    """`convgpu trace --json` against an enforcer that stops (a `systemctl restart`) says it is
+    gone and goes on; the next enforcer on that run dir is found again (before: trace ended
+    with `no enforcer answers ... start one`)."""
+    enf = Enforcing(build, *ARGS, start_timeout=START)
+    enf2 = tr = None
+    try:
+        tr = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "trace", "--json", "--no-events",
+                               "--interval", "0.2", "--run-dir", enf.run_dir], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        seen = []
+        lines_until(tr.stdout, lambda line: f'"pid": {enf.p.pid}' in line, seen, 30, "trace")
+        run_dir = enf.run_dir
+        enf.p.send_signal(signal.SIGTERM)
+        assert enf.p.wait(timeout=30) == 0
+        gone = json.loads(lines_until(tr.stdout, lambda line: '"state": "gone"' in line, seen, 20, "trace"))
+        assert gone["type"] == "enforcer" and "no enforcer answers on" in gone["error"]
+        time.sleep(0.5)
+        assert tr.poll() is None, rest_of(tr.stderr, 1)
+        enf2 = Enforcing(build, *ARGS, run_dir=run_dir, start_timeout=START)
+        back = json.loads(lines_until(tr.stdout, lambda line: '"state": "back"' in line, seen, 30, "trace"))
+        assert back["pid"] == enf2.p.pid
+        snap = json.loads(lines_until(tr.stdout, lambda line: '"type": "snapshot"' in line, seen, 10, "trace"))
+        assert snap["enforce"]["pid"] == enf2.p.pid
+    finally:
+        if tr is not None:
+            tr.kill()
+            tr.wait()
+        for e in (enf2, enf):
+            if e:
+                e.close()
