@@ -112,7 +112,7 @@ def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -
     """What the probes see: per container, then per process (processes=False: counted only)."""
     t = _table("containers")
     t.add_column("container / process", width=18 if narrow else 22, no_wrap=True, overflow="ellipsis")
-    t.add_column("id", width=8 if narrow else 12, no_wrap=True, overflow="ellipsis")
+    t.add_column("id", width=10 if narrow else 12, no_wrap=True, overflow="ellipsis")
     t.add_column("GPU", justify="right", width=3, no_wrap=True, overflow="ellipsis")
     cols = [("allocated", 10), ("context", 12), ("used", 10), ("peak", 10)]
     if not narrow:
@@ -149,7 +149,7 @@ def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -
 def events_table(s: Snapshot, rows: int = 8, narrow: bool = False) -> Table:
     t = _table("recent events")
     cols = [("time", "right", 7), ("pid", "right", 7), ("comm", "left", 10 if narrow else 12),
-            ("event", "left", 12), ("call", "left", 20 if narrow else 34), ("size", "right", 10)]
+            ("event", "left", 12), ("call", "left", 26 if narrow else 34), ("size", "right", 10)]
     cols += [] if narrow else [("live", "right", 10)]
     for col, j, w in cols:
         t.add_column(col, justify=j, max_width=w, no_wrap=True, overflow="ellipsis")
@@ -158,7 +158,7 @@ def events_table(s: Snapshot, rows: int = 8, narrow: bool = False) -> Table:
         call = e.api + (f" ({e.rt_api})" if e.rt_api else "")
         op = EVENT_WORDS.get(e.op, e.op) + ("~" if e.estimate else "") + ("?" if e.unknown else "")
         cells = [f"-{format_duration((mono_now - e.ts_ns) / 1e9)}", str(e.pid), e.comm[:10 if narrow else 12], op,
-                 call[:20 if narrow else 34], format_size(e.size) if e.size else ""]
+                 call[:26 if narrow else 34], format_size(e.size) if e.size else ""]
         if not narrow:
             cells.append(format_size(e.live) if e.op in ("alloc", "free") else "")
         row(t, *cells)
@@ -172,7 +172,7 @@ def enforce_table(s: Snapshot, narrow: bool = False) -> Table:
     t = _table(f"enforcer (pid {e['pid']}) {e['policy']}/{e['stall']}; assigned {caps}" if narrow else
                f"enforcer (pid {e['pid']}): policy {e['policy']}, stall {e['stall']}; assigned {caps}")
     t.add_column("container", width=16 if narrow else 18, no_wrap=True, overflow="ellipsis")
-    t.add_column("id", width=8 if narrow else 12, no_wrap=True, overflow="ellipsis")
+    t.add_column("id", width=10 if narrow else 12, no_wrap=True, overflow="ellipsis")
     t.add_column("GPU", justify="right", width=3, no_wrap=True, overflow="ellipsis")
     cols = [("limit", 10)] + ([] if narrow else [("assigned", 10)]) + [("used", 10), ("state", 16), ("stalled", 7)]
     cols += [] if narrow else [("stalls", 6)]

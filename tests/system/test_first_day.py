@@ -171,3 +171,72 @@ def test_trace_outlives_a_restart_of_the_enforcer(build, root):
         for e in (enf2, enf):
             if e:
                 e.close()
+
+
+class Tmux:
+    """A terminal of a given size (a tmux server of the test's own): what a user sees."""
+
+    def __init__(self, name: str, cols: int, rows: int, command: str):
+        self.sock, self.name = f"convgpu-{os.getpid()}-{name}", name
+        # the command's end is said on screen, so a test sees it quit
+        self.tmux("new-session", "-d", "-x", str(cols), "-y", str(rows), "-s", name,
+                  f"{command}; echo; echo TRACE-EXITED $?; sleep 60")
+
+    def tmux(self, *args) -> str:
+        return subprocess.run(["tmux", "-L", self.sock, "-f", "/dev/null", *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+
+    def screen(self) -> list[str]:
+        return self.tmux("capture-pane", "-p", "-t", self.name).splitlines()
+
+    def until(self, cond, timeout: float, what: str) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.screen()
+            if cond("\n".join(lines)):
+                return lines
+            assert time.monotonic() < deadline, f"{what} not on the {self.name} screen: {lines}"
+            time.sleep(0.2)
+
+    def close(self):
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True, timeout=30)
+
+
+def test_the_live_view_fits_80x24_and_160x45_says_when_the_enforcer_goes_and_q_quits(build, env5, root):
+    """`convgpu trace` against an enforcer, in terminals of 80x24 and 160x45: everything fits
+    (header, GPUs, the job in both tables under one name, the enforcer's table, the events, the
+    footer), the job has one name and an id, a context is an event named so, the header does
+    not claim an NVIDIA driver; when the enforcer stops the view says so and stays; `q` ends it.
+    Before: columns were cut at 80, the events pushed off, `q` did nothing, and trace ended."""
+    need_tmux = subprocess.run(["tmux", "-V"], capture_output=True).returncode == 0
+    assert need_tmux, "tmux is missing: scripts/setup.sh installs it"
+    enf = Enforcing(build, *ARGS, start_timeout=START)
+    job, terms = None, []
+    try:
+        job = run_job(enf, env5, "held", "1GiB", build / "cgcaller", "alloc", "-n", 2, "-s", 64 * MiB, "--hold")
+        lines_until(job.stdout, lambda line: line == "ready", [], 20, "job")
+        cmd = f"{sys.executable} -m convgpu.cli.main trace --interval 0.3 --run-dir {enf.run_dir}"
+        terms = [Tmux("narrow", 80, 24, cmd), Tmux("wide", 160, 45, cmd)]
+        for t, width in zip(terms, (80, 100)):
+            lines = t.until(lambda s: "recent events" in s and "held" in s, 30, "the job and the events")
+            screen = "\n".join(lines)
+            assert max(map(len, lines)) <= width, screen
+            assert lines[0].startswith("convgpu trace  tracing CUDA calls (1 library probed)") and \
+                lines[0].rstrip().endswith("q or Ctrl-C to end") and "NVIDIA" not in lines[0], screen
+            named = [line for line in lines if line.startswith("held ")]
+            assert len(named) == 2 and all(f"held-{job.pid}"[:10 if width == 80 else 12] in x for x in named), screen
+            assert "held-" not in screen.replace(f"held-{job.pid}", ""), screen   # one name; the id beside it
+            ours = named[1].split()      # the enforcer's row: limit, (assigned,) used (64 MiB x 2 and a context)
+            assert "1.0 GiB" in " ".join(ours) and "384.0 MiB" in " ".join(ours) and "running" in ours, screen
+            assert any(" context " in line and "cuDevicePrimaryCtxRetain" in line for line in lines), screen
+            assert lines[-1].startswith("probed (1): ") or "probed (1)" in screen, screen
+        enf.p.send_signal(signal.SIGTERM)
+        assert enf.p.wait(timeout=30) == 0
+        for t in terms:
+            t.until(lambda s: "enforcer gone" in s and "reconnecting" in s, 20, "enforcer gone")
+            t.tmux("send-keys", "-t", t.name, "q")
+            t.until(lambda s: "TRACE-EXITED 0" in s, 10, "trace ended by q")
+    finally:
+        for t in terms:
+            t.close()
+        end([job] if job else [], enf)
