@@ -108,25 +108,26 @@ def _names(s: Snapshot) -> dict[str, str]:
     return {c["cgroup"]: c["name"] for c in e.get("containers", []) if c.get("cgroup")}
 
 
-def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -> Table:
-    """What the probes see: per container, then per process (processes=False: counted only)."""
-    t = _table("containers")
-    t.add_column("container / process", width=18 if narrow else 22, no_wrap=True, overflow="ellipsis")
-    t.add_column("id", width=10 if narrow else 12, no_wrap=True, overflow="ellipsis")
-    t.add_column("GPU", justify="right", width=3, no_wrap=True, overflow="ellipsis")
-    cols = [("allocated", 10), ("context", 12), ("used", 10), ("peak", 10)]
-    if not narrow:
-        cols += [("alloc/s", 7), ("last", 6)]
-    for col, w in cols:
-        t.add_column(col, justify="right", width=w, no_wrap=True, overflow="ellipsis")
-    blank = [""] * len(cols)
+def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -> Table | Text:
+    """What the probes see: per container, then per process (processes=False: counted only);
+    none yet: one line, which says where a stalled job is (issue 52: "no CUDA process yet"
+    stood beside a job stalled at its first call)."""
     if not s.containers:
         e = s.enforce or {}
         waiting = sum(1 for c in e.get("containers", []) for g in c["gpus"].values() if g.get("waiting"))
         word = (f"no allocation yet; {waiting} waiting (below)" if waiting else
                 "no allocation yet (the enforcer's view below)" if e.get("containers") or e.get("registered")
                 else "no CUDA process yet")
-        row(t, Text(word, style="dim"), "", "", *blank)
+        return Text.assemble(("containers: ", "bold"), (word, "dim"))
+    t = _table("containers")
+    t.add_column("container / process", width=16 if narrow else 22, no_wrap=True, overflow="ellipsis")
+    t.add_column("id", width=12, no_wrap=True, overflow="ellipsis")
+    t.add_column("GPU", justify="right", width=3, no_wrap=True, overflow="ellipsis")
+    cols = [("allocated", 10), ("context", 12), ("used", 10), ("peak", 10)]
+    if not narrow:
+        cols += [("alloc/s", 7), ("last", 6)]
+    for col, w in cols:
+        t.add_column(col, justify="right", width=w, no_wrap=True, overflow="ellipsis")
     names = _names(s)
     for c in s.containers:
         gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
@@ -171,8 +172,8 @@ def enforce_table(s: Snapshot, narrow: bool = False) -> Table:
     caps = ", ".join(f"GPU{d} {format_size(g['assigned'])} of {format_size(g['capacity'])}" for d, g in e["gpus"].items())
     t = _table(f"enforcer (pid {e['pid']}) {e['policy']}/{e['stall']}; assigned {caps}" if narrow else
                f"enforcer (pid {e['pid']}): policy {e['policy']}, stall {e['stall']}; assigned {caps}")
-    t.add_column("container", width=16 if narrow else 18, no_wrap=True, overflow="ellipsis")
-    t.add_column("id", width=10 if narrow else 12, no_wrap=True, overflow="ellipsis")
+    t.add_column("container", width=14 if narrow else 18, no_wrap=True, overflow="ellipsis")
+    t.add_column("id", width=12, no_wrap=True, overflow="ellipsis")
     t.add_column("GPU", justify="right", width=3, no_wrap=True, overflow="ellipsis")
     cols = [("limit", 10)] + ([] if narrow else [("assigned", 10)]) + [("used", 10), ("state", 16), ("stalled", 7)]
     cols += [] if narrow else [("stalls", 6)]
