@@ -47,7 +47,7 @@ ARCH_DEFAULTS = (
     ("H100", 580, 550 * MiB, 612 * MiB,
      "H100 80GB HBM3, driver 580.159.04: 518 MiB driver API and nvcc static runtime, 611.9 MiB "
      "PyTorch with cuBLAS loaded (docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB "
-     "PyTorch (FACTS.md, 2026-11-23)"),
+     "PyTorch (docs/gpu-runs/2026-11-23)"),
 )
 # The last fallback, where nothing was measured or is known: above every per-process context
 # measured on these machines (FACTS.md: 518-550 MiB driver API, CuPy, JAX; 612 MiB PyTorch with

@@ -240,3 +240,24 @@ def test_the_live_view_fits_80x24_and_160x45_says_when_the_enforcer_goes_and_q_q
         for t in terms:
             t.close()
         end([job] if job else [], enf)
+
+
+def test_doctor_as_nobody_blames_permissions_and_ends_with_one_verdict(root, short_tmp):
+    """Issue 52: as non-root, `doctor` blamed the kernel (tracefs unreadable read as "a kernel
+    with CONFIG_FTRACE_SYSCALLS"), split paths in a 100-column table, and had no verdict. As
+    nobody, in an 80-column terminal: every path whole on its line, what needs root says so,
+    and the last line is the verdict (exit 1: not root)."""
+    state = short_tmp / ("a-state-dir-with-a-long-name-" * 3)
+    state.mkdir()
+    os.chmod(short_tmp, 0o755)
+    r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-m",
+                        "convgpu.cli.main", "doctor", "--state-dir", str(state)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, COLUMNS="80"))
+    lines = (r.stdout + r.stderr).splitlines()
+    assert r.returncode == 1 and lines[-1] == ("convgpu: verdict: NOT READY: root failed; `convgpu trace` and "
+                                               "`convgpu enforce` cannot work here until each is fixed (the fixes "
+                                               "are above)"), lines
+    assert f"warn decisions         not checked: needs root ({state} is not writable: run-time limits and names " \
+        "would be refused)" in lines, lines     # the path whole, on one line
+    tp = next(line for line in lines if line.startswith("warn open tracepoints"))
+    assert tp.endswith("not checked: needs root (tracefs is root's)") and "CONFIG_FTRACE" not in "\n".join(lines)
