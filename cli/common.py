@@ -97,7 +97,7 @@ def handle_errors(fn):
 
 
 RUN_DIR = "/run/convgpu"
-RUN_DIR_HELP = "The enforcer's --run-dir (default /run/convgpu)."
+RUN_DIR_HELP = "The enforcer's --run-dir."
 NO_BPF_CACHE_HELP = ("Compile the BPF program even where a compile of it is cached (the cache: "
                      "$CONVGPU_BPF_CACHE, default /var/cache/convgpu/bpf; CONVGPU_BPF_CACHE=off: never used).")
 

@@ -21,7 +21,7 @@ PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 def kube(
     unit: str = typer.Option("256MiB", "--unit", help="GPU memory per unit of convgpu.io/gpu-memory (a pod asking 16 gets 16 units)."),
     gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory shared per GPU (default: NVML's total minus --reserve; give the enforcer's value)."),
-    reserve: str = typer.Option("512MiB", "--reserve", help="Kept free per GPU when the capacity comes from NVML (the enforcer's default)."),
+    reserve: str = typer.Option("512MiB", "--reserve", help="Kept free per GPU when the capacity comes from NVML (as the enforcer's --reserve)."),
     resource: str = typer.Option("convgpu.io/gpu-memory", "--resource", help="The extended resource name."),
     plugin_dir: str = typer.Option(PLUGIN_DIR, "--plugin-dir", help="The kubelet's device-plugins dir (kubelet.sock and our socket)."),
     pod_resources: str = typer.Option("/var/lib/kubelet/pod-resources/kubelet.sock", "--pod-resources", help="The kubelet's pod-resources socket."),

@@ -122,10 +122,8 @@ def run(cmd: list[str] = typer.Argument(..., help="The command and its arguments
         shim: bool = typer.Option(False, "--shim", help="Also preload the shim: over-limit calls fail with out-of-memory instead of stalling."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Say nothing on stderr while the job waits for memory."),
         run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
-    """Run CMD in a cgroup of its own with a GPU-memory limit, under the running enforcer.
-
-    While the job waits for GPU memory, stderr says what it waits for and how to see more.
-    Example: convgpu run --limit 4GiB --name train -- python train.py"""
+    """Run CMD in a cgroup of its own with a GPU-memory limit, under the running enforcer. While
+    the job waits for GPU memory, stderr says what it waits for and how to see more."""
     size = parse_size(limit, "--limit")
     if size == 0:
         raise ConvgpuError("--limit 0 lets the job allocate nothing, and its first CUDA call waits",

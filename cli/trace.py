@@ -63,13 +63,13 @@ def trace(
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 / libcudart (repeatable)."),
     discover: bool = typer.Option(True, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers."),
     demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver and no --pid, --lib or --container is given."),
-    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="What a CUDA context is shown as until NVML has measured one on its GPU (then: the median measured there). Not given: 519MiB (a bare context on an H100), 64MiB in the demo; with an enforcer running, its own charges are shown."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe of the host's own driver fires (a child calls each symbol once, before cuInit); a container's copy is only read, never loaded."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
     run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
     history: bool = typer.Option(True, "--history/--no-history", help="Keep each container's run in the job history (`convgpu recommend`), where no enforcer runs (it keeps them then); not for the demo or with --pid."),
-    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help=f"Where the job history is kept (default {DEFAULT_STATE_DIR}, the enforcer's)."),
+    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help="Where the job history is kept (the enforcer's --state-dir)."),
 ):
     """Watch live how much GPU memory each container and process holds."""
     phases.mark("imports")
