@@ -36,9 +36,9 @@ def test_the_tree_runs_in_place_as_the_package():
     r = subprocess.run([sys.executable, "-m", "convgpu", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "Usage: python -m convgpu" in r.stdout
+    assert "Usage: convgpu " in r.stdout     # the command's name however it is started (cli/main.py)
     for command in ("trace", "enforce", "status", "limit", "run", "doctor", "shim", "recommend"):
-        assert re.search(rf"│ {command} ", r.stdout), command
+        assert re.search(rf"^  {command} ", r.stdout, re.M), command
     # the same package with the root on sys.path (python -c puts it first) as without (-P): the
     # editable install's finder papers over a shadowing folder for submodules, a --target
     # install (the GPU machine's) does not
