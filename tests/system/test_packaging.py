@@ -67,7 +67,7 @@ def test_systemd_unit_verifies(tmp_path):
     assert "KillMode=process" in unit and "RuntimeDirectoryPreserve=yes" in unit and "Restart=on-failure" in unit
     # verify needs ExecStart to exist: point it at this checkout's venv
     (tmp_path / "convgpu-enforce.service").write_text(
-        unit.replace("/opt/convgpu/.venv/bin/convgpu", str(Path(sys.executable).parent / "convgpu")))
+        unit.replace("/usr/local/bin/convgpu", str(Path(sys.executable).parent / "convgpu")))
     r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "convgpu-enforce.service")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "convgpu-enforce.service" not in r.stdout + r.stderr, r.stdout + r.stderr
