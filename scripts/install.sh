@@ -106,10 +106,13 @@ before="$("$prefix/bin/python" -c 'import convgpu; print(convgpu.__version__)' 2
 # built from a copy: the checkout may be read-only, and its build/ holds the tests' stand-in
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-tar -C "$src" --exclude=./.venv --exclude=./build --exclude=./.git --exclude='*.egg-info' -cf - . | tar -C "$tmp" -xf -
-"$prefix/bin/python" -m pip install -q --disable-pip-version-check "$tmp"
-# the same version number from a newer checkout: reinstall the package itself
-"$prefix/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$tmp"
+mkdir "$tmp/src"
+tar -C "$src" --exclude=./.venv --exclude=./build --exclude=./.git --exclude='*.egg-info' -cf - . | tar -C "$tmp/src" -xf -
+pip="$prefix/bin/python -m pip -q --disable-pip-version-check"
+$pip wheel --no-deps -w "$tmp/wheel" "$tmp/src" >/dev/null   # built once (the shim is compiled here)
+$pip install "$tmp"/wheel/convgpu-*.whl
+# the same version number from a newer checkout: reinstall the package itself (its dependencies stay)
+$pip install --force-reinstall --no-deps "$tmp"/wheel/convgpu-*.whl
 now="$("$prefix/bin/python" -c 'import convgpu; print(convgpu.__version__)')"
 mkdir -p "$(dirname "$bin")" "$prefix/share/doc/convgpu"
 ln -sfn "$prefix/bin/convgpu" "$bin"
