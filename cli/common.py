@@ -128,3 +128,20 @@ def control(run_dir: str, msg: dict) -> dict:
     if not reply.get("ok"):
         raise ConvgpuError(reply.get("error", "the enforcer refused the request"))
     return reply
+
+
+def own_status(run_dir: str) -> dict:
+    """The caller's own container, asked over the shim socket (any process may connect; the
+    enforcer answers from the kernel's word of who asks: docs/TENANT.md)."""
+    from ..enforcer.serving.server import request
+    path = os.environ.get("CONVGPU_SHIM_SOCKET") or f"{run_dir.rstrip('/')}/shim/shim.sock"
+    try:
+        reply = request(path, {"op": "status"})
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise EnforcerUnreachable(f"no enforcer answers on {path}",
+                                  "ask the operator whether convgpu runs, and to mount its shim dir (pods get it)") from None
+    except (OSError, ValueError) as e:
+        raise EnforcerUnreachable(f"the enforcer on {path} did not answer ({e})", "ask the operator") from None
+    if not reply.get("ok"):
+        raise ConvgpuError(reply.get("error", "the enforcer refused the request"))
+    return reply["status"]

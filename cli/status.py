@@ -59,10 +59,35 @@ def table(st: dict) -> Table | Group:
     return t
 
 
+def mine(st: dict) -> list[str]:
+    """The caller's own container as lines (status --mine): each GPU's use and, if it waits,
+    what for and what to ask."""
+    out = [f"container {st['container']}: limit {format_size(st['limit'])} ({st['source']})"]
+    if st.get("note"):
+        out.append(st["note"])
+    for dev, g in st["gpus"].items():
+        line = (f"GPU{dev}: uses {format_size(g['used'])} of its limit {format_size(g['limit'])} "
+                f"(a CUDA context counts {format_size(g['context'])}), {format_size(g['assigned'])} assigned")
+        if g["over_limit"]:
+            line += (f"; WAITS {format_duration(g['waiting_s'])}: it needs {format_size(g['needs'])}, above its "
+                     "limit; only a higher limit lets it go on: ask the operator (`convgpu limit set`)")
+        elif g["waiting"]:
+            line += (f"; WAITS {format_duration(g['waiting_s'])} for memory other jobs hold; it goes on when they "
+                     "free it")
+        out.append(line)
+    return out
+
+
 @common.handle_errors
 def status(as_json: bool = typer.Option(False, "--json", help="The full state as JSON."),
+           own: bool = typer.Option(False, "--mine", help="From inside a container: only its own limit, use and "
+                                    "waits, asked over the shim socket ($CONVGPU_SHIM_SOCKET; no root needed)."),
            run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
     """Show the running enforcer's containers: limits, assignments, usage, waiters."""
+    if own:
+        st = common.own_status(run_dir)
+        typer.echo(json.dumps(st, indent=2) if as_json else "\n".join(mine(st)))
+        return
     st = common.control(run_dir, {"cmd": "status"})["status"]
     if as_json:
         typer.echo(json.dumps(st, indent=2))

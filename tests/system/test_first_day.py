@@ -261,3 +261,34 @@ def test_doctor_as_nobody_blames_permissions_and_ends_with_one_verdict(root, sho
         "would be refused)" in lines, lines     # the path whole, on one line
     tp = next(line for line in lines if line.startswith("warn open tracepoints"))
     assert tp.endswith("not checked: needs root (tracefs is root's)") and "CONFIG_FTRACE" not in "\n".join(lines)
+
+
+def test_a_tenant_sees_its_own_wait_from_inside_and_nothing_of_its_neighbour(build, env5, root):
+    """Issue 52 item 13: `convgpu status --mine`, run as nobody inside a job's cgroup, asks the
+    shim socket (no root, no control socket) and is told its own container's limit, use and
+    wait, and what to ask the operator; a neighbour's name never shows."""
+    from convgpu.enforcer.tenants.cgroupfs import cgroup_layout
+    enf = Enforcing(build, *ARGS, start_timeout=START)
+    jobs = []
+    try:
+        os.chmod(enf.run_dir, 0o755)    # as /run/convgpu is: the shim socket is for everyone
+        jobs.append(run_job(enf, env5, "neighbour", "1GiB", build / "cgcaller", "alloc", "-n", 1, "-s", 64 * MiB,
+                            "--hold"))
+        lines_until(jobs[-1].stdout, lambda line: line == "ready", [], 20, "neighbour")
+        jobs.append(run_job(enf, env5, "waiter", "512MiB", build / "cgcaller", "alloc", "-n", 1, "-s", 512 * MiB))
+        lines_until(jobs[-1].stderr, lambda line: "waits for GPU memory" in line, [], 20, "waiter")
+        cg = cgroup_layout().v2_root + f"/convgpu.run/waiter-{jobs[-1].pid}"
+        r = subprocess.run(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec setpriv --reuid=nobody '
+                            '--regid=nogroup --clear-groups "$0" "$@"', sys.executable, "-m", "convgpu.cli.main",
+                            "status", "--mine", "--run-dir", enf.run_dir], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "CONVGPU_SHIM_SOCKET"})
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "container waiter: limit 512.0 MiB (convgpu run --limit)", lines
+        assert lines[1].startswith("GPU0: uses 256.0 MiB of its limit 512.0 MiB (a CUDA context counts 256.0 MiB), "
+                                   "512.0 MiB assigned; WAITS ") and lines[1].endswith(
+            ": it needs 768.0 MiB, above its limit; only a higher limit lets it go on: ask the operator "
+            "(`convgpu limit set`)"), lines
+        assert "neighbour" not in r.stdout and len(lines) == 2
+    finally:
+        end(jobs, enf)
