@@ -213,7 +213,7 @@ class Torture:
             j.p.wait()
             j.remove()
         if self.d is not None and self.d.alive():
-            self.d.p.terminate()
+            self.d.p.send_signal(signal.SIGINT)   # a release at once, --handover or not
             try:
                 self.d.p.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -59,6 +59,31 @@ static __always_inline struct cg_obj *own_obj(u32 tgid, u32 ns, u64 addr, struct
     return o && (!p || o->gen == p->gen) ? o : 0;
 }
 
+// The key of a limit in objs (NS_LIMIT): its context << 8 | CUlimit. The driver keeps limits per
+// context (issue 47: four cuCtxCreate contexts with a 200 MiB heap each held 768 MiB while the
+// books, one limit a process and device, said 192 MiB). The context is the thread's current one
+// (curctx); with none made current by a probed call, its device's primary context (the
+// runtime's, made current where no probe sees it), else the device itself (below any
+// context's address); deeper in the stack than kept, or lost there, a key of the call's own,
+// charged until exit: too much, never too little.
+#define LIMIT_OWN (1ULL << 55)
+static __always_inline u64 limit_key(u64 id, struct cg_proc *p, s32 dev, u64 kind)
+{
+    struct cg_ctxstack *s = curctx.lookup(&id);
+    u32 d = s ? s->depth : 0;
+    u64 ctx = (u32)dev;
+    if (d > CTX_DEPTH || (s && s->lost)) {
+        ctx = LIMIT_OWN | (bpf_ktime_get_ns() & (LIMIT_OWN - 1));
+    } else if (d) {
+        ctx = s->ctx[(d - 1) & (CTX_DEPTH - 1)];
+    } else {
+        struct cg_obj *pr = own_obj(id >> 32, NS_PRIMARY, (u32)dev, p);
+        if (pr)
+            ctx = pr->ref;
+    }
+    return ctx << 8 | (u8)kind;
+}
+
 // A graph memory node's bytes (in device pages, as an allocation's) and its device, from
 // CUDA_MEM_ALLOC_NODE_PARAMS at `params` (poolProps.location {type, id} at offset 8).
 static __always_inline u64 alloc_node_bytes(u64 params, u32 tgid, struct cg_thread *t, s32 *dev)
@@ -77,7 +102,8 @@ static __always_inline u64 alloc_node_bytes(u64 params, u32 tgid, struct cg_thre
 // page up: less shares the context's own pages (JAX's and CuPy's JIT'd cubins carry a few bytes;
 // NVML counts them in the context, as small allocations' slack). The stand-in's
 // "CONVGPU-STANDIN-MODULE <bytes>\n", or an ELF cubin's .nv.global sections (uninitialized,
-// NOBITS) and .nv.global.init. UNSIZED for anything else (a fat binary, compressed or not, PTX).
+// NOBITS) and .nv.global.init. UNSIZED for anything else (a fat binary, compressed or not, PTX);
+// UNFITTABLE for a size past any card (sections that sum past it, a number of 20 digits).
 #define ELF_SECTIONS 64
 static __always_inline u64 image_bytes(u64 img)
 {
@@ -95,6 +121,8 @@ static __always_inline u64 image_bytes(u64 img)
         for (int i = 0; i < 20; i++) {
             if (digits[i] < '0' || digits[i] > '9')
                 break;
+            if (n > (UNFITTABLE - 9) / 10)  // 20 digits can wrap a u64: past any card instead
+                return UNFITTABLE;
             n = n * 10 + (digits[i] - '0');
         }
         return n;
@@ -118,8 +146,13 @@ static __always_inline u64 image_bytes(u64 img)
             bpf_probe_read_user(name, 10, (void *)(img + strtab + sh.name)))
             return UNSIZED;
         if (name[0] == '.' && name[1] == 'n' && name[2] == 'v' && name[3] == '.' && name[4] == 'g' &&
-            name[5] == 'l' && name[6] == 'o' && name[7] == 'b' && name[8] == 'a' && name[9] == 'l')
+            name[5] == 'l' && name[6] == 'o' && name[7] == 'b' && name[8] == 'a' && name[9] == 'l') {
+            // summed without wrap-around (issue 47: sizes that wrapped to 64 MiB were charged
+            // 64 MiB); a sum past any card is the fail-closed size, admitted never
+            if (sh.size > UNFITTABLE - bytes)
+                return UNFITTABLE;
             bytes += sh.size;
+        }
     }
     return bytes;
 }
@@ -146,12 +179,23 @@ static __always_inline void graph_node_enter(struct pt_regs *ctx, struct cg_thre
     t->call.want = dev;
 }
 
+// A limit's context, read at its entry (in the trace too) and kept in the call until its return:
+// its key (limit_key) in a2, which cuCtxSetLimit(CUlimit, size_t) has no use for.
+static __always_inline void limit_enter(struct cg_thread *t, u16 api, u64 id)
+{
+    if (api != API_cuCtxSetLimit)
+        return;
+    u32 tgid = id >> 32;
+    struct cg_proc *p = procs.lookup(&tgid);
+    t->call.a2 = limit_key(id, p, dev_of(t, p), t->call.a0);
+}
+
 // What an admitted call that is not an allocation takes (admit_call), on *dev.
 static __always_inline u64 indirect_size(struct cg_thread *t, u16 api, u32 tgid, s32 *dev)
 {
     struct cg_proc *p = procs.lookup(&tgid);
-    if (api == API_cuCtxSetLimit) { // (CUlimit, size_t): only what it adds to what it took before
-        struct cg_obj *o = own_obj(tgid, NS_LIMIT, (u64)*dev << 8 | (u8)t->call.a0, p);
+    if (api == API_cuCtxSetLimit) { // (CUlimit, size_t): what it adds to what that context's took
+        struct cg_obj *o = own_obj(tgid, NS_LIMIT, t->call.a2, p);
         u64 now = limit_bytes(t->call.a0, t->call.a1, *dev), was = o ? o->size : 0;
         return now > was ? now - was : 0;
     }

@@ -11,6 +11,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from ..errors import ConvgpuError, EnforcerUnreachable
+from ..printable import printable
 
 err_console = Console(stderr=True)
 state = {"debug": False}
@@ -46,10 +47,25 @@ def hold_signals() -> None:
         signal.signal(sig, note)
 
 
+def stopped_by(sig: int) -> bool:
+    """The command is ending because of this signal (the enforcer hands over at a SIGTERM)."""
+    return sig in _stopping
+
+
 def check_stop(*_) -> None:
     """Raise the KeyboardInterrupt that a ctypes callback may have swallowed."""
     if _stopping:
         raise KeyboardInterrupt
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines name containers, processes, paths and units, which tenants choose: each
+    message is printable (control characters escaped: no terminal escape reaches a terminal,
+    and no newline makes a line that looks like another), a traceback after it as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
 
 
 def setup_logging(verbose: bool = False, debug: bool = False) -> None:
@@ -60,7 +76,7 @@ def setup_logging(verbose: bool = False, debug: bool = False) -> None:
     else:   # daemons and pipes: plain lines
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(PrintableFormatter(fmt))
     root = logging.getLogger("convgpu")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -74,7 +90,7 @@ def decisions_visible() -> None:
 
 
 def fail(message: str) -> "typer.Exit":
-    err_console.print(f"[bold red]convgpu:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]convgpu:[/] {escape(printable(message))}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 

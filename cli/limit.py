@@ -1,6 +1,7 @@
 """`convgpu limit set CONTAINER SIZE`: change a running container's limit."""
 import typer
 
+from ..printable import printable
 from ..units import parse_size
 from . import common
 
@@ -16,9 +17,10 @@ def set_limit(container: str = typer.Argument(..., help="Name, id (or a 6+ chara
     """Set CONTAINER's limit until it exits (beats --limit, rules and labels)."""
     parse_size(size, "SIZE")   # a typo is refused here, before the daemon is asked
     reply = common.control(run_dir, {"cmd": "limit-set", "container": container, "size": size, "force": force})
-    typer.echo(reply["message"])
+    # the message names the container (its name is its owner's): printable
+    typer.echo(printable(reply["message"]))
     if reply.get("warning"):
-        common.warn(reply["warning"])
+        common.warn(printable(reply["warning"]))
 
 
 @common.handle_errors

@@ -15,7 +15,7 @@ from ..enforcer.history.store import MAX_RUNS, HistoryFile, Unreadable
 from ..errors import ConvgpuError, NotFoundError
 from ..units import format_size, parse_size
 from . import common
-from .view import WIDTH
+from .view import WIDTH, text
 
 
 class Form(str, Enum):
@@ -75,7 +75,7 @@ def table(recs, m: rc.Method) -> Table:
         flag = Text("over-asking", style="yellow") if r.over_asking else Text("")
         if r.under_asking:
             flag = Text("under-asking", style="red")
-        t.add_row(Text(r.job), str(r.runs), format_size(r.peak), rc.size_text(r.limit),
+        t.add_row(text(r.job), str(r.runs), format_size(r.peak), rc.size_text(r.limit),
                   f"{r.covers}/{r.runs}", rc.size_text(r.asked), flag)
     return t
 
@@ -114,13 +114,14 @@ def recommend(
     console.print(table(recs, m))
     for r in recs:
         for note in r.notes:
-            console.print(Text(f"{r.job}: {note}"), highlight=False, soft_wrap=True)
+            console.print(text(f"{r.job}: {note}"), highlight=False, soft_wrap=True)
     wanted = form or (list(Form) if len(recs) == 1 else [])
     for r in recs:
         for fm in wanted:
-            console.print(Text(f"# {r.job}, {fm.value}" + (f" (its runs used {r.gpus} GPUs: one GPU's limit)" if
+            console.print(text(f"# {r.job}, {fm.value}" + (f" (its runs used {r.gpus} GPUs: one GPU's limit)" if
                                                           r.gpus > 1 and fm is not Form.run else "")), style="dim")
-            console.print(Text(rc.forms(r, m)[fm.value]), highlight=False, soft_wrap=True)   # pasted whole
+            lines = rc.forms(r, m)[fm.value].split("\n")   # pasted whole: its lines kept, each printable
+            console.print(Text("\n").join(map(text, lines)), highlight=False, soft_wrap=True)
     if len(recs) > 1 and not form:
         console.print("Forms to paste: give one job, or --form run|units|dra.", style="dim")
 

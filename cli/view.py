@@ -16,6 +16,7 @@ from rich.text import Text
 
 from ..enforcer.model import Snapshot
 from ..enforcer.tenants.containers import Container
+from ..printable import printable
 from ..units import format_duration, format_size
 
 WIDTH = 100          # the widest the views get; below it, columns go (narrow)
@@ -31,11 +32,15 @@ EVENT_WORDS = {"unknown": "first call", "ctx_create": "context", "ctx_destroy": 
 QUIT = "q or Ctrl-C to end"
 
 
-def text(x) -> Text:
-    """A cell as text, never markup: names, comms, paths and notes come from processes and
-    containers (issue 39 attack 2: a process named `[/x]` ended the live view with rich's
-    MarkupError; every string rich is handed as a str is parsed as markup)."""
-    return x if isinstance(x, Text) else Text(str(x))
+def text(x, style: str = "") -> Text:
+    """A cell as text, never markup, its control characters escaped: names, comms, paths and
+    notes come from processes and containers (issue 39 attack 2: a process named `[/x]` ended
+    the live view with rich's MarkupError, every string rich is handed as a str being parsed as
+    markup; issue 47 finding 6: a name's terminal escapes reached the terminal, printable()).
+    A Text made elsewhere is checked too (rebuilt, in its style, where it has any)."""
+    if isinstance(x, Text):
+        return x if printable(x.plain) == x.plain else Text(printable(x.plain), style=x.style)
+    return Text(printable(x), style=style)
 
 
 def row(t: Table, *cells):
@@ -54,7 +59,16 @@ def short_id(kind: str, cid: str) -> str:
 
 
 def state_of(g: dict) -> Text:
-    """A container's state on one GPU, in the words of every view."""
+    """A container's state on one GPU, in the words of every view; swapped out first (in host
+    memory by the driver's checkpoint: enforcer/swap/), then what else it is."""
+    state = _state(g)
+    if g.get("swapped"):
+        return Text.assemble((f"swapped {format_size(g['swapped'])} ({format_duration(g.get('swapped_s', 0))}), ",
+                              "cyan"), state)
+    return state
+
+
+def _state(g: dict) -> Text:
     if g.get("over_by"):
         return Text(f"over by {format_size(g['over_by'])} ({format_duration(g.get('over_s', 0))})", style="bold red")
     if g.get("over_limit"):
@@ -132,7 +146,7 @@ def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -
     for c in s.containers:
         gpus = ",".join(str(g) for g in sorted({p.gpu for p in c.processes}))
         n = len(c.pids)
-        label = Text(names.get(c.cgroup, c.name), style="bold")   # kind and full id are in --json
+        label = text(names.get(c.cgroup, c.name), "bold")   # kind and full id are in --json
         label.append(f" [{n}]" if n > 1 else "", style="dim")
         extra = [] if narrow else [f"{c.rate:.1f}", format_duration(c.last_event_age)]
         row(t, label, short_id(c.kind, c.id), gpus, format_size(c.live), format_size(c.overhead),
@@ -142,7 +156,7 @@ def container_table(s: Snapshot, narrow: bool = False, processes: bool = True) -
         for p in c.processes:
             src = {"nvml": "", "estimate": " ~", "none": ""}[p.overhead_source]
             extra = [] if narrow else [f"{p.rate:.1f}", format_duration(p.last_event_age)]
-            row(t, Text(f"  {p.pid} {p.comm}", style="dim"), "", str(p.gpu), format_size(p.live),
+            row(t, text(f"  {p.pid} {p.comm}", "dim"), "", str(p.gpu), format_size(p.live),
                 format_size(p.overhead) + src, format_size(p.total), format_size(p.peak), *extra)
     return t
 
@@ -186,11 +200,11 @@ def enforce_table(s: Snapshot, narrow: bool = False) -> Table:
             cells = [format_size(c["limit"])] + ([] if narrow else [format_size(g["assigned"])])
             cells += [format_size(used_of(g)), state_of(g), format_duration(c["stalled_s"])]
             cells += [] if narrow else [str(c["stalls"])]
-            row(t, Text(c["name"], style="bold"), short_id(c.get("kind", ""), c.get("id", "")), dev, *cells)
+            row(t, text(c["name"], "bold"), short_id(c.get("kind", ""), c.get("id", "")), dev, *cells)
     for r in e.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
         cells = [format_size(r["limit"])] + ([] if narrow else [""]) + ["", Text(not_placed(r), style="dim"), ""]
         cells += [] if narrow else [""]
-        row(t, Text(r["name"], style="bold"), short_id("cgroup" if r.get("cgroup") else "", r.get("id", "")), "-",
+        row(t, text(r["name"], "bold"), short_id("cgroup" if r.get("cgroup") else "", r.get("id", "")), "-",
             *cells)
     return t
 
@@ -198,10 +212,11 @@ def enforce_table(s: Snapshot, narrow: bool = False) -> Table:
 def footer(s: Snapshot, width: int = WIDTH) -> Text:
     t = Text(style="dim")
     t.append(f"events {s.events_total}   dropped {s.drops}   ~ = estimated context overhead (no NVML)\n")
-    libs = f"probed ({len(s.libraries)}): " + ", ".join(s.libraries) if s.libraries else "no CUDA library probed yet"
+    # a library's path and a note's words may be a container's: printable
+    libs = printable(f"probed ({len(s.libraries)}): " + ", ".join(s.libraries)) if s.libraries else "no CUDA library probed yet"
     t.append(libs if len(libs) < width else libs[: width - 2] + "…")
     for n in s.notes:
-        t.append("\n" + n, style="yellow")
+        t.append("\n" + printable(n), style="yellow")
     return t
 
 

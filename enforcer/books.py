@@ -29,6 +29,7 @@ class Ask:
     said: bool = False        # logged as over the limit
     first: bool = False       # its process's first context: it was just placed (Decider._settling)
     reserved: bool = False    # stopped again at its recheck, its reservation kept (BPF): in _taken already
+    swapin: bool = False      # no stopped thread: a swapped process's footprint, to restore (enforcer/swap/)
 
     @property
     def need(self) -> int:
@@ -128,6 +129,15 @@ class Books:
         self.pid_box: dict[int, Box] = {}   # each placed process's container
         self.shimmed: set[int] = set()      # pids under the preload shim: they wait, never stop
         self.exits: dict[int, Exit] = {}   # pidfd -> an exited process the driver may still hold memory of
+        # pid -> a member that exited (Exits), whose container keeps what NVML still lists under
+        # its pid (enforcer/attribution.py: the backstop prunes it once NVML lists it no more)
+        self.departed: dict = {}
+        self.orphaned: dict[str, dict[int, int]] = {}   # container id -> GPU -> what its gone members left (backstop)
+        self.unattributed: dict[int, int] = {}          # GPU -> memory no one can be shown to hold (backstop)
+        # container id -> GPU -> what its swapped processes were charged there: in host memory
+        # now, so not on the GPU (enforcer/swap/swapper.py writes it); and those processes' pids
+        self.swapped: dict[str, dict[int, int]] = {}
+        self.swapped_pids: set[int] = set()
         self.next_key = 1                   # a container's key in BPF's maps: never one used before
 
     def new_key(self) -> int:
@@ -176,8 +186,17 @@ class Books:
 
     def ctx_held(self, box: Box, dev: int, used: int, contexts: int) -> int:
         """used plus its contexts: the estimate each, turned into NVML's measurement for the
-        measured ones by box.extra (never below zero, as charged() in bpf/books.bpf.c)."""
-        return max(0, used + contexts * self.ctx_of(dev) + box.extra.get(dev, 0))
+        measured ones by box.extra, and what its gone members left (never below zero, as
+        charged() in bpf/books.bpf.c, which is written the same sum: beyond)."""
+        return max(0, used + contexts * self.ctx_of(dev) + self.beyond(box, dev))
+
+    def beyond(self, box: Box, dev: int) -> int:
+        """What the container holds beyond its processes' tracked bytes and contexts at the
+        estimate: NVML's measured overhead (box.extra) and what its gone members left (the
+        backstop: memory that outlived its process stays its container's), less what its
+        swapped processes were charged (in host memory now: enforcer/swap/)."""
+        cid = box.container.id
+        return box.extra.get(dev, 0) + self.orphaned.get(cid, {}).get(dev, 0) - self.swapped.get(cid, {}).get(dev, 0)
 
     def held(self, box: Box, dev: int) -> int:
         """What the container holds now: its demand less the requests it is stopped at."""
@@ -197,16 +216,21 @@ class Books:
         """What containers hold or may take on dev: each its assignment, or what it holds where
         that is more (memory obtained by calls no admission sized, as NVML measured it: issue
         39). Nobody is granted memory that is not there."""
-        return sum(max(b.assigned[dev], self.held(b, dev)) for b in self.boxes.values() if dev in b.assigned)
+        boxed = {b.container.id for b in self.boxes.values() if dev in b.assigned}
+        return (sum(max(b.assigned[dev], self.held(b, dev)) for b in self.boxes.values() if dev in b.assigned)
+                + sum(per.get(dev, 0) for cid, per in self.orphaned.items() if cid not in boxed))
 
     def room(self, dev: int) -> int:
         """The card's physical room once every container fills its assignment, with what
-        exiting processes still hold: a resume needs it >= 0 (a grant, too, after it)."""
-        return self.physical.get(dev, 0) - self.committed(dev) - self.tearing(dev)
+        exiting processes still hold and what nobody can be shown to hold: a resume needs it
+        >= 0 (a grant, too, after it)."""
+        return self.physical.get(dev, 0) - self.committed(dev) - self.tearing(dev) - self.unattributed.get(dev, 0)
 
     def free(self, dev: int) -> int:
-        """What may be assigned on dev: the capacity's unassigned memory, within the room."""
-        return max(0, min(self.capacity.get(dev, 0) - self.committed(dev), self.room(dev)))
+        """What may be assigned on dev: the capacity's unassigned memory (less what nobody can
+        be shown to hold: issue 47), within the room."""
+        return max(0, min(self.capacity.get(dev, 0) - self.committed(dev) - self.unattributed.get(dev, 0),
+                          self.room(dev)))
 
     def claims(self, dev: int, but: Box | None = None) -> list[policies.Claim]:
         """The banker's view of dev (policies.schedule says why): a running container holds its

@@ -31,11 +31,12 @@ def cgstate_reader(tracer):
 
 
 class BpfMaps:
-    """Handed the tracer (whose loaded program holds the maps) and the two figures an assignment
-    carries: limit_of(box, dev) (Books.limit) and ctx_of(dev) (what a context is charged)."""
+    """Handed the tracer (whose loaded program holds the maps) and the figures an assignment
+    carries: limit_of(box, dev) (Books.limit), ctx_of(dev) (what a context is charged) and
+    beyond(box, dev) (Books.beyond: measured overhead and what gone members left)."""
 
-    def __init__(self, tracer, limit_of, ctx_of):
-        self.tracer, self.limit_of, self.ctx_of = tracer, limit_of, ctx_of
+    def __init__(self, tracer, limit_of, ctx_of, beyond):
+        self.tracer, self.limit_of, self.ctx_of, self.beyond = tracer, limit_of, ctx_of, beyond
         self.lock = threading.Lock()   # the loop, the heartbeat and a measurement's thread write control
         self.leaf: dict = {}           # control's fields but the heartbeat and `measuring` (Admission's)
         self.measuring = 0             # the context measurement's child: admission skips it
@@ -70,7 +71,7 @@ class BpfMaps:
         t = self.table("assign")
         nbytes, nctx = box.adopted.get(dev, (0, 0))
         t[t.Key(container=box.key, dev=dev)] = t.Leaf(limit=self.limit_of(box, dev), assigned=box.assigned[dev],
-                                                      extra_overhead=box.extra.get(dev, 0),
+                                                      extra_overhead=self.beyond(box, dev),
                                                       adopted=nbytes, adopted_contexts=nctx,
                                                       ctx_charge=self.ctx_of(dev), torn=box.torn.get(dev, 0))
 
@@ -135,6 +136,15 @@ class BpfMaps:
         except KeyError:
             return {}
         return {d: c for d, c in enumerate(g.charge) if c}
+
+    def set_swapped(self, pid: int, on: bool):
+        """bpf/swap.bpf.c `swapped`: pid's next call through a touch probe is told (once)."""
+        t = self.table("swapped")
+        if on:
+            t[ct.c_uint(pid)] = ct.c_ulonglong(0)
+        else:
+            with contextlib.suppress(KeyError):
+                del t[ct.c_uint(pid)]
 
     def stopped_unplaced(self) -> set[int]:
         """Processes BPF stopped at a call (in `held` with no HELD_OPEN bit: an open held by

@@ -15,7 +15,7 @@ import selectors
 import signal
 import time
 
-from . import backstop, ctxest, policies
+from . import attribution, backstop, ctxest, policies
 from .serving import server, shimprobes
 from .failsafe import takeover, watchdog
 from .accounting import Accountant
@@ -39,6 +39,9 @@ from .serving.broker import ShimBroker
 from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
+from .swap.client import Agent
+from .swap.swapper import Settings as SwapSettings, Swapper
+from .tenants.cgroupfs import cgroup_layout, procs_in
 from .tenants.containers import container_of_pid
 from .tenants.limits import LimitRules
 from ..probes.events import EF_TRACED
@@ -62,11 +65,12 @@ class Enforcer:
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
                  state_dir: str | None = None, quota: MapQuota | None = None,
-                 unmapped_charge: str = "all"):
+                 unmapped_charge: str = "all", handover: float = 0.0, swap: SwapSettings | None = None):
         self.tracer, self.rules, self.container_of = tracer, rules, container_of
         self.stopper = stopper = stopper or SignalStopper()
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
         self.run_dir, self.started = run_dir, time.time()
+        self.handover = handover   # s a successor may take to take over what we hold at a SIGTERM
         self.state_file = os.path.join(run_dir, f"held-{os.getpid()}.json")
         self.control_path = os.path.join(run_dir, "control.sock")
         self.pin_dir = takeover.pin_dir_for(run_dir)
@@ -91,10 +95,15 @@ class Enforcer:
                                       ctx_overhead, ctxest.MeasuredStore(state_dir))
         self.books = Books(capacity, physical, cgstate_reader(tracer), self.charges.ctx, share_of(rules, gpus),
                            whole=self.holds.whole, freezer=not isinstance(stopper, SignalStopper))
-        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx)   # the one writer of BPF's maps
-        self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed)
+        self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx, self.books.beyond)   # the one writer of BPF's maps
+        # swap (enforcer/swap/): its agent, the child that makes the driver's checkpoint calls, comes at start
+        self.swapper = Swapper(self.books, self.maps, tracer, None, swap or SwapSettings(), self._process_holds,
+                               self.holds.whole, lambda: self.charge.sampler,
+                               lambda d: gpus[d].total if d in gpus else physical.get(d, 0), self._changed,
+                               os.path.join(state_dir, "swap.json") if state_dir else None)
+        self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed, self.swapper.resume)
         self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
-                               process_holds=self._process_holds, holder=self.holds.current)
+                               process_holds=self._process_holds, holder=self.holds.current, swap=self.swapper)
         over = lambda: self.decider.over_limit   # noqa: E731 (a reload may change it)
         self.admission = Admission(self.maps, self.books.waiters, self.charges.newcomer_charge, over,
                                    quota or MapQuota(), self.owner)
@@ -115,10 +124,14 @@ class Enforcer:
                            self._changed)
         self.broker = ShimBroker(tracer, self.books, self.credit, self.placement, self.maps, self.decider.schedule,
                                  self.charges, self._take, unmapped_charge)
-        # the driver's own count as the last word: over a limit however obtained (backstop.py)
-        self.backstop = backstop.Backstop(self.books, stopper, self.placement.place_stray, self.actuator.kill,
-                                          self.books.waits_whole, self._own_pids, self.charge.calls_of,
-                                          self.charge.accounted, over)
+        # the driver's own count as the last word: over a limit however obtained, by whoever can be
+        # shown to hold it (backstop.py, attribution.py)
+        proof = attribution.Proof({d: g.minor for d, g in gpus.items()})
+        self.backstop = backstop.Backstop(self.books, stopper, attribution.Attribution(proof), self.placement.place_stray,
+                                          self.actuator.kill, self.books.waits_whole, self._own_pids,
+                                          self.charge.calls_of, self.charge.accounted, over, container_of,
+                                          lambda cg: procs_in(cg, cgroup_layout()), self._save_now,
+                                          self.maps.write_assign)
         self.backstop.off = self.charge.backstop_off(capacity)
         # what `convgpu trace` shows while we run (it asks us rather than probing twice)
         self.acct = Accountant(nvml=Cached(list(gpus.values()), lambda: self.charge.sampler, nvml.driver)
@@ -128,7 +141,7 @@ class Enforcer:
         self.reporter = Reporter(tracer, self.books, self.decider, self.charge, self.backstop, self.broker,
                                  self.quotas, self.holds, self.runtime, self.history, self.admission, self.acct,
                                  stopper, self.state_file, lambda: self.watchdog.pid if self.watchdog else None,
-                                 unprobed, unmapped_charge, self.started)
+                                 unprobed, unmapped_charge, self.started, handover, self.swapper)
         self.adopter = Adopter(tracer, self.maps, self.books, self.runtime, self.charges.ctx, container_of,
                                run_dir, self.state_file, self.pin_dir, self.owner)
         self.heartbeat = Heartbeat(self.maps.beat, HEARTBEAT_EVERY, LOOP_HUNG)
@@ -152,9 +165,16 @@ class Enforcer:
             out[u.pid] = (u.live + ctx, ctx)
         return out
 
+    def _save_now(self):
+        """The watchdog's state file, now: the backstop writes whom it stops before it stops them
+        (a death right after the stop resumed nobody before: issue 47)."""
+        self._held_due = 0.0
+        self.reporter.save_held()
+
     def _own_pids(self) -> set[int]:
         return ({os.getpid(), self.admission.exempt, self.maps.measuring}
-                | ({self.watchdog.pid} if self.watchdog else set()))
+                | ({self.watchdog.pid} if self.watchdog else set())
+                | ({a} if self.swapper.agent and (a := self.swapper.agent.pid()) else set()))
 
     # ---- events in: each to the part that hears it ----
     def _take(self, events, now: float) -> bool:
@@ -171,7 +191,11 @@ class Enforcer:
                 dirty |= self.placement.first_call(e)
             elif e.op in ("stall", "over_limit"):
                 self.placement.stalled(e, now)
+                if e.pid in self.books.swapped_pids:   # its next call, stopped: it wants its memory back
+                    self.swapper.want(e.pid, f"its {e.api}")
                 dirty = True
+            elif e.op == "touch":   # a swapped process's next call, blocked in the driver (bpf/swap.bpf.c)
+                self.swapper.want(e.pid, "its next driver call")
             elif e.op == "quota":
                 self.quotas.hit(e)
             elif e.op == "exec":
@@ -187,8 +211,10 @@ class Enforcer:
         return dirty
 
     def _gone(self, pid: int):
-        """A process left (an exit, an exec): heard by ContextCharge, the shim broker and Placement."""
+        """A process left (an exit, an exec): heard by ContextCharge, the swapper, the shim broker
+        and Placement."""
         self.charge.forget(pid)
+        self.swapper.gone(pid)
         if pid in self.books.shimmed:
             self.broker.shim_gone(pid)
         self.placement.gone(pid)
@@ -213,7 +239,7 @@ class Enforcer:
         self.runtime.decided()
         self.runtime.warn_small_limits()   # a limit no context fits in: said at once (issue 52)
         raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
-        self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime), 0o600,
+        self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime, self.swapper), 0o600,
                                           root_only=True, sel=self.sel))
         try:
             from .serving.shim import ShimHandler
@@ -242,10 +268,11 @@ class Enforcer:
             self.sel.register(reader.fd, selectors.EVENT_READ, lambda _mask: reader.drain())
         signal.signal(signal.SIGHUP, self._on_hup)
         self.adopter.adopt(prev)
+        self.runtime.say_unmatched("at start")   # a limit written otherwise than a name is seen
         if self.tracer.kernel:   # what a stack limit costs, before a call is admitted
             self.maps.write_resident(self.charge.resident())
         self.charge.plan()   # a GPU model never seen: its newcomers wait for a measured context
-        write_state(self.state_file, [], [])
+        write_state(self.state_file, [], [], handover=self.handover)
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
             log.warning("no probes (--no-probes): only processes under the preload shim are limited")
             self.admission.write(True)
@@ -272,11 +299,53 @@ class Enforcer:
         self.heartbeat.loop_ran()
         self.heartbeat.start()
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
+        if prev:
+            self._take_over_holds(prev)
+        self._start_swap()
         log.info("enforcing: policy %s, capacity %s", self.decider.policy, self.reporter.capacity_text())
         return self
 
-    def close(self):
-        """Nothing stays stopped: every waiter is resumed, admission is turned off."""
+    def _start_swap(self):
+        """The checkpoint agent (a child: never the driver in this process), on the host's own
+        driver; then what an enforcer before us left swapped is taken back (Swapper.load)."""
+        driver = self.charge.host_driver()
+        if driver is None:
+            self.swapper.off = "no host driver to make the checkpoint calls with"
+            return
+        self.swapper.agent = Agent(driver)
+        self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
+        self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)
+        self.swapper.load()
+
+    def _take_over_holds(self, prev: list[dict]):
+        """The calls the enforcer before us left stopped are our waits now, held whole (SIGCONT
+        once granted: a stop at a recheck would run unchecked on any other SIGCONT): all it held
+        where it handed over (--handover), else any its watchdog's resume missed (a thread its
+        ptrace hold let go at its death and that stopped again). Where it handed over, what else
+        it held runs again (the backstop stops it again while it is over); its stops at a
+        driver's open are its watchdog's to resume."""
+        handed = any(st.get("handing_over") for st in prev)
+        events = self.adopter.stalled(handed)
+        pids = {e.pid for e in events}
+        holder = self.holds.holder
+        for pid in pids if holder is not None else ():
+            holder.refused[pid] = "taken over stopped from the enforcer before: held whole"
+        self._take(events, time.monotonic())
+        ours = {self.stopper.root.rstrip("/") + b.container.cgroup for b in self.books.boxes.values() if b.waiting} \
+            if not isinstance(self.stopper, SignalStopper) else set()
+        for st in prev if handed else ():
+            self.actuator.signal(set(st.get("pids", [])) - pids, signal.SIGCONT)
+            watchdog.thaw(set(st.get("cgroups", [])) - ours)
+        if events:
+            log.info("took over %d calls held by the enforcer before (%s)", len(events),
+                     ", ".join(f"pid {e.pid} thread {e.tid}" for e in events))
+            self._changed()
+
+    def close(self, hand_over: bool = False):
+        """Nothing stays stopped: every waiter is resumed, admission is turned off. hand_over
+        (a SIGTERM with --handover): what we hold stays held for our successor (_hand_over)."""
+        if hand_over and self.handover > 0 and self.watchdog is not None:
+            return self._hand_over()
         self.heartbeat.stop()   # before admission goes off: it would write it back on
         if self.tracer.b is not None:
             self.admission.write(False)
@@ -292,6 +361,7 @@ class Enforcer:
         if self.metrics is not None:
             self.metrics.close()
         self.charge.close()   # its sampler; a measurement's child goes (newcomers it held: resume_unplaced)
+        self.swapper.close()  # what is out: brought back by a release agent as it fits
         self.history.close()   # runs still going are kept as cut short
         self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
@@ -313,6 +383,30 @@ class Enforcer:
                 pass
             takeover.clear(self.pin_dir)   # no probes left to keep the maps exact
         self.tracer.close(background=True)
+
+    def _hand_over(self):
+        """A restart (systemctl restart, a DaemonSet rollout) is not a release: every stopped call
+        stays stopped, and admission on, for up to --handover s while our watchdog waits for the
+        successor that takes them over (failsafe/watchdog.py hand_over). Before, each restart
+        resumed every waiter and let it past its limit (6 GiB on a 4 GiB claim). A thread held
+        alone by ptrace is first stopped whole: the kernel lets a tracee run at its tracer's
+        exit, but leaves a process in a group stop stopped."""
+        self.heartbeat.stop()   # the watchdog beats from our exit on
+        held = {a.pid for b in self.books.boxes.values() for w in b.waiting.values() for a in w.asks.values()}
+        self.actuator.signal(held, signal.SIGSTOP)
+        self.reporter.save_held()
+        for srv in self.servers:
+            srv.close()
+        self.servers.clear()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.charge.close()
+        self.swapper.close(hand_over=True)   # what is out stays out: the successor takes it (swap.json)
+        self.history.close()
+        self.durable.close()
+        log.info("handing over: %d processes stay stopped at their calls, admission on, for up to %.0f s "
+                 "until the next enforcer takes them over", len(held), self.handover)
+        os.close(self.lifeline)   # the watchdog hands over from now; the probes and pins stay
 
     def step(self):
         now = time.monotonic()
@@ -340,7 +434,7 @@ class Enforcer:
             self.charge.measure_next()
         sampler = self.charge.sampler
         if sampler is not None and sampler.seq != self.backstop.seq:   # the driver's count
-            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute)
+            dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute, sampler.used)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
             # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
@@ -351,6 +445,7 @@ class Enforcer:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
             self.history.sample(from_books(self.books, self.tracer.usage(), self.charges.excess, self.charges.ctx,
                                            self.runtime.names, self.rules, now, time.time()))
+        self.swapper.step(now)   # the agent's answers, idleness, eager swap-ins
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         self.runtime.sweep(now)

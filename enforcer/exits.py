@@ -6,6 +6,7 @@ import select
 import selectors
 import time
 
+from .attribution import remember
 from .books import Exit
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
@@ -60,6 +61,8 @@ class Exits:
         charge = self.maps.take_torn(gen) if gen and self.tracer.kernel else {}
         if box is not None and len(devs) == 1:   # what it held at its exit: a floor for its job's peak
             self.history.exited(box.container.id, pid, {devs[0]: held})
+        if box is not None:   # what NVML lists under its pid once this exit settled is memory it left
+            remember(self.books, pid, box)
         self.gone(pid)
         x = Exit(pid, time.monotonic() + EXIT_WAIT, {d: held for d in devs}, box, charge)
         if not held or not devs:
@@ -85,7 +88,11 @@ class Exits:
         log.debug("pid %d gone (t=%d)", x.pid, time.monotonic_ns())
 
     def torn(self, x: Exit):
-        """The driver has freed an exited process's memory: its container holds it no more."""
+        """The driver has freed an exited process's memory (or could have: its files are closed,
+        unless another process keeps them): its container holds it no more as its exit."""
+        gone = self.books.departed.get(x.pid)
+        if gone is not None and not gone.settled:
+            gone.settled = time.monotonic()
         box = x.box
         if box is None or not x.charge or self.books.by_key.get(box.key) is not box:
             return

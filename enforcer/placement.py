@@ -243,13 +243,13 @@ class Placement:
             raise ProcessLookupError(ident.pid)
         return f"{c.kind} {c.id}"
 
-    def place_stray(self, pid: int) -> Box | None:
-        """The backstop's: a process NVML counts memory for, never placed (no admitted call),
-        joins its container."""
+    def place_stray(self, pid: int, dev: int) -> Box | None:
+        """The backstop's: a process that shows it holds memory NVML counts on GPU dev, never
+        placed (no admitted call), joins its container there (enforcer/attribution.py)."""
         box = self.box_for(pid)
         if box is None or self.quotas.process_full(box, pid):
             return None
-        self.join(box, pid)
+        self.join(box, pid, dev)
         log.warning("pid %d of %s holds GPU memory and made no call convgpu admits: placed by what it holds",
                     pid, box.name)
         return box

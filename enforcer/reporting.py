@@ -17,17 +17,19 @@ class Reporter:
     the backstop, the shim broker (credit, asks, ceilings), Quotas, Holds, Runtime (its rules,
     decisions, registered runs), the history, Admission (a view turns alloc/free events on),
     `convgpu trace`'s accountant, the stall backend, and what is fixed at start: the state
-    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge and when it
-    started."""
+    file's path, watchdog_pid() (None until it runs), --unprobed, --unmapped-charge, when it
+    started and --handover (the state file tells the watchdog how long a successor may take)."""
 
     def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
                  admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
-                 started: float):
+                 started: float, handover: float = 0.0, swapper=None):
         self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
+        self.swapper = swapper
         self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
         self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
         self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
-        self.unmapped_charge, self.started = unmapped_charge, started
+        self.unmapped_charge, self.started, self.handover = unmapped_charge, started, handover
+        self.release = None   # argv of the swap release agent (enforcer/swap/agent.py), once swap runs
         self._saved = None
 
     def status(self) -> dict:
@@ -37,19 +39,26 @@ class Reporter:
             assigned = self.books.assigned(dev)
             est = self.charges.estimate(dev)
             gpus[str(dev)] = {"uuid": self._uuid(dev), "capacity": cap, "assigned": assigned,
-                              "unassigned": cap - assigned,
+                              "unassigned": cap - assigned, "committed": self.books.committed(dev),
                               "physical": self.books.physical[dev], "tearing_down": self.books.tearing(dev),
                               "ctx_estimate": est.to_json(), "ctx_measuring": dev in self.charges.waiting,
-                              "backstop": backstop[str(dev)]}
+                              "backstop": backstop[str(dev)],
+                              # memory NVML counts that nobody can be shown to hold (enforcer/attribution.py)
+                              "unattributed": self.books.unattributed.get(dev, 0),
+                              # containers with no process left that hold memory their gone processes left
+                              "left_by_exited": [r for r in self.backstop.gone_rows(now) if r["gpu"] == dev],
+                              # whether swap can be (enforcer/swap/): "on", or "off: why"
+                              "swap": self._swap_state(dev)}
         rows = []
         sampler = self.charge.sampler
         raw = sampler.raw if sampler is not None else None
+        found = self.backstop.found
         for box in sorted(self.books.boxes.values(), key=lambda b: b.created):
             per = {}
             for dev in sorted(box.assigned):
                 used, contexts, reserved = self.books.usage(box, dev)
                 w = box.waiting.get(dev)
-                over = self.backstop.status(box.key, dev, now)
+                over = self.backstop.status(box.container.id, dev, now)
                 per[str(dev)] = {
                     "limit": self.books.limit(box, dev), "assigned": box.assigned[dev], "used": used,
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
@@ -59,9 +68,17 @@ class Reporter:
                     "demand": self.books.demand(box, dev),
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit) or over["over_by"] > 0,
-                    # the driver's count (NVML) against the limit: the backstop (enforcer/backstop.py)
-                    "nvml_used": sum(raw.get((p, dev), 0) for p in box.pids) if raw is not None else None,
+                    # the driver's count (NVML) against the limit, as the backstop attributed it
+                    # (enforcer/attribution.py: its strays not placed at the process quota and what
+                    # its gone processes left too, issue 47), else its placed processes' rows
+                    "nvml_used": None if raw is None else found.held.get((box.container.id, dev), 0)
+                    if found is not None and dev not in self.backstop.off
+                    else sum(raw.get((p, dev), 0) for p in box.pids),
                     "over_by": over["over_by"], "over_s": over["over_s"],
+                    # memory its exited processes left (another process keeps the driver's files)
+                    "left_by_exited": over["left_by_exited"],
+                    # in host memory by the driver's checkpoint (enforcer/swap/): bytes, seconds, processes
+                    **(self.swapper.status(box, dev) if self.swapper is not None else {}),
                     "circular": bool(w and w.circular),
                     "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
@@ -108,8 +125,18 @@ class Reporter:
         s, capacity = self.charge.sampler, self.books.capacity
         if s is not None and s.seq == 0 and s.error:   # never one answer: NVML lists no process here
             return {str(d): f"off: NVML gives no per-process memory ({s.error})" for d in capacity}
+        if s is not None and self.charge.nvml_failing:   # no new sample: no new finding (what it stopped stays)
+            return {str(d): f"off: {self.backstop.off.get(d, 'NVML has stopped answering')}" for d in capacity}
         return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
                 "on" if s is not None else "off: no NVML sampler" for d in capacity}
+
+    def _swap_state(self, dev: int) -> str:
+        if self.swapper is None:
+            return "off: not built"
+        if self.backstop.off.get(dev, "").startswith("MIG"):
+            return "off: MIG mode (the checkpoint of a MIG instance's process is not known to work)"
+        why = self.swapper.why_off()
+        return f"off: {why}" if why else "on"
 
     def _uuid(self, dev: int) -> str:
         g = getattr(self.tracer, "gpumap", None)
@@ -139,8 +166,12 @@ class Reporter:
         d = getattr(self.tracer, "discovery", None)
         if d is None:   # --no-probes
             return {}
-        return {"discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
-                              "unprobed_policy": self.unprobed},
+        # recent: the pids stopped at an open, latest last (the last 1,024), one entry a stop:
+        # a test counts its own process's stops exactly while other processes of the host open
+        # driver files of their own
+        return {"probes": {"attached": len(self.tracer.attached), "failed": len(self.tracer.failed)},
+                "discovery": {"on": d.enabled, "stops": d.stops, "node_stops": d.identity.stops,
+                              "recent": list(d.recent), "unprobed_policy": self.unprobed},
                 "unprobed": [vars(u) for u in d.unprobed.values()]}
 
     def _ctx_source(self, box: Box, dev: int, contexts: int) -> str:
@@ -180,13 +211,14 @@ class Reporter:
                               "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
                               "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
                  for b in self.books.boxes.values()}
-        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog_pid())
+        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog_pid(), self.release)
         if state == self._saved:   # the file is rewritten (rename) only when it changes
             return
         self._saved = state
         if FAULT:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
-        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3])
+        write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3],
+                    handover=self.handover, release=self.release)
 
     def capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))

@@ -289,7 +289,17 @@ class Runtime:
         log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
                  format_size(rules.default))
         self.warn_small_limits()
+        self.say_unmatched("at reload")
         return True
+
+    def say_unmatched(self, when: str):
+        """One line: the --limit keys and [[rule]]s that match no container seen so far (issue
+        47: a unit named otherwise than convgpu saw it fell to the default, said nowhere)."""
+        left = self.rules.unmatched()
+        if left:
+            log.info("%s, limits that match no container seen so far: %s (a container is named by its name, "
+                     "id, short id or cgroup path; a systemd unit also by its name with or without its suffix, "
+                     "victim.service or victim)", when, ", ".join(left))
 
     def _reread_decisions(self) -> bool:
         """True if a decisions file unreadable until now could be read."""

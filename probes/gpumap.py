@@ -135,7 +135,11 @@ def check(m: Mapping, measured: set[int]) -> str | None:
 # --- reading a process (hostile input: docs/SECURITY.md) ---
 
 def nvidia_major(proc_devices: str = "/proc/devices") -> int:
-    """The character major of NVIDIA's device nodes on this host, as the kernel lists it."""
+    """The character major of NVIDIA's device nodes on this host, as the kernel lists it
+    (CONVGPU_GPU_MAJORS: the tests' stand-in nodes, as probes/nodes.py reads it)."""
+    env = os.environ.get("CONVGPU_GPU_MAJORS")
+    if env and env.split(",")[0].isdigit():
+        return int(env.split(",")[0])
     try:
         with open(proc_devices) as f:
             text = f.read(1 << 16)

@@ -11,6 +11,7 @@
 #   - tracefs mounted; a venv from the *system* python3 with --system-site-packages (bcc's
 #     Python part lives in the system dist-packages); the package, editable, with its test extras;
 #   - kubectl (Debian's kubernetes-client unless one is installed) for the deployment's tests;
+#   - prometheus (with promtool): the tests check the alert rules and scrape the enforcer with it;
 #   - the native parts (test stand-in libcuda, callers) built with make.
 set -eu
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 export DEBIAN_FRONTEND=noninteractive
 need=""
-for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static tmux; do
+for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static prometheus tmux; do
   dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
 done
 # kubectl renders the Kubernetes deployment (deploy/kubernetes) in the tests: Debian's
@@ -36,6 +37,11 @@ if [ -n "$need" ]; then
   apt-get update -qq
   # shellcheck disable=SC2086
   apt-get install -y -qq --no-install-recommends $need >/dev/null
+  # the package starts a Prometheus service on :9090 where systemd runs: the tests start their
+  # own (loopback only, a temporary data dir), so the one we installed is stopped and disabled
+  case " $need " in *" prometheus "*)
+    if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi ;;
+  esac
 fi
 
 host_link_headers

@@ -401,6 +401,39 @@ def wait_state(pid, want, timeout=20):
     raise AssertionError(f"pid {pid} not all {want}: {states}")
 
 
+class StateWatch:
+    """The state letters of every thread of pid, sampled every millisecond or so on a thread of
+    its own from start() to stop(), which returns them: a check that a process was "never
+    stopped" over a window, where one sample after a sleep sees only its end. A thread that is
+    gone (or the process) ends the sampling of it, not the watch."""
+
+    def __init__(self, pid: int):
+        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                tids = os.listdir(f"/proc/{self.pid}/task")
+            except OSError:
+                return
+            for t in tids:
+                try:
+                    self.samples.append(open(f"/proc/{self.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            time.sleep(0.001)
+
+    def start(self) -> "StateWatch":
+        self._t.start()
+        return self
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._t.join(timeout=10)
+        return self.samples
+
+
 # Capabilities eBPF needs (CAP_SYS_ADMIN implies the other two): a shim-only enforcer runs
 # without them, so the tests prove that nothing it does needs eBPF.
 NO_BPF = ("setpriv", "--bounding-set", "-bpf,-perfmon,-sys_admin", "--")
@@ -475,8 +508,8 @@ class StandinNvml:
             pid, = struct.unpack_from("<i", self.seg, 352 + 144 * i)
             used = struct.unpack_from("<16Q", self.seg, 352 + 144 * i + 16)
             for dev, n in enumerate(used):
-                if pid > 0 and n:
-                    out[(pid, dev)] = n
+                if pid > 0 and n:   # a process with two stand-in copies has two slots: summed, as
+                    out[(pid, dev)] = out.get((pid, dev), 0) + n    # probes.nvml sums its rows
         return out
 
     def gpus(self) -> list:

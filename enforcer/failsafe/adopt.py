@@ -4,12 +4,22 @@ import logging
 import os
 import time
 
+from ...probes.events import EF_ORDINAL, EF_RESERVED, Event
+from ...probes.table import API_NAMES
 from ...units import format_size
 from . import takeover
 from ..actuator import alive
 from ..books import Box
 
 log = logging.getLogger("convgpu.enforcer.daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
+
+
+def _state(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 class Adopter:
@@ -97,3 +107,23 @@ class Adopter:
         log.info("took over from enforcer %s: %d containers, %s assigned",
                  ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(books.boxes),
                  format_size(sum(sum(b.assigned.values()) for b in books.boxes.values())))
+
+    def stalled(self, all_held: bool) -> list[Event]:
+        """The calls the enforcer before us held when it handed over (--handover), as the events
+        that stopped them (we never heard those): each thread the pinned `threads` map shows
+        stopped at a call. A member's is a stall (reserved where its
+        recheck kept its reservation), a process not placed yet's its first call."""
+        out = []
+        for k, t in self.maps.table("threads").items():
+            c = t.call
+            pid, tid = k.value >> 32, k.value & 0xFFFFFFFF
+            # all_held (it handed over: nothing was let go, and a stop may land a moment after
+            # its `held` entry): every such thread; else those its watchdog's resume missed
+            if not c.stalled or not c.api or _state(pid, tid) not in (("T", "t", "R", "S", "D") if all_held
+                                                                      else ("T", "t")):
+                continue   # let go, it meets its recheck (or is gone)
+            box = self.books.pid_box.get(pid)
+            flags = (EF_RESERVED if c.reserved else 0) | (EF_ORDINAL if c.ordinal else 0)
+            out.append(Event(0, pid, tid, "", 0, "stall" if box else "unknown", API_NAMES.get(c.api, f"api{c.api}"),
+                             None, c.rdev if c.reserved else c.wdev, box.key if box else 0, c.want, 0, 0, flags))
+        return out

@@ -12,6 +12,12 @@ And it holds duplicates of the enforcer's probe descriptors (sent over FD_SOCK a
 attached): after the death the probes stay attached and keep the pinned maps exact, until a
 restarted enforcer, loaded over the same maps, sends SIGTERM; then this exits and the old
 probes detach. Without a successor within CONVGPU_HANDOVER_S (600 s) it removes the pins too.
+With --handover (the enforcer's state file says how long: `handover`), a death hands over:
+what the enforcer held stays held and admission stays on (this keeps the heartbeat fresh) for
+up to that long, so a systemd restart or a DaemonSet rollout lets no stalled process past its
+limit; the successor takes the held calls over (enforcer/failsafe/adopt.py `stalled`) and sends
+SIGTERM, and only a stop at a driver's open (the predecessor's discovery) is resumed here then.
+With no successor in time, everything is resumed as at any death.
 `convgpu trace` runs one too, for discovery alone: a process stopped at its open of a driver
 file (bpf/discovery.bpf.c) is listed in the `held` map, which this resumes; so is
 every thread BPF stopped for admission, whether or not the enforcer wrote it in its state file.
@@ -33,6 +39,8 @@ import threading
 import time
 
 HANDOVER_S = float(os.environ.get("CONVGPU_HANDOVER_S", "600"))
+HELD_OPEN = 1 << 32   # a `held` value's bit for a stop at a driver's open (probes/held.py: stdlib only here)
+BEAT_S = 0.25         # s between heartbeats kept while handing over (BPF fails open after 2 s)
 
 
 def write_state(path: str, pids, cgroups, **more) -> None:
@@ -62,13 +70,27 @@ def admission_off(map_fd: int) -> bool:
     return _bpf(2, map_fd, ctypes.c_uint32(0), (ctypes.c_ubyte * 64)())   # >= either struct
 
 
-def resume_held(map_fd: int) -> set[int]:
+def heartbeat(map_fd: int) -> bool:
+    """The control map's heartbeat (struct cg_control's first field, bpf_ktime_get_ns's clock)
+    made fresh, the other fields as they are: admission goes on while a successor comes."""
+    leaf = (ctypes.c_ubyte * 64)()
+    if not _bpf(1, map_fd, ctypes.c_uint32(0), leaf):   # BPF_MAP_LOOKUP_ELEM
+        return False
+    ctypes.c_uint64.from_buffer(leaf).value = time.monotonic_ns()
+    return _bpf(2, map_fd, ctypes.c_uint32(0), leaf)
+
+
+def resume_held(map_fd: int, opens_only: bool = False) -> set[int]:
     """SIGCONT every process with a thread in the `held` map (pid_tgid -> why: BPF stopped it,
-    at a driver's open or for admission) and empty the map. Returns the pids signalled."""
+    at a driver's open or for admission) and empty the map; opens_only: only stops at an open
+    (a successor takes the calls over). Returns the pids signalled."""
     keys, key, nxt = [], None, ctypes.c_uint64(0)
     while _bpf(4, map_fd, key, nxt):   # BPF_MAP_GET_NEXT_KEY
         keys.append(nxt.value)
         key = ctypes.c_uint64(nxt.value)
+    if opens_only:
+        why = ctypes.c_uint64(0)
+        keys = [k for k in keys if _bpf(1, map_fd, ctypes.c_uint64(k), why) and why.value & HELD_OPEN]
     done = set()
     for pid in {k >> 32 for k in keys}:
         try:
@@ -102,14 +124,48 @@ def spawn(owner_pid: int, state_file: str, zero_fds: list[int], held_fd: int = -
     return p, lifeline
 
 
-def release(path: str) -> tuple[set[int], int]:
-    """Resume what the state file lists; returns (pids signalled, cgroups thawed)."""
-    if path == "-":
-        return set(), 0
+def read_state(path: str) -> dict:
     try:
         with open(path) as f:
-            state = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
+        return {}
+
+
+def hand_over(path: str, control_fd: int, seconds: float, taken_over: list) -> bool:
+    """Keep what the dead enforcer held, and admission on, until a successor takes over
+    (SIGTERM: taken_over fills) or `seconds` pass. True if one came."""
+    state = read_state(path)
+    state.update(orphaned=True, handing_over=True, watchdog=os.getpid())
+    try:
+        write_state(path, **state)   # previous() takes it for a take-over at once
+    except OSError:   # its run dir is gone: nobody can take over
+        return False
+    deadline = time.monotonic() + seconds
+    while not taken_over and time.monotonic() < deadline:
+        heartbeat(control_fd)
+        time.sleep(BEAT_S)
+    return bool(taken_over)
+
+
+def thaw(dirs) -> int:
+    """Thaw each cgroup (full directory paths, v2 or v1); returns how many were written."""
+    thawed = 0
+    for d in dirs:
+        for name, value in (("cgroup.freeze", "0"), ("freezer.state", "THAWED")):
+            try:
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(value)
+                thawed += 1
+            except OSError:
+                pass
+    return thawed
+
+
+def release(path: str) -> tuple[set[int], int]:
+    """Resume what the state file lists; returns (pids signalled, cgroups thawed)."""
+    state = read_state(path) if path != "-" else {}
+    if not state:
         return set(), 0
     done = set()
     for pid in state.get("pids", []):
@@ -118,18 +174,25 @@ def release(path: str) -> tuple[set[int], int]:
             done.add(pid)
         except OSError:
             pass
-    thawed = 0
-    for d in state.get("cgroups", []):   # full directory paths, v2 or v1
-        for name, value in (("cgroup.freeze", "0"), ("freezer.state", "THAWED")):
-            try:
-                with open(os.path.join(d, name), "w") as f:
-                    f.write(value)
-                thawed += 1
-            except OSError:
-                pass
+    thawed = thaw(state.get("cgroups", []))
     state.update(pids=[], cgroups=[], orphaned=True, watchdog=os.getpid())
     write_state(path, **{k: v for k, v in state.items()})   # for the successor: who to stop
     return done, thawed
+
+
+def swap_release(state: dict) -> int | None:
+    """Where the dead enforcer left processes swapped out or locked (its swap.json): a release
+    agent of its own session (enforcer/swap/agent.py --release) unlocks them and restores each
+    once it fits, so none stays locked with nobody to unlock it. Its pid, or None."""
+    argv = state.get("release")
+    try:
+        with open(argv[-1]) as f:
+            if not json.load(f).get("procs"):
+                return None
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+    return subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            cwd="/").pid
 
 
 def link_id(fd: int) -> int | None:
@@ -207,10 +270,32 @@ def main() -> int:
     held: list[int] = []
     ooms = oom_kills()
     wait_for_death(pipe_fd, fd_sock, held)
+    taken_over: list = []
+    signal.signal(signal.SIGTERM, lambda *_: taken_over.append(1))
+    state = read_state(path) if path != "-" else {}
+    handover = float(state.get("handover") or 0)
+    if handover > 0 and zero_fds and held:
+        # first: every process with a held call stopped whole. A thread the enforcer held alone by
+        # ptrace is let go by the kernel when its tracer is gone (its exit runs after the close of
+        # the lifeline and of its probes' links, which woke us), and one held at its recheck would
+        # run its call unchecked; a process in a group stop stays stopped (FACTS.md, issue 47)
+        for pid in state.get("pids", []):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+    if handover > 0 and zero_fds and held and hand_over(path, zero_fds[0], handover, taken_over):
+        opened = resume_held(held_fd, opens_only=True) if held_fd >= 0 else set()
+        print(f"convgpu watchdog: enforcer {pid} is gone; its successor took over what it held"
+              + (f", {len(opened)} stopped at an open resumed" if opened else ""), file=sys.stderr)
+        close_all(held)   # the old probes detach
+        return 0
     for fd in zero_fds:   # first: nothing is stopped again
         admission_off(fd)
+    before = read_state(path) if path != "-" else {}
     stopped = resume_held(held_fd) if held_fd >= 0 else set()
     listed, thawed = release(path)
+    swap_release(before)
     if held_fd >= 0:   # a program past its check when the maps were zeroed may still stop one
         time.sleep(0.05)   # (its vCPU taken away mid-program by the host): looked at again
         stopped |= resume_held(held_fd)
@@ -218,8 +303,6 @@ def main() -> int:
           + (f"; {len(held)} probes kept for a successor" if held else "") + oom_note(ooms), file=sys.stderr)
     if not held:
         return 0
-    taken_over = []
-    signal.signal(signal.SIGTERM, lambda *_: taken_over.append(1))
     deadline = time.monotonic() + HANDOVER_S
     while not taken_over and time.monotonic() < deadline:
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

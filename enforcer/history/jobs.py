@@ -11,8 +11,15 @@ owner), so it is hostile text: it never reaches a file, a table or a metric labe
   else, markup, quotes, spaces, newlines included, becomes %XX): the mapping is one to one, so
   two names never share a key, and what is shown contains no markup. A name longer than
   MAX_NAME is cut and ends in a hash of the whole, so it stays distinct too.
+- A container of a user's own (in systemd's `/user.slice/user-UID.slice`: a login session, the
+  user's units, rootless podman) is that user's job: its key's kind says so (`podman@1000:web`).
+  That path is named by root alone (tenants/containers.py `delegation_cut`: a container ends at
+  the outermost cgroup delegated to anyone, so no name below it reaches its path), never by the
+  tenant: a name cannot say whose job it is (its `@` is encoded).
 - The scope is what the history's caps are shared by (store.py: a full history drops the oldest
-  job of the scope that holds the most): a namespace for Kubernetes, else the kind."""
+  job of the scope that holds the most): a namespace for Kubernetes, a user for a user's jobs
+  (issue 47: one scope per kind let one user's invented names evict every other user's jobs),
+  else the kind."""
 import hashlib
 import re
 from dataclasses import dataclass
@@ -21,6 +28,8 @@ from urllib.parse import quote
 MAX_NAME = 160        # characters of an encoded name (a DNS subdomain is 253; a key must fit a label)
 RUN_PARENT = "/convgpu.run/"   # `convgpu run`'s cgroups (cli/run.py)
 _ENCODED = re.compile(r"[A-Za-z0-9_.~/%-]+")   # what safe() can give
+_USER = re.compile(r"/user\.slice/user-([0-9]+)\.slice(?:/|$)")   # systemd's slice of a user (root makes it)
+_KIND = re.compile(r"([a-z0-9]+)(?:@(0|[1-9][0-9]{0,9}))?")         # a key's kind, with its user
 KINDS = ("run", "k8s", "docker", "containerd", "kubernetes", "crio", "podman", "systemd", "cgroup", "host")
 
 
@@ -28,14 +37,17 @@ KINDS = ("run", "k8s", "docker", "containerd", "kubernetes", "crio", "podman", "
 class Job:
     kind: str
     name: str          # encoded (safe())
+    user: int | None = None   # the uid whose slice the container is in; None: the host's
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.name}"
+        return f"{self.kind}:{self.name}" if self.user is None else f"{self.kind}@{self.user}:{self.name}"
 
     @property
     def scope(self) -> str:
-        return f"k8s:{self.name.split('/', 1)[0]}" if self.kind == "k8s" else self.kind
+        if self.kind == "k8s":
+            return f"k8s:{self.name.split('/', 1)[0]}"
+        return self.kind if self.user is None else f"user:{self.user}"
 
 
 def safe(text: str) -> str:
@@ -50,9 +62,11 @@ def safe(text: str) -> str:
 def parse_key(key: str) -> Job:
     """A key as the file keeps it; ValueError if it is not one a Job could have made."""
     kind, sep, name = key.partition(":")
-    if not sep or kind not in KINDS or len(name) > MAX_NAME or not _ENCODED.fullmatch(name):
+    m = _KIND.fullmatch(kind)
+    if (not sep or m is None or m.group(1) not in KINDS or len(name) > MAX_NAME or not _ENCODED.fullmatch(name)
+            or (m.group(2) is not None and m.group(1) in ("k8s", "run"))):
         raise ValueError(f"job key {key[:80]!r}")
-    return Job(kind, name)
+    return Job(m.group(1), name, None if m.group(2) is None else int(m.group(2)))
 
 
 def identify(kind: str, cid: str, cgroup: str, name: str | None = None, run_name: str | None = None,
@@ -66,6 +80,8 @@ def identify(kind: str, cid: str, cgroup: str, name: str | None = None, run_name
     if run_name and cgroup.startswith(RUN_PARENT):
         return Job("run", safe(run_name))
     k = kind if kind in KINDS else "cgroup"
+    m = _USER.match(cgroup)
+    user = int(m.group(1)) if m and len(m.group(1)) <= 10 else None
     if k in ("cgroup", "host"):
-        return Job(k, safe(cgroup))
-    return Job(k, safe(name or cid))
+        return Job(k, safe(cgroup), user)
+    return Job(k, safe(name or cid), user)

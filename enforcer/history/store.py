@@ -12,7 +12,7 @@ decisions.json and written by the same rules (enforcer/tenants/statefile.py, STY
   <state dir>/.history.lock: none overwrites another's runs;
 - bounded: the newest MAX_RUNS runs of a job; at most MAX_JOBS jobs, and when a new job would
   be one too many, the least recently run job of the scope (jobs.py: a Kubernetes namespace,
-  else where the name came from) that holds the most jobs goes, so a tenant that invents
+  a user, else where the name came from) that holds the most jobs goes, so a tenant that invents
   names pushes out its own jobs first; only the newest SERIES_RUNS runs of a job keep their
   time series (POINTS points per GPU, in MiB: for the picture only; peaks are exact bytes);
   and an encoded file above MAX_BYTES drops the series of its oldest runs until it fits.
@@ -116,13 +116,15 @@ def add(h: History, job: Job, runs) -> History:
 
 
 def _evicted(jobs: dict, keep: str) -> str:
-    """The least recently run job of the scope that holds the most jobs (never `keep`)."""
+    """The least recently run job of the scope that holds the most jobs (never `keep`); of
+    scopes that hold as many, `keep`'s own first (a flood that reaches another's size pushes
+    out its own, not the other's older job)."""
     scope = {k: parse_key(k).scope for k in jobs}
     size: dict = {}
     for s in scope.values():
         size[s] = size.get(s, 0) + 1
     return min((k for k in jobs if k != keep),
-               key=lambda k: (-size[scope[k]], jobs[k][-1].ended if jobs[k] else 0.0, k))
+               key=lambda k: (-size[scope[k]], scope[k] != scope[keep], jobs[k][-1].ended if jobs[k] else 0.0, k))
 
 
 # ---- the file's format ----

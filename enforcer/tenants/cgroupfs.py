@@ -164,6 +164,31 @@ class CgroupIndex:
                     stack.append((e.path, r))
 
 
+PROCS_DIRS = 4096      # sub-cgroups of one container looked at, at most (it may make them: delegation)
+PROCS_MAX = 65536      # pids of one container read, at most
+
+
+def procs_in(cgroup: str, layout: Layout) -> set[int]:
+    """Every process in a cgroup and the cgroups below it (v2, else the v1 freezer hierarchy),
+    at most PROCS_DIRS directories and PROCS_MAX pids: a container makes its own sub-cgroups.
+    Empty where neither hierarchy has it (gone)."""
+    base = layout.v2_root or layout.freezer_v1_root
+    if base is None:
+        return set()
+    top = base + ("" if _norm(cgroup) == "/" else _norm(cgroup))
+    out: set[int] = set()
+    for n, (d, _dirs, files) in enumerate(os.walk(top)):   # cgroupfs holds no links to follow
+        if n >= PROCS_DIRS or len(out) >= PROCS_MAX:
+            break
+        if "cgroup.procs" in files:
+            try:
+                with open(os.path.join(d, "cgroup.procs"), "rb") as f:
+                    out |= {int(x) for x in f.read(1 << 20).split()[:PROCS_MAX]}
+            except (OSError, ValueError):
+                continue
+    return out
+
+
 def remove_cgroup(d, tries: int = 200, pause: float = 0.01) -> None:
     """rmdir of a cgroup directory: it succeeds once the kernel has moved the last (killed)
     task out, so it is retried `tries` times, `pause` s apart. Gone already: done."""

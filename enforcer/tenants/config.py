@@ -43,11 +43,16 @@ SETTINGS = {
     "max_threads": ("int", None),
     "max_processes": ("int", None),
     "unmapped_charge": ("choice", ("all", "guess")),
+    "handover": ("seconds", None),
+    "swap_idle": ("seconds", None),
+    "swap_in": ("choice", ("call", "eager")),
+    "swap_budget": ("size", None),
+    "never_swap": ("strs", None),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
                 "libs", "discover", "probes", "unprobed", "max_objects", "max_threads", "max_processes",
-                "unmapped_charge")
+                "unmapped_charge", "handover", "swap_idle", "swap_in", "swap_budget", "never_swap")
 MATCHES = ("name", "id", "cgroup", "label")
 
 
@@ -58,10 +63,11 @@ class Rule:
     limit: int
 
     def matches(self, c: Container, name: str | None, labels: dict | None) -> bool:
+        unit = c.unit is not None and fnmatch.fnmatchcase(c.unit, self.pattern)   # victim.service
         if self.match == "name":
-            return name is not None and fnmatch.fnmatchcase(name, self.pattern)
+            return (name is not None and fnmatch.fnmatchcase(name, self.pattern)) or unit
         if self.match == "id":
-            return fnmatch.fnmatchcase(c.id, self.pattern) or fnmatch.fnmatchcase(c.short, self.pattern)
+            return fnmatch.fnmatchcase(c.id, self.pattern) or fnmatch.fnmatchcase(c.short, self.pattern) or unit
         if self.match == "cgroup":
             return fnmatch.fnmatchcase(c.cgroup, self.pattern)
         key, eq, value = self.pattern.partition("=")

@@ -60,6 +60,15 @@ class Container:
             return "host"
         return self.id.rstrip("/").rsplit("/", 1)[-1] or self.id
 
+    @property
+    def unit(self) -> str | None:
+        """A systemd unit's name as systemd shows it (`victim.service`; its id is its path, its
+        short name `victim`): a limit names a unit by either (issue 47: one that named it by its
+        file name fell to the default, said nowhere). None for anything but a unit. A unit's
+        name is one of its manager's: the system's are root's, a user's are under its delegated
+        user@UID.service, one container (delegation_cut), so no tenant makes one named like it."""
+        return self.id.rsplit("/", 1)[-1] if self.kind == "systemd" else None
+
 
 def container_of_path(path: str) -> Container:
     """Classify a cgroup path by the runtime's own cgroup: the outermost component at a place

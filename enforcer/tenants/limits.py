@@ -9,6 +9,7 @@ daemon: the container gets the default and a warning. The run-time sources (limi
 run, the pod's) are kept across restarts (enforcer/tenants/durable.py); where they could not be
 read at start, every limit is `unknown` (0: nothing more is admitted until they are read)."""
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from .containers import Container
 log = logging.getLogger(__name__)
 LABEL = "com.nvidia.memory.limit"
 DEFAULT_LIMIT = 1 << 30   # the paper's default
+SEEN = 4096               # containers remembered for unmatched(): the most recently seen
 UNKNOWN = "unknown"       # the source of every limit while the run-time decisions cannot be read
 
 
@@ -67,6 +69,9 @@ class LimitRules:
     # claim uid -> ClaimShare, from the DRA kubelet plugin (tenants/claims.py): a container of a
     # pod with claims gets its limit from them, in place of the pod-limits entry
     claims: dict = field(default_factory=dict)
+    # container id -> (Container, name, labels) of every container a limit was worked out for
+    # (the newest SEEN): what unmatched() looks at; a reload keeps it (take_config)
+    seen: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
 
     def take_config(self, other: "LimitRules"):
         """A reload: the config file's part (--limit, the default, the rules) from `other`, in
@@ -102,6 +107,10 @@ class LimitRules:
 
     def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
+        self.seen[c.id] = (c, name, labels)
+        self.seen.move_to_end(c.id)
+        while len(self.seen) > SEEN:
+            self.seen.popitem(last=False)
         if self.unreadable:   # any container may have had a decision that is lost: hold (fail closed)
             return 0, f"{UNKNOWN}: the run-time decisions could not be read ({self.unreadable})"
         pod = self.pod_limit(c)
@@ -115,7 +124,7 @@ class LimitRules:
             return self.runtime[c.id], "convgpu limit set"
         if c.cgroup in self.runs:
             return self.runs[c.cgroup], "convgpu run --limit"
-        for key in (name, c.id, c.short, c.cgroup):
+        for key in (name, c.id, c.short, c.unit, c.cgroup):
             if key and key in self.explicit:
                 return self.explicit[key], f"--limit {key}"
         for key, size in self.explicit.items():
@@ -134,3 +143,16 @@ class LimitRules:
                 log.warning("container %s: %s; using the default limit %s", name or c.short, e,
                             format_size(self.default))
         return self.default, "default"
+
+    def unmatched(self) -> list[str]:
+        """The --limit keys and [[rule]]s that match no container seen so far (whether another
+        source won for it or not): a name written otherwise than convgpu sees it gives its
+        container the default with nothing said, so the enforcer says these at start and at
+        each reload."""
+        seen = list(self.seen.values())
+
+        def explicit(key: str) -> bool:
+            return any(key in (name, c.id, c.short, c.unit, c.cgroup) or (len(key) >= 6 and c.id.startswith(key))
+                       for c, name, _ in seen)
+        return ([f"--limit {k}" for k in self.explicit if not explicit(k)]
+                + [r.source for r in self.rules if not any(r.matches(c, name, labels) for c, name, labels in seen)])

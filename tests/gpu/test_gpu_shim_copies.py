@@ -33,6 +33,13 @@ sys.stdin.readline()
 """
 
 
+def job_env(shim, lib):
+    """The job's environment: the shim's (its socket) with LD_PRELOAD set to the copy under test.
+    shim_env already names LD_PRELOAD, so a merge, not dict(**shim, LD_PRELOAD=...), which raises
+    "got multiple values for keyword argument" (this test never ran before that was fixed)."""
+    return {**os.environ, **shim, "LD_PRELOAD": lib}
+
+
 def _row(name):
     from convgpu.enforcer.serving.server import request
     st = request(f"{RUN_DIR}/control.sock", {"cmd": "status"})["status"]
@@ -58,7 +65,7 @@ def test_pytorch_under_copies_of_the_shim_is_charged_once(root, tmp_path):
         offered = os.path.join(RUN_DIR, "lib", "libconvgpu.so")
         for name, lib in (("tenant", str(copy)), ("pod", offered)):
             (base / name).mkdir(parents=True, exist_ok=True)
-            env = dict(os.environ, **shim_env(RUN_DIR), LD_PRELOAD=lib)
+            env = job_env(shim_env(RUN_DIR), lib)
             p = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > {base / name}/cgroup.procs && exec "$0" "$@"',
                                   sys.executable, "-c", JOB, *(["big"] if name == "pod" else [])], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env, cwd="/")

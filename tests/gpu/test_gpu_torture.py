@@ -9,6 +9,13 @@ says what is checked after each restart). NVML's per-process counts are the driv
 container may pass its limit by no more than 4 MiB (page rounding) once the restarted enforcer
 has settled, and `status` must equal them within 192 MiB a container (a context is charged at
 its estimate until NVML measures it, which a process allocating without pauses never lets it do).
+The enforcer runs with --handover, as the unit file and the DaemonSet run it. Without it, a
+kill -9 fails open until the successor admits (the watchdog resumes every held call, admission
+off): on the H100 at 2bdeffc the calls of that window put containers past their limits, and the
+successor's backstop, which NVML's counts turn on there (not on the stand-in), stopped them over
+their limits where they could not free what put them there: 4 over-limit samples and 60
+stopped threads no status listed as waiting (issue 47). With --handover the held calls stay held
+and admission stays on through a kill -9 until the successor takes them over.
 Run: CONVGPU_REQUIRE_SYSTEM=1 python3 -m pytest -m gpu tests/gpu/test_gpu_torture.py -q -rA -s"""
 import os
 import sys
@@ -42,6 +49,7 @@ def test_kill_9_torture_with_real_cuda_processes(root):
               size=256 * MiB, hold_ms=200, rounds=20, limit=2304 * MiB, default_limit=1536 * MiB,
               gpu_memory=5 * GiB, ctx=None, tolerance=192 * MiB, over_tolerance=4 * MiB,
               kills=int(os.environ.get("CONVGPU_TORTURE_KILLS", "24")), seed=31, deadline_s=480,
+              extra=("--handover", "30"),
               log=lambda line: print(line, flush=True))
     try:
         r = Torture(s).run()

@@ -12,6 +12,7 @@ import pytest
 from conftest import need
 
 NOBODY = 65534
+CPUID = 203                 # a character major every x86 kernel here has (cpuid), opened by nobody else
 # A file named like the driver that exports what discovery requires, and runs code when loaded:
 # the constructor writes who ran it into MARKER (a path on the host).
 FORGED = r"""
@@ -82,3 +83,17 @@ def busybox_rootfs(base) -> "os.PathLike":
 
 def podman_rm(name: str) -> None:
     subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def gpu_nodes(scratch):
+    """nvidiactl, nvidia-uvm and nvidia0 as character devices of the cpuid major, which nobody
+    may open (the stand-in opens them at cuInit: CONVGPU_STANDIN_DEVNODES; an enforcer told
+    CONVGPU_GPU_MAJORS=CPUID takes them for the GPU's)."""
+    need(os.path.exists("/dev/cpu/0/cpuid"), "no cpuid driver: no spare character device to stand in for the GPU")
+    d = scratch / "dev"
+    d.mkdir()
+    for name, minor in (("nvidiactl", 0), ("nvidia-uvm", 0), ("nvidia0", 0)):
+        os.mknod(d / name, 0o666 | 0o020000, os.makedev(CPUID, minor))
+    os.chmod(d, 0o755)
+    return d

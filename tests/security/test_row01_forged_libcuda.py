@@ -18,9 +18,10 @@ pytestmark = [pytest.mark.system, pytest.mark.exclusive]   # discovery reaches e
 OPEN = "import os,sys; fd=os.open(sys.argv[1], os.O_RDONLY); print('opened', flush=True); sys.stdin.readline()"
 
 
-def _attack(enf, opener, lib, marker):
+def _attack(enf, opener, lib, marker, pid=None):
     """The opener holds lib open; the enforcer has probed it (its log says so), the opener
-    was let go, and no code of the library ran, as anyone."""
+    (host pid `pid()`, else its own) was stopped at its one open exactly once and let go, and
+    no code of the library ran, as anyone."""
     out: list = []
     lines_until(opener.stdout, lambda line: line == "opened", out, 60, "attacker")
     line = lines_until(enf.p.stderr, lambda x: "probes attached to" in x and lib in x, enf.log, 30, "enforcer log")
@@ -29,7 +30,8 @@ def _attack(enf, opener, lib, marker):
     assert "verified by reading it" in line, line
     st = enf.ctl(cmd="status")["status"]
     # (other processes of this host may be held for files of their own: only ours counts)
-    assert st["discovery"]["on"] and st["discovery"]["stops"] >= 1
+    opener_pid = pid() if pid else opener.pid
+    assert st["discovery"]["on"] and st["discovery"]["recent"].count(opener_pid) == 1, (opener_pid, st["discovery"])
     assert [u for u in st["unprobed"] if lib in u["library"]] == []
 
 
@@ -60,7 +62,10 @@ def test_row01_forged_libcuda_in_a_container_is_read_never_run(root, build, scra
     c = None
     try:
         c = podman_run(name, rootfs, "/bin/busybox", "sh", "-c", "exec 3</opt/libcuda.so.1; echo opened; sleep 60")
-        _attack(enf, c, "/opt/libcuda.so.1", marker)
+        # the shell is the container's first process: it opened the file itself (fd 3)
+        _attack(enf, c, "/opt/libcuda.so.1", marker, pid=lambda: int(subprocess.run(
+            ["podman", "inspect", "--format", "{{.State.Pid}}", name], capture_output=True, text=True,
+            timeout=60).stdout))
     finally:
         podman_rm(name)
         stop_all([c], enf)

@@ -15,12 +15,11 @@ import time
 
 import pytest
 
-from attack import NOBODY, as_nobody, scratch  # noqa: F401
+from attack import CPUID, NOBODY, as_nobody, gpu_nodes, scratch  # noqa: F401
 from conftest import MiB, cuda_prelude, need, popen_in, proc_state, rest_of, stop_all, wait_state
 from shim_attack import enforcer, expect, say
 
 pytestmark = [pytest.mark.system, pytest.mark.exclusive]   # discovery reaches every driver file on the host
-CPUID = 203                 # a character major every x86 kernel here has (cpuid), opened by nobody else
 
 ATTACK = textwrap.dedent(r'''
     import ctypes, os, sys
@@ -62,19 +61,6 @@ NVML_ONLY = textwrap.dedent(r'''
     print("polled", flush=True)
     sys.stdin.readline()
 ''')
-
-
-@pytest.fixture
-def gpu_nodes(scratch):
-    """nvidiactl, nvidia-uvm and nvidia0 as character devices of the cpuid major, which nobody
-    may open (the stand-in opens them at cuInit: CONVGPU_STANDIN_DEVNODES)."""
-    need(os.path.exists("/dev/cpu/0/cpuid"), "no cpuid driver: no spare character device to stand in for the GPU")
-    d = scratch / "dev"
-    d.mkdir()
-    for name, minor in (("nvidiactl", 0), ("nvidia-uvm", 0), ("nvidia0", 0)):
-        os.mknod(d / name, 0o666 | 0o020000, os.makedev(CPUID, minor))
-    os.chmod(d, 0o755)
-    return d
 
 
 def _enforcer(build):

@@ -4,14 +4,16 @@ with its first assignment (the 1 GiB default) and no process, which nothing remo
 them, from four cgroups, took a 4 GiB GPU, and a victim asking for 64 MiB under its 1 GiB limit
 was assigned 0 B and waited for good (the empty records counted as running, so no reclaim).
 Now a record belongs to a live process: what a message alone makes is not kept, and a record
-whose processes are all gone is dropped at once, its assignment back in the pool."""
+whose processes are all gone is dropped at once, its assignment back in the pool; and each
+ghost's ask is refused (the replies are checked, not only the records: issue 47)."""
+import json
 import os
 import textwrap
 import time
 
 import pytest
 
-from conftest import MiB, start_in, stop_all
+from conftest import GiB, MiB, start_in, stop_all
 from shim_attack import as_nobody, enforcer, expect, say, shim_sock
 
 pytestmark = pytest.mark.system
@@ -23,7 +25,7 @@ GHOST = textwrap.dedent(r'''
     f = s.makefile("rb")
     for msg in sys.argv[2:]:
         s.sendall(msg.encode() + b"\n")
-        print("reply", json.dumps(json.loads(f.readline())).replace(" ", ""), flush=True)
+        print("reply", json.dumps(json.loads(f.readline())), flush=True)
     print("end", flush=True)
     sys.stdin.readline()
 ''')
@@ -40,7 +42,14 @@ def test_row39_ghost_records_take_nothing_once_their_process_is_gone(cgroups, bu
     try:
         for i in range(4):
             g = as_nobody(cgroups(f"ghost{i}"), GHOST, shim_sock(enf), HELLO, ASK % MiB, env=env5)
-            expect(g, "reply"), expect(g, "reply"), expect(g, "end")
+            hello, ask = (json.loads(" ".join(expect(g, "reply")[1:])) for _ in range(2))
+            expect(g, "end")
+            # told its limit (what a hello is for), and its ask refused: nothing it opened
+            # makes it a member, so nothing may be granted to it (a grant here was a ghost's
+            # bytes counted against the GPU until the record went)
+            assert {k: v for k, v in hello.items() if k != "credit"} == \
+                {"ok": True, "limit": GiB, "devices": {"0": GiB}}, hello
+            assert ask == {"ok": True, "deny": f"pid {g.pid} has opened no GPU: nothing to allocate on"}, ask
             say(g)
             g.wait(timeout=30)
             ghosts.append(g)

@@ -3,7 +3,8 @@ and moves itself into it. Before, that joined the container of the unit victim.s
 was named by its last component): the tenant allocated 512 MiB against its own 256 MiB limit,
 charged to the victim, and the victim's next process stalled within its 1 GiB. Now a container
 is its cgroup path, and a delegated tree is its delegate's: the tenant is held at its own
-256 MiB, and the victim runs untouched."""
+256 MiB, and the victim runs untouched. Delegated by chown, or by a root-owned directory that
+anyone may write (issue 47's mutation audit: that case had no test)."""
 import os
 import textwrap
 
@@ -43,9 +44,21 @@ def delegate(cg, user="nobody"):
         os.chown(os.path.join(cg, f), uid, -1)
 
 
-def test_row39_a_unit_named_sub_cgroup_stays_its_delegates(cgroups, build, env5):
+def open_to_all(cg):
+    """A root-owned cgroup anyone may write (a careless set-up, not delegation proper): anyone
+    can make sub-cgroups in it and move processes between them, so it is delegated to anyone."""
+    for f, mode in (("", 0o777), ("cgroup.procs", 0o666), ("cgroup.threads", 0o666)):
+        os.chmod(os.path.join(cg, f), mode)
+
+
+@pytest.mark.parametrize("how", ["chown", "world-writable"])
+def test_row39_a_unit_named_sub_cgroup_stays_its_delegates(cgroups, build, env5, how):
     tenant, victim_cg = cgroups("tenant"), cgroups("victim.service")
-    delegate(tenant)
+    if how == "chown":
+        delegate(tenant)
+    else:
+        open_to_all(tenant)
+        assert os.stat(tenant).st_uid == 0
     enf = enforcer(build, "--gpu-memory", "4GiB", "--limit", "tenant=256MiB", "--limit", "victim=1GiB")
     t = v = None
     try:

@@ -5,9 +5,10 @@
  * machine, the real driver, so only real-driver semantics are used here.
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
- *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]
+ *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]
+ *                 [--limit stack|heap|fifo]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
- *         stack heap fifo graph capture module graphprobe
+ *         stack heap fifo ctxlimit graph capture module graphprobe
  * SIZE accepts a K/M/G/T suffix (powers of 1024).
  *
  * stdout protocol (line-buffered):
@@ -19,6 +20,11 @@
  *   exit
  * fail family: first "failed cuMemAlloc_v2 CODE", then the protocol above
  *   with "allocated 0 0 ..." and "freed 0 0"; exit status 0 iff CODE != 0.
+ * --orphan: a child forked before cuInit (it makes no CUDA call) is sent every descriptor of
+ *   this process over a unix socket (SCM_RIGHTS) after "allocated ... ready"; it prints
+ *   "holding N pid=CHILD" and keeps them until stdin ends, while this process prints
+ *   "orphaned pid=CHILD" and leaves with _exit(0): nothing freed, no exit handler run. The
+ *   driver's files outlive the process that allocated (issue 47 finding 2).
  * graphprobe family: "started pid=PID", then one "step NAME ..." line after each step of a
  *   graph's life (--hold: waits for a stdin line after each), then "exit".
  * The primary context is retained once and, like cudart does, never
@@ -33,7 +39,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <dirent.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "cuda_min.h"
@@ -50,7 +58,9 @@ static struct {
     int hold_freed;
     const char *image;
     int from_file;
-} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0};
+    int orphan;
+    CUlimit limit;      /* ctxlimit: which one */
+} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0, 0, CU_LIMIT_MALLOC_HEAP_SIZE};
 
 static CUdevice g_dev;
 static CUcontext g_prim;
@@ -83,6 +93,7 @@ struct ts {
     CUdeviceptr resv;
     size_t resv_size, vsize;
     CUcontext ctx;
+    CUcontext *ctxs;    /* ctxlimit: count each */
     CUgraph *graphs;    /* graph/capture: count each */
     CUgraphExec *execs;
     CUmodule *mods;     /* module */
@@ -324,6 +335,34 @@ static void fam_stack(struct ts *t, int free_phase) { set_limit(t, free_phase, C
 static void fam_heap(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_MALLOC_HEAP_SIZE); }
 static void fam_fifo(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_PRINTF_FIFO_SIZE); }
 
+/* ctxlimit: COUNT contexts made first (each cuCtxCreate makes it current; popped back at once),
+ * then each given the --limit of SIZE (pushed, cuCtxSetLimit, popped): the driver keeps limits
+ * per context, so COUNT of them take COUNT times. Free: the first context destroyed (its limit
+ * with it); the others go at exit. Counted bytes: SIZE per context. */
+static void fam_ctxlimit(struct ts *t, int free_phase)
+{
+    CUcontext popped = NULL;
+    if (free_phase) {
+        CK("cuCtxDestroy_v2", cuCtxDestroy_v2(t->ctxs[0]));
+        t->fcount++, t->fbytes += O.size;
+        return;
+    }
+    for (long i = 0; i < O.count; i++) {
+        if (p_ctx_v4)
+            CK("cuCtxCreate_v4", p_ctx_v4(&t->ctxs[i], NULL, 0, g_dev));
+        else
+            CK("cuCtxCreate_v2", p_ctx_v2(&t->ctxs[i], 0, g_dev));
+        CK("cuCtxPopCurrent_v2", cuCtxPopCurrent_v2(&popped));
+    }
+    for (long i = 0; i < O.count; i++) {
+        CK("cuCtxPushCurrent_v2", cuCtxPushCurrent_v2(t->ctxs[i]));
+        CK("cuCtxSetLimit", cuCtxSetLimit(O.limit, O.size));
+        fprintf(stderr, "info limit %ld set\n", i);
+        CK("cuCtxPopCurrent_v2", cuCtxPopCurrent_v2(&popped));
+        t->acount++, t->abytes += O.size;
+    }
+}
+
 /* graph/capture: COUNT graphs of one alloc node of SIZE each, instantiated, launched into a
  * stream of the thread's own, then memset on the legacy stream so the memory is touched (on a
  * GPU). Free: cuMemFreeAsync each (allowed for graph memory outside its graph), then the
@@ -427,7 +466,7 @@ static const struct {
     {"vmm", fam_vmm},     {"async", fam_async}, {"array", fam_array},
     {"ctx", fam_ctx},     {"runtime", fam_runtime}, {"stack", fam_stack},
     {"heap", fam_heap},   {"fifo", fam_fifo},   {"graph", fam_graph},
-    {"capture", fam_capture}, {"module", fam_module},
+    {"capture", fam_capture}, {"module", fam_module}, {"ctxlimit", fam_ctxlimit},
 };
 static void (*g_fn)(struct ts *, int);
 
@@ -592,12 +631,71 @@ static uint64_t parse_size(const char *s)
     return (uint64_t)v << sh;
 }
 
+/* --orphan: the holder, forked before cuInit. It takes what it is sent and keeps it. */
+static int orphan_sock = -1;
+static pid_t orphan_pid;
+
+static void orphan_fork(void)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, sv) != 0)
+        die("socketpair", errno);
+    orphan_pid = fork();
+    if (orphan_pid < 0)
+        die("fork", errno);
+    if (orphan_pid > 0) {
+        close(sv[1]);
+        orphan_sock = sv[0];
+        return;
+    }
+    close(sv[0]);
+    char byte, ctl[CMSG_SPACE(253 * sizeof(int))];
+    struct iovec iov = {&byte, 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+    if (recvmsg(sv[1], &m, 0) != 1)
+        _exit(3);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    size_t n = c ? (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) : 0;
+    printf("holding %zu pid=%d\n", n, (int)getpid());
+    char line[256];
+    while (fgets(line, sizeof line, stdin))   /* until stdin ends: the test's word */
+        ;
+    _exit(0);
+}
+
+static void orphan_leave(void)
+{
+    int fds[253], n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    while (d && (e = readdir(d)) && n < 253) {
+        int fd = atoi(e->d_name);
+        if (e->d_name[0] != '.' && fd > 2 && fd != orphan_sock && fd != dirfd(d))
+            fds[n++] = fd;
+    }
+    char byte = 'o', ctl[CMSG_SPACE(sizeof fds)];
+    struct iovec iov = {&byte, 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl,
+                       .msg_controllen = CMSG_SPACE(n * sizeof(int))};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(n * sizeof(int));
+    memcpy(CMSG_DATA(c), fds, n * sizeof(int));
+    if (sendmsg(orphan_sock, &m, 0) != 1)
+        die("sendmsg(SCM_RIGHTS)", errno);
+    printf("orphaned pid=%d\n", (int)orphan_pid);
+    fflush(stdout);
+    _exit(0);
+}
+
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]]\n"
+                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]"
+                    " [--limit stack|heap|fifo]\n"
                     "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n"
-                    "        stack heap fifo graph capture module graphprobe\n");
+                    "        stack heap fifo ctxlimit graph capture module graphprobe\n");
     exit(64);
 }
 
@@ -613,17 +711,23 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--no-free")) O.nofree = 1;
         else if (!strcmp(a, "--hold-freed")) O.hold_freed = 1;
         else if (!strcmp(a, "--from-file")) O.from_file = 1;
+        else if (!strcmp(a, "--orphan")) O.orphan = 1;
         else if (!v) usage();
         else if (!strcmp(a, "-n")) O.count = atol(v), i++;
         else if (!strcmp(a, "-s")) O.size = parse_size(v), O.size_set = 1, i++;
         else if (!strcmp(a, "-t")) O.threads = atoi(v), i++;
         else if (!strcmp(a, "-d")) O.device = atoi(v), i++;
         else if (!strcmp(a, "--image")) O.image = v, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "stack")) O.limit = CU_LIMIT_STACK_SIZE, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "heap")) O.limit = CU_LIMIT_MALLOC_HEAP_SIZE, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "fifo")) O.limit = CU_LIMIT_PRINTF_FIFO_SIZE, i++;
         else usage();
     }
     if (O.count < 1 || O.threads < 1)
         usage();
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (O.orphan)
+        orphan_fork();
 
     CK("cuInit", cuInit(0));
     CK("cuDeviceGet", cuDeviceGet(&g_dev, O.device));
@@ -644,7 +748,7 @@ int main(int argc, char **argv)
         usage();
     if (g_fn == fam_runtime)
         load_runtime();
-    if (g_fn == fam_ctx) {
+    if (g_fn == fam_ctx || g_fn == fam_ctxlimit) {
         *(void **)&p_ctx_v4 = dlsym(RTLD_DEFAULT, "cuCtxCreate_v4");
         *(void **)&p_ctx_v2 = dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
         if (!p_ctx_v4 && !p_ctx_v2)
@@ -677,6 +781,7 @@ int main(int argc, char **argv)
         ts[i].graphs = xcalloc((size_t)O.count, sizeof(CUgraph));
         ts[i].execs = xcalloc((size_t)O.count, sizeof(CUgraphExec));
         ts[i].mods = xcalloc((size_t)O.count, sizeof(CUmodule));
+        ts[i].ctxs = xcalloc((size_t)O.count, sizeof(CUcontext));
     }
     pthread_barrier_init(&b_start, NULL, (unsigned)n);
     pthread_barrier_init(&b_alloc, NULL, (unsigned)n + 1);
@@ -692,6 +797,8 @@ int main(int argc, char **argv)
     printf("allocated %llu %llu pid=%d\n", (unsigned long long)ac, (unsigned long long)ab,
            (int)getpid());
     printf("ready\n");
+    if (O.orphan)
+        orphan_leave();
     wait_for_go();
     if (!O.nofree)
         pthread_barrier_wait(&b_free);

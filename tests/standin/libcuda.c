@@ -45,6 +45,7 @@ static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static struct si_handle g_shm = {-1, NULL};
 static int g_slot = -1; /* our slot in the shared table, -1 = none yet */
+static uint32_t g_slot_flags; /* SI_GRAPHICS: NVML lists us as a graphics client */
 
 static uint64_t env_u64(const char *name, uint64_t dflt)
 {
@@ -83,8 +84,11 @@ static void at_exit(void)
 /* Called with the shm lock held. */
 static int ensure_slot(void)
 {
-    if (g_slot < 0)
+    if (g_slot < 0) {
         g_slot = si_register(&g_shm);
+        if (g_slot >= 0)
+            g_shm.seg->slots[g_slot].pad = g_slot_flags;
+    }
     return g_slot;
 }
 
@@ -201,6 +205,7 @@ API CUresult cuInit(unsigned int Flags)
         g_ndev = standin_visible((int)(n > SI_MAX_DEV ? SI_MAX_DEV : n), g_host);
         g_capacity = env_u64("CONVGPU_STANDIN_CAPACITY", SI_DEFAULT_CAPACITY);
         g_ctx_overhead = env_u64("CONVGPU_STANDIN_CTX_OVERHEAD", 0);
+        g_slot_flags = env_u64("CONVGPU_STANDIN_GRAPHICS", 0) == 1 ? SI_GRAPHICS : 0;
         g_alloc_ms = env_u64("CONVGPU_STANDIN_ALLOC_MS", 0);
         g_free_ms = env_u64("CONVGPU_STANDIN_FREE_MS", 0);
         g_free_return_ms = env_u64("CONVGPU_STANDIN_FREE_RETURN_MS", 0);

@@ -10,12 +10,18 @@
  * driver's UUIDs (si_uuid_text: cuDeviceGetUuid gives the same 16 bytes), names, minor numbers
  * ($CONVGPU_STANDIN_MINORS="3,5": GPU 0 is /dev/nvidia3's...; default the index; probes/gpumap.py),
  * no per-process lists (NOT_SUPPORTED; with CONVGPU_STANDIN_NVML_PROCS=1, the stand-in driver's
- * per-process slots in $CONVGPU_STANDIN_SHM, as NVML lists compute processes), MIG mode off,
+ * per-process slots in $CONVGPU_STANDIN_SHM, as NVML lists compute processes: a slot whose process
+ * started with CONVGPU_STANDIN_GRAPHICS=1 in the graphics list instead; each GPU's used memory
+ * then the slots' sum plus $CONVGPU_STANDIN_NVML_RESERVED; CONVGPU_STANDIN_NVML_DEAD=hide lists no
+ * slot whose process is gone, so that memory kept alive past its process shows in the total
+ * alone, as a driver that names no process for it would), MIG mode off,
  * and for the Kubernetes agent's tests
  * (tests/system/test_kube_health.py) faults read from the file $CONVGPU_STANDIN_NVML_FAULTS, one a line:
  *   lost I     GPU I answers NVML_ERROR_GPU_IS_LOST while the line is there
  *   mig I      GPU I has MIG mode on
  *   xid I C    an XID C event on GPU I, delivered once by nvmlEventSetWait */
+#include <errno.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,14 +141,23 @@ API int nvmlDeviceGetIndex(void *device, unsigned int *index)
     return NVML_SUCCESS;
 }
 
+static int procs_on(void)
+{
+    const char *on = getenv("CONVGPU_STANDIN_NVML_PROCS");
+    return on && strcmp(on, "1") == 0;
+}
+
+static uint64_t used_on(int gpu);
+
 API int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m)
 {
     if (gpu_of(device) < 0 || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (check(device))
         return check(device);
-    m->total = m->free = capacity();
-    m->used = 0;
+    m->total = capacity();
+    m->used = procs_on() ? used_on(gpu_of(device)) : 0;
+    m->free = m->total > m->used ? m->total - m->used : 0;
     return NVML_SUCCESS;
 }
 
@@ -152,8 +167,10 @@ API int nvmlDeviceGetMemoryInfo_v2(void *device, nvmlMemory_v2_t *m)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (check(device))
         return check(device);
-    m->total = m->free = capacity();
-    m->reserved = m->used = 0;
+    m->total = capacity();
+    m->reserved = 0;
+    m->used = procs_on() ? used_on(gpu_of(device)) : 0;
+    m->free = m->total > m->used ? m->total - m->used : 0;
     return NVML_SUCCESS;
 }
 
@@ -210,37 +227,83 @@ typedef struct {
     unsigned int gpuInstanceId, computeInstanceId;
 } nvmlProcessInfo_t;
 
-/* Each live process's bytes on host GPU `gpu`, from the stand-in driver's slots (reaped first,
- * so a killed process is gone at once): processes with none there are not listed. */
-static unsigned int slot_processes(int gpu, nvmlProcessInfo_t *out, unsigned int cap)
+static struct si_handle shm = {-1, NULL};
+
+/* The slot's process still runs (the same one: its start time), for CONVGPU_STANDIN_NVML_DEAD=hide. */
+static int slot_alive(const struct si_slot *sl)
 {
-    static struct si_handle h = {-1, NULL};
+    char path[64], buf[1024];
+    if (kill(sl->pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)sl->pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && *p && field < 22; p++)
+        if (*p == ' ')
+            field++;
+    return p && strtoull(p, NULL, 10) == sl->start_time;
+}
+
+/* Each live slot's bytes on host GPU `gpu` (reaped first, so a killed process is gone at once),
+ * of the graphics or compute kind (si_slot.pad: SI_GRAPHICS): slots with none there are not
+ * listed. */
+static unsigned int slot_processes(int gpu, int graphics, nvmlProcessInfo_t *out, unsigned int cap)
+{
     unsigned int n = 0;
-    if ((!h.seg && si_open(&h, 0) != 0) || si_lock(&h) != 0)
+    const char *dead = getenv("CONVGPU_STANDIN_NVML_DEAD");
+    int hide = dead && strcmp(dead, "hide") == 0;
+    if ((!shm.seg && si_open(&shm, 0) != 0) || si_lock(&shm) != 0)
         return 0;   /* no stand-in process yet: none */
-    si_reap(&h, -1);
-    for (uint32_t i = 0; i < h.seg->slot_hiwater && i < SI_NSLOTS; i++) {
-        const struct si_slot *sl = &h.seg->slots[i];
-        if (sl->pid <= 0 || !sl->used[gpu])
+    si_reap(&shm, -1);
+    for (uint32_t i = 0; i < shm.seg->slot_hiwater && i < SI_NSLOTS; i++) {
+        const struct si_slot *sl = &shm.seg->slots[i];
+        if (sl->pid <= 0 || !sl->used[gpu] || !!(sl->pad & SI_GRAPHICS) != graphics || (hide && !slot_alive(sl)))
             continue;
         if (out && n < cap)
             out[n] = (nvmlProcessInfo_t){(unsigned)sl->pid, sl->used[gpu], 0xFFFFFFFF, 0xFFFFFFFF};
         n++;
     }
-    si_unlock(&h);
+    si_unlock(&shm);
     return n;
+}
+
+/* What the GPU has in use: every slot's bytes (listed or not) and the driver's own reserve. */
+static uint64_t used_on(int gpu)
+{
+    const char *r = getenv("CONVGPU_STANDIN_NVML_RESERVED");
+    uint64_t used = r && *r ? strtoull(r, NULL, 0) : 0;
+    if ((!shm.seg && si_open(&shm, 0) != 0) || si_lock(&shm) != 0)
+        return used;
+    si_reap(&shm, -1);
+    used += shm.seg->used[gpu];
+    si_unlock(&shm);
+    return used;
+}
+
+static int running_processes(void *device, int graphics, unsigned int *n, void *infos)
+{
+    if (!procs_on())
+        return NVML_ERROR_NOT_SUPPORTED;    /* as where NVML has no per-process figures (vGPU) */
+    if (check(device) || !n)
+        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int cap = infos ? *n : 0, got = slot_processes(gpu_of(device), graphics, infos, cap);
+    *n = got;
+    return got > cap ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
 }
 
 API int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned int *n, void *infos)
 {
-    const char *on = getenv("CONVGPU_STANDIN_NVML_PROCS");
-    if (!on || strcmp(on, "1") != 0)
-        return NVML_ERROR_NOT_SUPPORTED;    /* as where NVML has no per-process figures (vGPU) */
-    if (check(device) || !n)
-        return check(device) ? check(device) : NVML_ERROR_INVALID_ARGUMENT;
-    unsigned int cap = infos ? *n : 0, got = slot_processes(gpu_of(device), infos, cap);
-    *n = got;
-    return got > cap ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    return running_processes(device, 0, n, infos);
+}
+
+API int nvmlDeviceGetGraphicsRunningProcesses_v3(void *device, unsigned int *n, void *infos)
+{
+    return running_processes(device, 1, n, infos);
 }
 
 API int nvmlDeviceGetMigMode(void *device, unsigned int *current, unsigned int *pending)

@@ -24,7 +24,7 @@
  *   off 160 u64 peak[16]  highest used[] seen right after a charge
  *   off 288 pthread_mutex_t (robust, process-shared), padded to 64 bytes
  *   off 352 slot[1024], 144 bytes each:
- *           i32 pid (0 = free), u32 pad, u64 start_time (clock ticks since
+ *           i32 pid (0 = free), u32 flags (SI_GRAPHICS), u64 start_time (clock ticks since
  *           boot, /proc/pid/stat field 22), u64 used[16]
  *   then    at_peak[1024], the same slots as they were when a peak[] last
  *           rose: who held what at the peak (a test that finds the peak too
@@ -45,9 +45,11 @@
 #define SI_DEFAULT_NAME "/convgpu-standin-v2"
 #define SI_DEFAULT_CAPACITY 85899345920ull /* 80 GiB */
 
+#define SI_GRAPHICS 1u /* si_slot.pad: a graphics client (CONVGPU_STANDIN_GRAPHICS=1 at cuInit) */
+
 struct si_slot {
     int32_t pid;
-    uint32_t pad;
+    uint32_t pad; /* flags: SI_GRAPHICS */
     uint64_t start_time;
     uint64_t used[SI_MAX_DEV];
 };

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import (GiB, MiB, StandinNvml, inprocess_enforcer, run_dir_for, serving, start_in, until,
+from conftest import (GiB, MiB, StandinNvml, inprocess_enforcer, read_until, run_dir_for, serving, start_in, until,
                       wait_state)
 from convgpu.enforcer import ctxest, ctxmeasure
 
@@ -226,4 +226,36 @@ def test_a_child_that_fails_falls_back_to_the_conservative_charge(root, build, c
         if p is not None:
             p.kill()
             p.wait()
+        subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)
+
+
+def test_the_measurement_at_start_is_the_childs_while_a_tenant_holds_memory(root, build, cgroups, caller_env,
+                                                                            monkeypatch):
+    """A busy host's restart: a tenant already holds 1 GiB and its context (NVML lists 1,542 MiB
+    for it on the GPU) when an enforcer starts on a fresh state dir. The measurement is the
+    child's own row (its bare 518 MiB), never a tenant's figure for the same GPU: the estimate is
+    552 MiB and 518 MiB is kept."""
+    lib = build / "standin" / "libcuda.so.1"
+    env = standin(caller_env, 518 * MiB, "ctxbusy")
+    child_env(monkeypatch, env)
+    tenant = None
+    try:
+        tenant = start_in(cgroups("busy"), build, env, "alloc", "-n", 1, "-s", GiB, "--hold")
+        assert f"allocated 1 {GiB} pid={tenant.pid}" in read_until(tenant, "ready")
+        nvml = StandinNvml(env["CONVGPU_STANDIN_SHM"], *H200)
+        assert nvml.process_memory()[(tenant.pid, 0)] == GiB + 518 * MiB
+        state = run_dir_for("ctx-busy")
+        enf = inprocess_enforcer(lib, "ctx-busy", 2 * GiB, capacity={0: 4 * GiB}, ctx_overhead=None, nvml=nvml,
+                                 state_dir=state)
+        with serving(enf):
+            until(lambda: not enf.status()["gpus"]["0"]["ctx_measuring"], 20, "never measured")
+            est = enf.status()["gpus"]["0"]["ctx_estimate"]
+            assert (est["source"], est["bytes"]) == ("measured-at-start", 552 * MiB), est
+            assert f"a bare context measured {518 * MiB} bytes" in est["detail"], est
+        kept = json.load(open(os.path.join(state, ctxest.STATE_FILE)))
+        assert kept["measured"] == {"NVIDIA H200 driver 580.159.04": 518 * MiB}, kept
+    finally:
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
         subprocess.run([str(build / "standin" / "standin-usage"), "--unlink"], env=env, capture_output=True)

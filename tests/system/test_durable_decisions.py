@@ -141,6 +141,45 @@ def test_run_time_limits_and_names_survive_restarts(cgroups, build, env5, how):
         end(procs, enf)
 
 
+def test_each_decision_is_on_disk_before_it_is_acknowledged(cgroups, build, env5):
+    """kill -9 right after each decision is acknowledged, before any other could write the file
+    for it: `limit set`, a `convgpu run` registration, the agent's pod limits. Each successor
+    has every decision made so far (in the test above a later write saved an earlier decision
+    kept only in memory, and that passed)."""
+    enf = enforcing(build, *ARGS)
+    procs = []
+    try:
+        lim = cgroups("lim")
+        procs.append(start_in(lim, build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold"))
+        ready(procs[-1])
+        cg_lim = str(lim)[len(v2("")):]
+
+        def registered(e) -> dict:
+            return {(r["what"], r["name"]): r["limit"] for r in status(e)["registered"]}
+        want_rows, want_registered = {}, {}
+
+        def successor(e, what):
+            e = restart(e, "kill -9")
+            got = rows(e)
+            assert {k: got.get(k) for k in want_rows} == want_rows, (what, got, e.log[-20:])
+            assert registered(e) == want_registered, (what, registered(e))
+            return e
+        assert enf.cli("limit", "set", "lim", "2GiB").stdout.strip() == "limit of lim set to 2.0 GiB"
+        want_rows[cg_lim] = ("lim", 2 * GiB, "convgpu limit set")
+        enf = successor(enf, "limit set")
+        job = run_job(enf, env5, "idle", "768MiB", "/bin/sh", "-c", "echo started; exec sleep 600")
+        procs.append(job)
+        assert job.stdout.readline().strip() == "started"   # registered: the job runs only after
+        want_registered[("registered", "idle")] = 768 * MiB
+        enf = successor(enf, "convgpu run")
+        r = enf.ctl(cmd="pod-limits", limits={CID: [1280 * MiB, "pod ml/p c: 5 x 256 MiB convgpu.io/gpu-memory"]})
+        assert r["ok"], r
+        want_registered[("pod", CID)] = 1280 * MiB
+        enf = successor(enf, "pod limits")
+    finally:
+        end(procs, enf)
+
+
 def test_an_entry_goes_with_its_cgroup_and_a_new_cgroup_there_is_new(cgroups, build, env5):
     """`limit set` on a container, then it is removed and a new cgroup made at its path (a
     container restarted under the same name): the new one gets the default, not the old limit,

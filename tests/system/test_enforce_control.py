@@ -94,9 +94,10 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
-                                                              "unassigned": 4 * GiB, "physical": 5 * GiB,
+                                                              "unassigned": 4 * GiB, "committed": GiB, "physical": 5 * GiB,
                                                               "tearing_down": 0, "ctx_measuring": False,
-                                                              "backstop": "off: no NVML",
+                                                              "backstop": "off: no NVML", "unattributed": 0,
+                                                              "left_by_exited": [],
                                                               "ctx_estimate": {
                                                                   "bytes": 0, "source": "operator",
                                                                   "detail": "--ctx-overhead (the operator's figure on GPU0)"}}
@@ -180,6 +181,41 @@ def test_config_rules_reload_and_a_bad_reload(cgroups, build, env5, tmp_path):
             p.kill()
             p.wait()
         enf.close()
+
+
+def test_a_limit_names_a_systemd_unit_as_systemd_shows_it(cgroups, build, env5, tmp_path):
+    """Issue 47: `--limit victim.service=1GiB` fell to the default for a unit's cgroup once a
+    unit's id became its path, with nothing said. A real cgroup named like a unit is matched by
+    its unit name with the suffix (--limit) and without it (a [[rule]] by name); the limits that
+    match no container seen so far are said in one line at start and one at reload."""
+    conf = tmp_path / "convgpu.toml"
+    conf.write_text('[[rule]]\nmatch = "name"\npattern = "worker"\nlimit = "640MiB"\n')
+    enf = Enforcing(build, "--config", str(conf), "--gpu-memory", "4GiB", "--default-limit", "256MiB",
+                    "--limit", "victim.service=768MiB", "--limit", "typo.servce=1GiB")
+    procs = []
+    try:
+        said = [x for x in enf.log if "limits that match no container seen so far" in x]
+        assert len(said) == 1 and said[0].split(" INFO ")[1] == (
+            "convgpu.enforcer.daemon: at start, limits that match no container seen so far: --limit victim.service, "
+            "--limit typo.servce, rule name 'worker' (a container is named by its name, id, short id or cgroup path; "
+            "a systemd unit also by its name with or without its suffix, victim.service or victim)"), said
+        victim = start_in(cgroups("victim.service"), build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold")
+        worker = start_in(cgroups("worker.service"), build, env5, "alloc", "-n", 1, "-s", 512 * MiB, "--hold")
+        procs += [victim, worker]
+        for p in procs:                       # under the default (256 MiB) both would wait
+            assert f"allocated 1 {512 * MiB} pid={p.pid}" in read_until(p, "ready")
+        st = {c["name"]: c for c in enf.ctl(cmd="status")["status"]["containers"]}
+        assert (st["victim"]["limit"], st["victim"]["source"]) == (768 * MiB, "--limit victim.service")
+        assert st["victim"]["cgroup"].endswith("/victim.service")
+        assert (st["worker"]["limit"], st["worker"]["source"]) == (640 * MiB, "rule name 'worker'")
+        conf.write_text('[[rule]]\nmatch = "id"\npattern = "worker.service"\nlimit = "576MiB"\n'
+                        '[[rule]]\nmatch = "name"\npattern = "nomatch*"\nlimit = "1GiB"\n')
+        enf.cli("reload")
+        enf.wait_for("limit of worker set to 576.0 MiB (rule id 'worker.service')")
+        line = enf.wait_for("at reload, limits that match no container seen so far")
+        assert line.split("seen so far: ")[1].startswith("--limit typo.servce, rule name 'nomatch*' ("), line
+    finally:
+        stop_all(procs, enf)
 
 
 def test_bad_config_refuses_to_start(build, tmp_path):

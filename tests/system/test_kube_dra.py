@@ -198,6 +198,37 @@ def test_prepare_is_idempotent_and_each_claim_has_its_own_error(root, build, sho
         srv.stop()
 
 
+def test_a_claim_the_enforcer_refuses_leaves_no_cdi_spec(root, build, short_tmp):
+    """The plugin's slice says 8 GiB where the enforcer counts 4 GiB (a --reserve given to one
+    of them): a 6 GiB claim passes the plugin's own checks, its CDI spec is written, and the
+    enforcer refuses it. The kubelet gets the enforcer's one line, and the spec is gone (a spec
+    left behind names a shim and a GPU for a claim no limit holds); a 1 GiB claim in the same
+    call is prepared and keeps its spec."""
+    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "dra-refused", 4 * GiB)
+    srv = ApiServer().start()
+    big, ok = ("ml", CLAIM_A, "big"), ("ml", CLAIM_B, "ok")
+    srv.put_claim(claim("ml", "big", CLAIM_A, [("p", UID_A)], [("gpu", "gpu-0", "6Gi", None)]))
+    srv.put_claim(claim("ml", "ok", CLAIM_B, [("p", UID_B)], [("gpu", "gpu-0", "1Gi", None)]))
+    kubelet = DraKubelet(str(short_tmp / "registry"))
+    try:
+        with serving(enf):
+            plugin = _plugin(short_tmp, srv, enf, [dv.Gpu(0, 8 * GiB)])
+            plugin.serve()
+            kubelet.start()
+            assert kubelet.registrations.get(timeout=10)[1] == "v1.DRAPlugin"
+            got = kubelet.prepare(DRIVER, [big, ok])
+            assert got[CLAIM_A].error == ("claim ml/big: 6.0 GiB on GPU gpu0 would put its claims at 6.0 GiB, past its "
+                                          "4.0 GiB; the ResourceSlice's capacity is more than the enforcer's: give both "
+                                          "the same --reserve / --gpu-memory"), got[CLAIM_A].error
+            assert got[CLAIM_B].error == ""
+            assert list(enf.rules.claims) == [CLAIM_B]
+            assert sorted(os.listdir(short_tmp / "cdi")) == [f"convgpu-claim-{CLAIM_B}.json"]
+            plugin.close()
+    finally:
+        kubelet.stop()
+        srv.stop()
+
+
 def test_a_plugin_killed_after_prepare_and_an_enforcer_restart_keep_the_limit(root, build, cgroups, caller_env,
                                                                            short_tmp):
     """`convgpu kube --dra` as the DaemonSet runs it (a subprocess, KUBECONFIG naming the double)

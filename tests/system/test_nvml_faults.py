@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import GiB, MiB, StandinNvml, inprocess_enforcer, proc_state, serving, until
+from convgpu.enforcer.metrics import render
 from convgpu.probes.nvml import Nvml
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -143,6 +144,10 @@ def test_nvml_errors_mid_run_keep_each_context_at_its_measurement(faulty, caplog
               10, "NVML never measured the context")
         fake.fault = fault
         until(lambda: said(caplog, "NVML has not answered") == 1, 10, "NVML's failure was never said")
+        # the backstop has no new count to check: it says it is off (issue 50: before, "on"
+        # throughout), and the metric an alert watches (ConvgpuBackstopOff) is 0
+        assert enf.status()["gpus"]["0"]["backstop"] == "off: NVML has stopped answering"
+        assert 'convgpu_gpu_backstop_enabled{gpu="0"} 0.0' in render(enf.status())
         for _ in range(10):
             w.send(f"a {CHUNK}")
             w.stamp()
@@ -156,6 +161,7 @@ def test_nvml_errors_mid_run_keep_each_context_at_its_measurement(faulty, caplog
         assert held == CTX + 11 * CHUNK <= LIMIT
         fake.fault = None
         until(lambda: said(caplog, "NVML answers again") == 1, 10, "NVML's return was never said")
+        assert enf.status()["gpus"]["0"]["backstop"] == "on"
         time.sleep(1.5)
         assert said(caplog, "NVML has not answered") == 1 and said(caplog, "NVML answers again") == 1
         assert proc_state(w.p.pid) == "T" and row(enf, name)["used"] == 11 * CHUNK

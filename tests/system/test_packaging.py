@@ -76,7 +76,7 @@ def test_systemd_unit_verifies(tmp_path):
 def test_example_config_loads_and_every_option_is_documented():
     from convgpu.enforcer.tenants import config as cfg
     conf = cfg.load(str(REPO / "contrib/config.example.toml"))
-    off = {"gpu_memory", "seed", "metrics_tls", "ctx_overhead"}   # commented out: no value fits every host
+    off = {"gpu_memory", "seed", "metrics_tls", "ctx_overhead", "swap_budget"}   # commented out: no value fits every host
     assert set(conf.settings) == set(cfg.SETTINGS) - off
     example = (REPO / "contrib/config.example.toml").read_text()
     assert all(f"# {k} = " in example for k in off)
@@ -110,7 +110,7 @@ def test_the_host_install_upgrade_and_uninstall_in_a_scratch_root(tmp_path):
     assert os.readlink(cmd) == str(root / "opt/convgpu/bin/convgpu")
     assert subprocess.run([str(cmd), "--version"], capture_output=True, text=True).stdout.strip() == "0.1.0"
     unit = (root / "etc/systemd/system/convgpu-enforce.service").read_text()
-    assert f"\nExecStart={cmd} enforce --config /etc/convgpu/config.toml\n" in unit
+    assert f"\nExecStart={cmd} enforce --config /etc/convgpu/config.toml --handover 60\n" in unit
     assert (root / "etc/convgpu/config.toml").read_text() == (REPO / "contrib/config.example.toml").read_text()
     assert (root / "opt/convgpu/share/doc/convgpu/OPERATOR.md").is_file()
     pkgs = subprocess.run([str(root / "opt/convgpu/bin/python"), "-m", "pip", "list", "--local", "--format", "json"],

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import Enforcing, GiB, MiB, popen_in, proc_state, read_until, shim_env, start_in, stop_all, until
+from conftest import Enforcing, GiB, MiB, StateWatch, popen_in, read_until, shim_env, start_in, stop_all, until
 
 pytestmark = pytest.mark.system
 
@@ -63,8 +63,10 @@ def test_the_copy_pods_mount_is_the_enforcers_and_waits_in_the_shim(cgroups, bui
         env = dict(shim_env(env5, enf), LD_PRELOAD=offered)
         b = start_in(cgroups("pod"), build, env, "alloc", "-n", 1, "-s", 2 * GiB, "--hold")
         enf.wait_for(f"stall pod pid {b.pid} on GPU0 (shim, waits in its thread)")
-        time.sleep(0.3)
-        assert proc_state(b.pid) == "S"
+        watch = StateWatch(b.pid).start()    # every thread, over a second: asleep, never stopped
+        time.sleep(1.0)
+        seen = watch.stop()
+        assert len(seen) >= 200 and set(seen) == {"S"}, sorted(set(seen))
         a.stdin.write("\n")
         a.stdin.flush()
         assert f"allocated 1 {2 * GiB} pid={b.pid}" in read_until(b, "ready")

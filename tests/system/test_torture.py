@@ -39,3 +39,25 @@ def test_kill_9_torture(root, build, capsys):
     assert len([k for k in kinds if k.startswith("fault ")]) >= 3, kinds
     # the checks ran: limits after each restart, the driver's counts while settled
     assert r.settled_samples >= KILLS // 2 and r.counts_checked >= KILLS // 5, summary
+
+
+def test_kill_9_torture_with_the_backstop_on_and_handover(root, build, capsys, monkeypatch):
+    """The H100's failure at 2bdeffc (issue 47), here with the stand-in NVML's per-process counts,
+    which turn the backstop on: without --handover a kill -9 fails open until the successor
+    admits, calls of that window put a container past its limit, and the backstop stopped it
+    there, where it could not free (over-limit samples; stopped threads no status listed). With
+    --handover, as deployed, the held calls stay held through every kill and are taken over."""
+    s, env = standin_setup(str(build), kills=12, seed=47, deadline_s=400)
+    s.extra = ("--handover", "30")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{build}/standin-nvml")   # the enforcer's NVML, on the jobs' segment
+    monkeypatch.setenv("CONVGPU_STANDIN_NVML_PROCS", "1")
+    monkeypatch.setenv("CONVGPU_STANDIN_SHM", env["CONVGPU_STANDIN_SHM"])
+    try:
+        r = Torture(s).run()
+    finally:
+        unlink_segment(str(build), env)
+    summary = r.summary()
+    with capsys.disabled():
+        print(f"\ntorture (backstop on, --handover): {summary}")
+    assert r.failures() == [], summary
+    assert summary["kills"] >= 12 and r.jobs_done >= 3 and r.settled_samples >= 6, summary

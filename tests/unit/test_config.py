@@ -81,7 +81,7 @@ def test_prometheus_text():
                  f'convgpu_container_assigned_bytes{{{lab},gpu="0"}} {GiB}',
                  f'convgpu_container_used_bytes{{{lab},gpu="0"}} 512',
                  f'convgpu_container_context_overhead_bytes{{{lab},gpu="0"}} 7',
-                 f'convgpu_container_stalled_seconds{{{lab},gpu="0"}} 1.5',
+                 f'convgpu_container_stalled_seconds_total{{{lab}}} 1.5',
                  f"convgpu_stalls_total{{{lab}}} 3", f"convgpu_grants_total{{{lab}}} 2",
                  f"convgpu_over_limit_total{{{lab}}} 1", f'convgpu_gpu_capacity_bytes{{gpu="0"}} {5 * GiB}',
                  "# TYPE convgpu_stalls_total counter", "# TYPE convgpu_container_used_bytes gauge"):

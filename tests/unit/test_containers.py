@@ -14,8 +14,9 @@ import time
 import pytest
 
 from convgpu.enforcer.tenants.cgroupfs import CgroupIndex, Layout, cgroup_id, cgroup_layout
+from convgpu.enforcer.tenants import containers
 from convgpu.enforcer.tenants.containers import (Container, cgroup_of_pid, container_of_path, container_of_pid,
-                                                 parse_proc_cgroup)
+                                                 delegation_cut, parse_proc_cgroup)
 from convgpu.enforcer.tenants.engines import EngineLookup, Meta
 from convgpu.errors import ConvgpuError, NotFoundError
 
@@ -405,3 +406,65 @@ def test_remove_cgroup_retries_until_the_directory_goes(tmp_path, monkeypatch):
     busy[0] = 99
     cgroupfs.remove_cgroup(tmp_path, tries=4, pause=0)   # never goes: 4 tries, no error
     assert len(calls) == 4 and tmp_path.exists()
+
+
+class FakeTree:
+    """os.stat over a made-up cgroup tree under root: path -> (owner uid, mode); a missing path
+    raises, as the kernel's do; a path elsewhere is the real os.stat's (os is one module: pytest
+    stats its own files meanwhile). No root needed to make a directory someone else's."""
+
+    def __init__(self, root: str, nodes: dict[str, tuple[int, int]]):
+        self.root, self.real = root, os.stat
+        self.nodes = {os.path.join(root, k.lstrip("/")): v for k, v in nodes.items()}
+        self.followed = []
+
+    def stat(self, path, *a, follow_symlinks=True, **kw):
+        if not str(path).startswith(self.root + "/"):
+            return self.real(path, *a, follow_symlinks=follow_symlinks, **kw)
+        if follow_symlinks:
+            self.followed.append(path)       # a symlink in the tree is looked at, never followed
+        if path not in self.nodes:
+            raise FileNotFoundError(path)
+        uid, mode = self.nodes[path]
+        return os.stat_result((stat.S_IFDIR | mode, 0, 0, 2, uid, 0, 0, 0, 0, 0))
+
+
+DELEGATION = {
+    # a tree that is root's throughout: the path as it is (a unit's own cgroup, say)
+    "/system.slice/victim.service": "/system.slice/victim.service",
+    # chowned to its delegate (a user's systemd, rootless podman): cut at the delegated directory
+    "/user.slice/user-1000.slice/user@1000.service/app.slice/victim.service":
+        "/user.slice/user-1000.slice/user@1000.service",
+    # root's, but anyone may write it (mode 0777): delegated to anyone, cut there
+    "/open/victim.service": "/open",
+    # group-writable (0775): its group may make and name sub-cgroups: cut there
+    "/team/victim.service": "/team",
+    # the outermost delegated directory is the cut, however deep the tree below it
+    "/user.slice/user-1000.slice/user@1000.service/open/deeper": "/user.slice/user-1000.slice/user@1000.service",
+    # gone meanwhile (or not in this hierarchy): the path as it is
+    "/system.slice/gone.service": "/system.slice/gone.service",
+}
+
+
+@pytest.mark.parametrize("path,cut", list(DELEGATION.items()))
+def test_delegation_cut(path, cut, monkeypatch):
+    tree = FakeTree("/cg", {
+        "/system.slice": (0, 0o755), "/system.slice/victim.service": (0, 0o755),
+        "/user.slice": (0, 0o755), "/user.slice/user-1000.slice": (0, 0o755),
+        "/user.slice/user-1000.slice/user@1000.service": (1000, 0o755),
+        "/user.slice/user-1000.slice/user@1000.service/app.slice": (1000, 0o755),
+        "/user.slice/user-1000.slice/user@1000.service/app.slice/victim.service": (1000, 0o755),
+        "/user.slice/user-1000.slice/user@1000.service/open": (0, 0o777),
+        "/user.slice/user-1000.slice/user@1000.service/open/deeper": (0, 0o755),
+        "/open": (0, 0o777), "/open/victim.service": (65534, 0o755),
+        "/team": (0, 0o775), "/team/victim.service": (0, 0o755),
+    })
+    monkeypatch.setattr(containers.os, "stat", tree.stat)
+    assert delegation_cut(path, root="/cg") == cut
+    assert tree.followed == []
+
+
+def test_delegation_cut_without_a_cgroup2_mount_is_the_path(monkeypatch):
+    monkeypatch.setattr(containers, "_v2_mount", lambda: None)
+    assert delegation_cut("/open/victim.service") == "/open/victim.service"
+    assert delegation_cut("/", root="/cg") == "/"

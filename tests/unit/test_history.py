@@ -97,6 +97,38 @@ def test_a_full_history_drops_the_oldest_job_of_the_scope_with_the_most(monkeypa
     assert sorted(h.jobs) == ["docker:db", "k8s:a/Job/4/c", "k8s:b/Job/x/c", "podman:web"]
 
 
+def test_one_user_that_invents_jobs_evicts_only_its_own(monkeypatch):
+    """Issue 47 finding 7 (b): users of one host (rootless podman, a login session's scope, a
+    user's units) had one scope per kind, so one user's 256 names evicted every other user's
+    jobs of that kind. A container in a user's slice (systemd's /user.slice/user-UID.slice, a
+    path only root names) is that user's job and that user's scope: a flood pushes out its own."""
+    monkeypatch.setattr(store, "MAX_JOBS", 4)
+
+    def session(uid, n):
+        cg = f"/user.slice/user-{uid}.slice/session-{n}.scope"
+        return identify("systemd", cg, cg, f"session-{n}.scope")
+    other = session(1001, 2)
+    rootless = identify("podman", "ab" * 32, "/user.slice/user-1001.slice/user@1001.service/user.slice/libpod-"
+                        + "ab" * 32 + ".scope", "web")
+    unit = identify("systemd", "/system.slice/train.service", "/system.slice/train.service", "train.service")
+    assert (other.key, other.scope) == ("systemd@1001:session-2.scope", "user:1001")
+    assert (rootless.key, rootless.scope) == ("podman@1001:web", "user:1001")
+    assert (unit.key, unit.scope) == ("systemd:train.service", "systemd")
+    assert parse_key(other.key) == other and parse_key(rootless.key) == rootless
+    h = History()
+    for i, job in enumerate((other, rootless, unit)):
+        h = add(h, job, [run(f"r{i}", 10.0 + i)])
+    for n in range(6):              # user 1000 logs in again and again, a GPU job in each session
+        h = add(h, session(1000, 100 + n), [run(f"f{n}", 100.0 + n)])
+    assert sorted(h.jobs) == ["podman@1001:web", "systemd:train.service", "systemd@1000:session-105.scope",
+                              "systemd@1001:session-2.scope"]
+    # a name can never say whose it is: the owner is ours, from the container's path
+    assert identify("systemd", "/evil", "/evil", "x@1001:y").key == "systemd:x%401001%3Ay"
+    for forged in ("systemd@:x", "systemd@1x:x", "k8s@1000:a/b", "systemd@-1:x"):
+        with pytest.raises(ValueError):
+            parse_key(forged)
+
+
 def test_a_file_too_large_drops_the_oldest_runs_series_first(monkeypatch):
     h = add(add(History(), RUN, [run("old", 10.0)]), Job("podman", "web"), [run("new", 20.0)])
     without_old = History({**h.jobs, "run:train": (run("old", 10.0, series=False),)})

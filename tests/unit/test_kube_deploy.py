@@ -194,7 +194,15 @@ def test_metrics_on_loopback_in_the_base_mutual_tls_to_prometheus_alone_in_monit
     np = objs[("NetworkPolicy", "convgpu-metrics")]["spec"]
     assert np["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
                               "ports": [{"protocol": "TCP", "port": 9400}]}]
-    assert len(objs) == 9
+    # the alert and recording rules, the very groups promtool tests (tests/unit/test_prometheus_rules.py)
+    pr = objs[("PrometheusRule", "convgpu")]
+    assert pr["apiVersion"] == "monitoring.coreos.com/v1" and pr["metadata"]["namespace"] == "convgpu"
+    rules = yaml.safe_load((DEPLOY.parent / "prometheus" / "convgpu-rules.yaml").read_text())
+    assert pr["spec"]["groups"] == rules["groups"]
+    assert {r["alert"] for g in pr["spec"]["groups"] for r in g["rules"] if "alert" in r} >= {
+        "ConvgpuContainerHeldLong", "ConvgpuContainerOverLimitByDriver", "ConvgpuBackstopOff", "ConvgpuEnforcerDown",
+        "ConvgpuUnattributedMemory", "ConvgpuGpuNearlyFull"}
+    assert len(objs) == 10
 
 
 def test_an_overlay_sets_the_enforcers_options_and_image(tmp_path):

@@ -51,7 +51,7 @@ def test_a_container_name_with_quotes_a_backslash_and_a_newline_is_escaped():
 def test_families_per_container_process_and_gpu():
     nv = GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", total=80 * GiB, used=9 * GiB, uuid="GPU-1234")
     text = render(status("train"), usage=[row(41, 0, 2 * GiB, 1), row(42, 0, 0, 1), row(99, 0, MiB, 0)],
-                  excess={(41, 0): 200 * MiB}, gpus=[nv])
+                  excess={(41, 0): (500 * MiB, 1)}, gpus=[nv])   # Charges.excess: NVML's 500 MiB for 1 context
     c = (("container", "train"), ("id", "abc"))
 
     def p(pid, container=c):
@@ -60,7 +60,7 @@ def test_families_per_container_process_and_gpu():
     want = {
         ("convgpu_container_limit_bytes", c[:1] + (("gpu", "0"),) + c[1:], 2 * GiB),
         ("convgpu_container_waiting", c[:1] + (("gpu", "0"),) + c[1:], 1),
-        ("convgpu_container_stalled_seconds", c[:1] + (("gpu", "0"),) + c[1:], 1.5),
+        ("convgpu_container_stalled_seconds_total", c, 1.5),   # the container's, once (not per GPU)
         ("convgpu_stalls_total", c, 3), ("convgpu_grants_total", c, 2), ("convgpu_over_limit_total", c, 1),
         # per process: live bytes; the per-context charge plus NVML's measured excess; stalled or not
         ("convgpu_process_memory_used_bytes", p(41), 2 * GiB),
@@ -154,3 +154,43 @@ def test_an_open_server_does_not_keep_the_process_alive():
             "m = MetricsServer(0, '127.0.0.1')\nprint(m.port)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and int(r.stdout) > 0, r.stderr
+
+
+def test_tenant_chosen_label_values_are_bounded_in_length_and_stay_distinct():
+    """A container's name is whatever its owner typed: 10,000 characters would be a series of
+    that size (and a scrape Prometheus refuses whole past its label_value_length_limit). Cut
+    to 64 characters, with a hash of the whole: the same name gives the same value, two that
+    share their first 100 characters stay apart. An engine's 64-hex id passes whole."""
+    from convgpu.enforcer.families import MAX_LABEL
+    long_a, long_b = "x" * 100 + "a" * 9900, "x" * 100 + "b" * 9900
+    st = status(long_a)
+    st["containers"].append(dict(st["containers"][0], name=long_b, id="/convgpu.run/" + "y" * 5000, pids=[]))
+    st["containers"][0]["id"] = "c" * 64
+    got = prom_samples(render(st, usage=[row(41, 0, GiB, 1)]))
+    names = {dict(s[1])["container"] for s in got if s[0] == "convgpu_container_limit_bytes"}
+    ids = {dict(s[1])["id"] for s in got if s[0] == "convgpu_container_limit_bytes"}
+    assert len(names) == 2 and all(len(n) == MAX_LABEL and n.startswith("x" * 51) for n in names), names
+    assert "c" * 64 in ids and all(len(i) <= MAX_LABEL for i in ids), ids
+    again = prom_samples(render(st, usage=[row(41, 0, GiB, 1)]))   # the same name: the same series
+    assert names == {dict(s[1])["container"] for s in again if s[0] == "convgpu_container_limit_bytes"}
+    for s in got:
+        assert all(len(v) <= MAX_LABEL for k, v in s[1] if k in ("container", "id")), s
+
+
+def test_a_container_of_a_thousand_processes_makes_nine_process_series_a_family():
+    """--max-processes lets one container have 1,024 processes: by pid that was 3 series each,
+    and one tenant could push the node's scrape past Prometheus's sample_limit (which fails it
+    whole). At most 8 by pid (those waiting first, then those holding most), the rest summed
+    as pid "other"."""
+    st = status("train")
+    st["containers"][0]["pids"] = list(range(1000, 2000))
+    st["containers"][0]["gpus"]["0"]["waiting_pids"] = [1500]
+    usage = [row(pid, 0, (pid - 1000) * MiB, 1) for pid in range(1000, 2000)]
+    got = prom_samples(render(st, usage=usage))
+    used = {dict(s[1])["pid"]: s[2] for s in got if s[0] == "convgpu_process_memory_used_bytes"}
+    assert set(used) == {"1500", "1999", "1998", "1997", "1996", "1995", "1994", "1993", "other"}
+    assert used["other"] == sum(range(1000)) * MiB - sum(used[p] for p in used if p != "other")
+    waiting = {dict(s[1])["pid"]: s[2] for s in got if s[0] == "convgpu_process_waiting"}
+    assert waiting["1500"] == 1 and waiting["other"] == 0 and sum(waiting.values()) == 1
+    ctx = {dict(s[1])["pid"]: s[2] for s in got if s[0] == "convgpu_process_context_overhead_bytes"}
+    assert ctx["other"] == 992 * 300 * MiB and ctx["1999"] == 300 * MiB   # the GPU's estimate each
