@@ -42,8 +42,7 @@ def table(st: dict) -> Table | Group:
             notes.append(f"pid {m['pid']}: its CUDA devices are not established as host GPUs "
                          f"({m.get('contradiction') or m['how']}): {where}")
     t = Table(title=f"convgpu enforce (pid {st['pid']}): policy {st['policy']}, stall {st['stall']}; {caps}",
-              title_justify="left", caption_justify="left", caption=Text("
-").join(map(text, notes)) if notes else None)
+              title_justify="left", caption_justify="left", caption=Text("\n").join(map(text, notes)) if notes else None)
     # `used` is allocated plus contexts, as in `convgpu trace` (cli/view.py); `context` is its part
     for col in ("container", "id", "GPU", "limit", "assigned", "used", "context", "ctx from", "state", "stalled",
                 "stalls"):
