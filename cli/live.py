@@ -70,8 +70,10 @@ class View:
         self.live = None
 
     def frame(self, snap, alert: str | None = None):
+        """Fitted to a terminal's height; into a pipe or a file, whole (nothing to scroll off)."""
         w, h = self.console.size
-        return render(snap, width=min(WIDTH, w), height=max(h - 1, 10), alert=alert)
+        height = max(h - 1, 10) if self.console.is_terminal else None
+        return render(snap, width=min(WIDTH, w), height=height, alert=alert)
 
     def __enter__(self):
         self.live = Live(console=self.console, refresh_per_second=4, screen=False, auto_refresh=False)

@@ -93,4 +93,4 @@ def status(as_json: bool = typer.Option(False, "--json", help="The full state as
     if as_json:
         typer.echo(json.dumps(st, indent=2))
     else:
-        Console(width=120).print(table(st))
+        Console(width=max(Console().width, 140)).print(table(st))   # 11 columns: names and ids whole
