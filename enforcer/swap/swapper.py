@@ -324,7 +324,10 @@ class Swapper:
 
     def break_deadlock(self, dev: int, needs: dict[str, int], now: float) -> bool:
         """A circular wait (every container on dev waits, none can run): one side goes out, no
-        kill (docs/SCHEDULING.md, "A deadlock swapped out")."""
+        kill (docs/SCHEDULING.md, "A deadlock swapped out"); with --swap-idle, as all swapping
+        by policy."""
+        if not self.settings.idle_s:
+            return False
         if any(s.state in ("locking", "checkpointing") for s in self.procs.values()):
             return True
         hs = [h for h in self.holders(dev, now) if h.container in needs]
