@@ -64,6 +64,8 @@ class Reporter:
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
                     "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
+                    # what it holds and its stopped calls ask: above the limit, only a new one helps
+                    "demand": self.books.demand(box, dev),
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit) or over["over_by"] > 0,
                     # the driver's count (NVML) against the limit, as the backstop attributed it

@@ -168,7 +168,9 @@ def test_config_rules_reload_and_a_bad_reload(cgroups, build, env5, tmp_path):
         enf.wait_for("above its limit 1.0 GiB")
         conf.write_text('[enforce]\nstall = "sideways"\n')
         r = enf.cli("reload", check=False)
-        assert r.returncode == 1 and "reload failed" in r.stderr
+        # the reason, not "see the enforcer's log" (issue 52)
+        assert r.returncode == 1 and "reload failed" in r.stderr and "'sideways'" in r.stderr, r.stderr
+        assert "see the enforcer's log" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         enf.wait_for("reload failed, keeping the last good config: invalid config file")
         conf.write_text('[enforce]\ngpu_memory = "5GiB"\npolicy = "bf"\n'
                         '[[rule]]\nmatch = "cgroup"\npattern = "*/ruled"\nlimit = "3GiB"\n')
