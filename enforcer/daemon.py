@@ -313,6 +313,7 @@ class Enforcer:
             self.swapper.off = "no host driver to make the checkpoint calls with"
             return
         self.swapper.agent = Agent(driver)
+        self.swapper.agent.submit("state", os.getpid(), 30)   # its child starts now: status says whether swap can be
         self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
         self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)
         self.swapper.load()

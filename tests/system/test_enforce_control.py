@@ -93,11 +93,13 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB: stalled until the limit is raised")
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
+        assert st["gpus"]["0"]["swap"] in ("on", "starting"), st["gpus"]["0"]   # the stand-in has the checkpoint API
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
                                                               "unassigned": 4 * GiB, "committed": GiB, "physical": 5 * GiB,
                                                               "tearing_down": 0, "ctx_measuring": False,
                                                               "backstop": "off: no NVML", "unattributed": 0,
                                                               "left_by_exited": [],
+                                                              "swap": st["gpus"]["0"]["swap"],
                                                               "ctx_estimate": {
                                                                   "bytes": 0, "source": "operator",
                                                                   "detail": "--ctx-overhead (the operator's figure on GPU0)"}}
