@@ -1,0 +1,560 @@
+/*
+ * libcuda_cp.c - test-only stand-in for the CUDA driver, part 6: process checkpoint
+ * (cuCheckpointProcess*, drivers from CUDA 12.8 on; issue 46), as FACTS.md saw it on the H100
+ * (driver 580.159.04, 2026-12-06).
+ *
+ * The real driver does the work in the target process, on a thread of its own: a target held
+ * whole (SIGSTOP, the freezer) never answers, one held at its calling thread by ptrace does.
+ * So here each process that called cuInit runs a "driver thread" that serves its slot's
+ * mailbox in the shared segment (standin_shm.h, struct si_cp). A checkpointing process (any
+ * that called cuInit) posts a request there and waits on a futex for the answer; one the
+ * target never took by the deadline is taken back (NOT_READY) and never runs later.
+ *
+ * In the target:
+ *   lock        RUNNING -> LOCKED: the gate closes (libcuda_int.h, CHECK_INIT) and the lock
+ *               waits for the calls in flight, up to its timeout (else NOT_READY, RUNNING)
+ *   checkpoint  LOCKED -> CHECKPOINTED: the slot's bytes on every device leave the shared
+ *               capacity (remembered for the restore); their copy is host memory of this
+ *               process (backed allocations' contents, the rest touched bytes)
+ *   restore     CHECKPOINTED -> LOCKED, if every device has the room; else OOM, and the
+ *               process is beyond saving (FACTS.md): the next restore is 304 and FAILED
+ *   unlock      LOCKED -> RUNNING: the gate opens
+ *
+ * Same build rule as libcuda.c: -O0 so each exported function begins with `push %rbp`.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "libcuda_int.h"
+
+/* ------------------------------------------------------------------ the gate */
+
+static int g_locked;        /* calls wait at the gate */
+static long g_inflight;     /* calls past the gate that have not returned */
+static __thread int t_in;   /* calls of this thread past the gate (nested: a signal handler's) */
+static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_open_cv = PTHREAD_COND_INITIALIZER;    /* the gate opened */
+static pthread_cond_t g_idle_cv;                                /* in flight fell to 0 (monotonic) */
+
+static void gate_init(void)
+{
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_idle_cv, &a);
+    pthread_condattr_destroy(&a);
+}
+
+static void out_of_flight(void)
+{
+    /* seq_cst against the lock's store of g_locked then load of g_inflight: either the lock
+     * sees this call in flight, or the call sees the gate closed */
+    if (__atomic_sub_fetch(&g_inflight, 1, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_load_n(&g_locked, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&g_gate_mu);
+        pthread_cond_broadcast(&g_idle_cv);
+        pthread_mutex_unlock(&g_gate_mu);
+    }
+}
+
+int gate_enter(void)
+{
+    if (t_in) {
+        t_in++;
+        return 1;
+    }
+    for (;;) {
+        __atomic_add_fetch(&g_inflight, 1, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&g_locked, __ATOMIC_SEQ_CST))
+            break;
+        out_of_flight();
+        pthread_mutex_lock(&g_gate_mu);
+        while (__atomic_load_n(&g_locked, __ATOMIC_SEQ_CST))
+            pthread_cond_wait(&g_open_cv, &g_gate_mu);
+        pthread_mutex_unlock(&g_gate_mu);
+    }
+    t_in = 1;
+    return 1;
+}
+
+void gate_leave(int *entered)
+{
+    (void)entered;
+    if (--t_in == 0)
+        out_of_flight();
+}
+
+/* ----------------------------------------------------- the target's side */
+
+static uint32_t g_state;            /* CUprocessState */
+static int g_doomed;                /* a restore failed for want of room: beyond saving */
+static uint64_t g_saved[SI_MAX_DEV];/* what the slot held on each host GPU at the checkpoint */
+static void *g_copy;                /* the host copy of what no backed allocation holds */
+static size_t g_copy_len;
+static uint64_t g_cp_ms;            /* CONVGPU_STANDIN_CP_MS: how long a checkpoint or restore takes */
+static uint64_t g_host_max;         /* CONVGPU_STANDIN_CP_HOST_MAX: most host bytes touched */
+static pid_t g_serving;             /* the process whose driver thread runs (0: none yet) */
+static int g_quit;                  /* exiting: the slot is given back, answer no more */
+
+static void nap_ms(uint64_t ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+static uint64_t env_or(const char *name, uint64_t dflt)
+{
+    const char *v = getenv(name);
+    char *end;
+    if (!v || !*v)
+        return dflt;
+    unsigned long long x = strtoull(v, &end, 0);
+    return *end ? dflt : (uint64_t)x;
+}
+
+static CUresult t_lock(uint32_t ms)
+{
+    if (g_state != CU_PROCESS_STATE_RUNNING)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    dl.tv_sec += ms / 1000;
+    dl.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L)
+        dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&g_gate_mu);
+    __atomic_store_n(&g_locked, 1, __ATOMIC_SEQ_CST);
+    int rc = 0;
+    while (__atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0 && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&g_idle_cv, &g_gate_mu, &dl);
+    if (__atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0) {  /* a call still runs: as it was */
+        __atomic_store_n(&g_locked, 0, __ATOMIC_SEQ_CST);
+        pthread_cond_broadcast(&g_open_cv);
+        pthread_mutex_unlock(&g_gate_mu);
+        return CUDA_ERROR_NOT_READY;
+    }
+    pthread_mutex_unlock(&g_gate_mu);
+    g_state = CU_PROCESS_STATE_LOCKED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult t_unlock(void)
+{
+    if (g_state != CU_PROCESS_STATE_LOCKED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_lock(&g_gate_mu);
+    __atomic_store_n(&g_locked, 0, __ATOMIC_SEQ_CST);
+    pthread_cond_broadcast(&g_open_cv);
+    pthread_mutex_unlock(&g_gate_mu);
+    g_state = CU_PROCESS_STATE_RUNNING;
+    return CUDA_SUCCESS;
+}
+
+/* Backed mode: a memory object's contents (K_MEM: its pages; K_HANDLE: its memfd). */
+static int backed(const struct obj *o)
+{
+    return g_backed && (o->kind == K_MEM || o->kind == K_HANDLE);
+}
+
+static void drop_asides(void)
+{
+    for (struct obj *o = tab_mems(); o; o = o->mnext)
+        if (o->aside) {
+            munmap(o->aside, o->size);
+            o->aside = NULL;
+        }
+}
+
+/* Under tab_lock(): each backed object's contents copied aside; bytes copied, or -1 (none
+ * kept) where host memory ran out. */
+static int64_t copy_aside(void)
+{
+    int64_t n = 0;
+    for (struct obj *o = tab_mems(); o; o = o->mnext) {
+        if (!backed(o))
+            continue;
+        void *a = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (a == MAP_FAILED) {
+            drop_asides();
+            return -1;
+        }
+        o->aside = a;
+        if (o->kind == K_MEM)
+            memcpy(a, (void *)o->key, o->size);
+        else if (pread(o->memfd, a, o->size, 0) != (ssize_t)o->size) {
+            drop_asides();
+            return -1;
+        }
+        n += (int64_t)o->size;
+    }
+    return n;
+}
+
+static CUresult t_checkpoint(void)
+{
+    if (g_state != CU_PROCESS_STATE_LOCKED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    /* nothing of ours is in flight (locked): the slot holds still */
+    const uint64_t *used = acct_shm()->seg->slots[acct_slot()].used;
+    uint64_t total = 0;
+    for (int d = 0; d < SI_MAX_DEV; d++)
+        total += used[d];
+    tab_lock();
+    int64_t copied = copy_aside();
+    if (copied < 0) {
+        tab_unlock();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* The host copy lives in this process (its RSS and memory cgroup grow by it, FACTS.md):
+     * what no backed allocation holds is touched here. */
+    uint64_t rest = total > (uint64_t)copied ? total - (uint64_t)copied : 0;
+    if (rest > g_host_max)
+        rest = g_host_max;
+    if (rest) {
+        void *h = mmap(NULL, rest, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (h == MAP_FAILED) {
+            drop_asides();
+            tab_unlock();
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        memset(h, 0xc9, rest);
+        g_copy = h, g_copy_len = rest;
+    }
+    /* the device's pages go: a restore that did not copy back would read zeros */
+    for (struct obj *o = tab_mems(); o; o = o->mnext)
+        if (o->aside && o->kind == K_MEM)
+            madvise((void *)o->key, o->size, MADV_DONTNEED);
+        else if (o->aside)
+            fallocate(o->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)o->size);
+    tab_unlock();
+    acct_take_all(g_saved);
+    nap_ms(g_cp_ms);
+    g_state = CU_PROCESS_STATE_CHECKPOINTED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult t_restore(void)
+{
+    if (g_state == CU_PROCESS_STATE_FAILED)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (g_state != CU_PROCESS_STATE_CHECKPOINTED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    if (g_doomed) {     /* the real driver: 304 after a restore that lacked the room */
+        g_state = CU_PROCESS_STATE_FAILED;
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    CUresult rc = acct_give_back(g_saved);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY)
+        g_doomed = 1;   /* still CHECKPOINTED as the driver says, but never to run again */
+    if (rc)
+        return rc;
+    nap_ms(g_cp_ms);
+    tab_lock();
+    for (struct obj *o = tab_mems(); o; o = o->mnext)
+        if (o->aside && o->kind == K_MEM)
+            memcpy((void *)o->key, o->aside, o->size);
+        else if (o->aside && pwrite(o->memfd, o->aside, o->size, 0) != (ssize_t)o->size)
+            rc = CUDA_ERROR_OUT_OF_MEMORY;  /* tmpfs full: the contents are lost */
+    drop_asides();
+    tab_unlock();
+    if (g_copy)
+        munmap(g_copy, g_copy_len);
+    g_copy = NULL, g_copy_len = 0;
+    memset(g_saved, 0, sizeof g_saved);
+    g_state = rc ? CU_PROCESS_STATE_FAILED : CU_PROCESS_STATE_LOCKED;
+    return rc;
+}
+
+static CUresult t_do(uint32_t op, uint32_t arg)
+{
+    switch (op) {
+    case SI_CP_LOCK:
+        return t_lock(arg);
+    case SI_CP_CHECKPOINT:
+        return t_checkpoint();
+    case SI_CP_RESTORE:
+        return t_restore();
+    case SI_CP_UNLOCK:
+        return t_unlock();
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *rel)
+{
+    return syscall(SYS_futex, word, op, val, rel, NULL, 0);    /* shared: the segment is */
+}
+
+struct start {
+    int slot;
+    sem_t up;
+};
+
+/* The driver thread: takes each request posted to the slot's mailbox, does it, answers. */
+static void *serve(void *arg)
+{
+    struct start *st = arg;
+    struct si_cp *cp = &acct_shm()->seg->cp[st->slot];
+    __atomic_store_n(&cp->tid, (int32_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
+    sem_post(&st->up);  /* st is gone after this */
+    uint32_t seen = 0;  /* the mailbox was cleared with the slot: a request may wait already */
+    for (;;) {
+        uint32_t r = __atomic_load_n(&cp->req, __ATOMIC_ACQUIRE);
+        if (r >> 4 == seen) {
+            futex(&cp->req, FUTEX_WAIT, r, NULL);
+            continue;
+        }
+        if ((r & SI_CP_OP) == SI_CP_NONE) {     /* taken back by its caller */
+            seen = r >> 4;
+            continue;
+        }
+        if (!__atomic_compare_exchange_n(&cp->req, &r, r | SI_CP_TAKEN, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        seen = r >> 4;
+        CUresult rc = t_do(r & SI_CP_OP, cp->arg);
+        if (__atomic_load_n(&g_quit, __ATOMIC_ACQUIRE))
+            return NULL;
+        memcpy(cp->saved, g_saved, sizeof g_saved);
+        cp->result = rc;
+        __atomic_store_n(&cp->state, g_state, __ATOMIC_RELEASE);
+        __atomic_store_n(&cp->ack, seen, __ATOMIC_RELEASE);
+        futex(&cp->ack, FUTEX_WAKE, INT_MAX, NULL);
+    }
+}
+
+void cp_serve(int slot)
+{
+    if (g_serving == getpid())
+        return;
+    gate_init();
+    g_cp_ms = env_or("CONVGPU_STANDIN_CP_MS", 0);
+    g_host_max = env_or("CONVGPU_STANDIN_CP_HOST_MAX", UINT64_MAX);
+    struct start st = {.slot = slot};
+    sem_init(&st.up, 0, 0);
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 256 << 10);
+    sigset_t all, old;  /* signals go to the application's threads, as before */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_t t;
+    int ok = pthread_create(&t, &a, serve, &st) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&a);
+    if (ok) {   /* its tid is published before cuInit returns (GetRestoreThreadId) */
+        while (sem_wait(&st.up) != 0 && errno == EINTR)
+            ;
+        g_serving = getpid();
+    }
+    sem_destroy(&st.up);
+}
+
+void cp_atfork_child(void)
+{
+    /* one thread left, none in a call; the parent's lock is not the child's */
+    pthread_mutex_init(&g_gate_mu, NULL);
+    pthread_cond_init(&g_open_cv, NULL);
+    g_locked = 0, g_inflight = 0, t_in = 0;
+    g_state = CU_PROCESS_STATE_RUNNING, g_doomed = 0, g_serving = 0;
+}
+
+void cp_exiting(void)
+{
+    __atomic_store_n(&g_quit, 1, __ATOMIC_RELEASE);
+}
+
+/* ----------------------------------------------------- the caller's side */
+
+static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one request of ours at a time */
+
+/* The slot of live process pid (and its start time), or -1. */
+static int find(int pid, uint64_t *start)
+{
+    struct si_handle *h = acct_shm();
+    int idx = -1;
+    if (pid <= 0 || !h->seg || si_lock(h) != 0)
+        return -1;
+    si_reap(h, acct_slot());
+    for (uint32_t i = 0; i < h->seg->slot_hiwater && i < SI_NSLOTS; i++)
+        if (h->seg->slots[i].pid == pid) {
+            idx = (int)i;
+            *start = h->seg->slots[i].start_time;
+            break;
+        }
+    si_unlock(h);
+    return idx;
+}
+
+static int same(int idx, int pid, uint64_t start)
+{
+    uint64_t s = 0;
+    return find(pid, &s) == idx && s == start;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Callers of the same target take turns: an OFD lock on byte NSLOTS + slot of the segment's
+ * file (dropped by the kernel if the caller dies), inside our own mutex (an OFD lock does not
+ * exclude another thread of the same open file). */
+static int turn(int fd, int idx, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = SI_NSLOTS + idx, .l_len = 1};
+    int rc;
+    while ((rc = fcntl(fd, F_OFD_SETLKW, &fl)) != 0 && errno == EINTR)
+        ;
+    return rc;
+}
+
+/* Post op to pid's driver thread and wait for its answer. Not taken within wait_ms: taken
+ * back, CUDA_ERROR_NOT_READY (a target that cannot run: SIGSTOP, the freezer). Taken: its
+ * answer, however long (a lock bounds its own wait by arg). */
+static CUresult request(int pid, uint32_t op, uint32_t arg, uint32_t wait_ms)
+{
+    uint64_t start = 0;
+    int idx = find(pid, &start);
+    if (idx < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct si_handle *h = acct_shm();
+    struct si_cp *cp = &h->seg->cp[idx];
+    pthread_mutex_lock(&g_call_mu);
+    if (turn(h->fd, idx, F_WRLCK) != 0) {
+        pthread_mutex_unlock(&g_call_mu);
+        return CUDA_ERROR_UNKNOWN;
+    }
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    if (same(idx, pid, start)) {
+        uint32_t seq = ((__atomic_load_n(&cp->req, __ATOMIC_ACQUIRE) >> 4) + 1) & 0x0fffffffu;
+        seq = seq ? seq : 1;
+        uint32_t posted = seq << 4 | op;
+        cp->arg = arg;
+        __atomic_store_n(&cp->req, posted, __ATOMIC_RELEASE);
+        futex(&cp->req, FUTEX_WAKE, 1, NULL);
+        int64_t deadline = now_ms() + wait_ms;
+        int cancellable = 1;
+        for (;;) {
+            uint32_t a = __atomic_load_n(&cp->ack, __ATOMIC_ACQUIRE);
+            if (a == seq) {
+                rc = cp->result;
+                break;
+            }
+            if (!same(idx, pid, start)) {   /* it exited meanwhile */
+                rc = CUDA_ERROR_INVALID_VALUE;
+                break;
+            }
+            int64_t left = deadline - now_ms();
+            if (left <= 0 && cancellable) {
+                uint32_t want = posted;
+                if (__atomic_compare_exchange_n(&cp->req, &want, seq << 4, 0, __ATOMIC_ACQ_REL,
+                                                __ATOMIC_ACQUIRE)) {
+                    rc = CUDA_ERROR_NOT_READY;
+                    break;
+                }
+                cancellable = 0;    /* its driver thread has it: the answer comes */
+            }
+            int64_t nap = left > 0 && left < 50 ? left : 50;   /* 50 ms: is it still there? */
+            struct timespec rel = {.tv_sec = 0, .tv_nsec = nap * 1000000L};
+            futex(&cp->ack, FUTEX_WAIT, a, &rel);
+        }
+    }
+    turn(h->fd, idx, F_UNLCK);
+    pthread_mutex_unlock(&g_call_mu);
+    return rc;
+}
+
+/* CONVGPU_STANDIN_CP_WAIT_MS (default 30 s): how long a request waits for a target that does
+ * not run, and a lock with timeoutMs 0. The real driver then waits for good (FACTS.md). */
+static uint32_t wait_ms(void)
+{
+    uint64_t v = env_or("CONVGPU_STANDIN_CP_WAIT_MS", 30000);
+    return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+}
+
+static int zeroed(const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i])
+            return 0;
+    return 1;
+}
+
+/* CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state): the state the target
+ * last set, read from its mailbox (a target that cannot run answers too) */
+API CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
+{
+    CHECK_INIT_UNGATED();
+    uint64_t start;
+    int idx = state ? find(pid, &start) : -1;
+    if (idx < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *state = (CUprocessState)__atomic_load_n(&acct_shm()->seg->cp[idx].state, __ATOMIC_ACQUIRE);
+    return CUDA_SUCCESS;
+}
+
+/* CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid): its driver thread */
+API CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+    CHECK_INIT_UNGATED();
+    uint64_t start;
+    int idx = tid ? find(pid, &start) : -1;
+    if (idx < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *tid = __atomic_load_n(&acct_shm()->seg->cp[idx].tid, __ATOMIC_ACQUIRE);
+    return *tid ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+API CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+    CHECK_INIT_UNGATED();
+    if (args && (args->reserved0 || !zeroed(args->reserved1, sizeof args->reserved1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint32_t ms = args && args->timeoutMs ? args->timeoutMs : wait_ms();
+    return request(pid, SI_CP_LOCK, ms, ms);
+}
+
+API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
+{
+    CHECK_INIT_UNGATED();
+    if (args && !zeroed(args, sizeof *args))
+        return CUDA_ERROR_INVALID_VALUE;
+    return request(pid, SI_CP_CHECKPOINT, 0, wait_ms());
+}
+
+/* GPU remapping (gpuPairs) is not played: CUDA_ERROR_NOT_SUPPORTED. */
+API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
+{
+    CHECK_INIT_UNGATED();
+    if (args && (args->gpuPairs || args->gpuPairsCount))
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (args && (!zeroed(args->reserved, sizeof args->reserved) || args->reserved1))
+        return CUDA_ERROR_INVALID_VALUE;
+    return request(pid, SI_CP_RESTORE, 0, wait_ms());
+}
+
+API CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
+{
+    CHECK_INIT_UNGATED();
+    if (args && !zeroed(args, sizeof *args))
+        return CUDA_ERROR_INVALID_VALUE;
+    return request(pid, SI_CP_UNLOCK, 0, wait_ms());
+}
