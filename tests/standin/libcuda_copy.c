@@ -15,14 +15,6 @@
 
 #include "libcuda_int.h"
 
-/* Under tab_lock(): [addr, addr+n) is device memory; *host: where its bytes are (NULL: none). */
-static int device_range(CUdeviceptr addr, size_t n, void **host)
-{
-    struct obj *o = tab_span((uintptr_t)addr, n);
-    *host = o && g_backed ? (void *)(uintptr_t)addr : NULL;
-    return o || graph_mem_live((uintptr_t)addr, n);
-}
-
 static CUresult copy(CUdeviceptr dst, const void *hsrc, CUdeviceptr src, void *hdst, size_t n)
 {
     int dev;
@@ -31,14 +23,15 @@ static CUresult copy(CUdeviceptr dst, const void *hsrc, CUdeviceptr src, void *h
         return rc;
     if (n == 0)
         return CUDA_SUCCESS;
-    void *to = hdst, *from = (void *)hsrc;  /* the host side is the caller's */
     tab_lock();
-    int ok = hdst || device_range(dst, n, &to);
-    ok = ok && (hsrc || device_range(src, n, &from));
-    if (ok && to && from)
-        memmove(to, from, n);   /* DtoD may overlap */
+    int to = hdst || tab_span((uintptr_t)dst, n), from = hsrc || tab_span((uintptr_t)src, n);
+    if (to && from && g_backed)     /* the device address is this process's memory; DtoD may overlap */
+        memmove(hdst ? hdst : (void *)(uintptr_t)dst, hsrc ? hsrc : (const void *)(uintptr_t)src, n);
     tab_unlock();
-    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    /* graph allocations (libcuda_graph.c takes the table's lock itself) hold no bytes */
+    to = to || graph_mem_live((uintptr_t)dst, n);
+    from = from || graph_mem_live((uintptr_t)src, n);
+    return to && from ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)

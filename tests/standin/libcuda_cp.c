@@ -406,11 +406,11 @@ static int same(int idx, int pid, uint64_t start)
     return find(pid, &s) == idx && s == start;
 }
 
-static int64_t now_ms(void)
+static int64_t now_us(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 /* Callers of the same target take turns: an OFD lock on byte NSLOTS + slot of the segment's
@@ -449,7 +449,7 @@ static CUresult request(int pid, uint32_t op, uint32_t arg, uint32_t wait_ms)
         cp->arg = arg;
         __atomic_store_n(&cp->req, posted, __ATOMIC_RELEASE);
         futex(&cp->req, FUTEX_WAKE, 1, NULL);
-        int64_t deadline = now_ms() + wait_ms;
+        int64_t deadline = now_us() + (int64_t)wait_ms * 1000;
         int cancellable = 1;
         for (;;) {
             uint32_t a = __atomic_load_n(&cp->ack, __ATOMIC_ACQUIRE);
@@ -461,7 +461,7 @@ static CUresult request(int pid, uint32_t op, uint32_t arg, uint32_t wait_ms)
                 rc = CUDA_ERROR_INVALID_VALUE;
                 break;
             }
-            int64_t left = deadline - now_ms();
+            int64_t left = deadline - now_us();
             if (left <= 0 && cancellable) {
                 uint32_t want = posted;
                 if (__atomic_compare_exchange_n(&cp->req, &want, seq << 4, 0, __ATOMIC_ACQ_REL,
@@ -471,8 +471,8 @@ static CUresult request(int pid, uint32_t op, uint32_t arg, uint32_t wait_ms)
                 }
                 cancellable = 0;    /* its driver thread has it: the answer comes */
             }
-            int64_t nap = left > 0 && left < 50 ? left : 50;   /* 50 ms: is it still there? */
-            struct timespec rel = {.tv_sec = 0, .tv_nsec = nap * 1000000L};
+            int64_t nap = left > 0 && left < 50000 ? left : 50000;  /* 50 ms: is it still there? */
+            struct timespec rel = {.tv_sec = 0, .tv_nsec = nap * 1000L};
             futex(&cp->ack, FUTEX_WAIT, a, &rel);
         }
     }
