@@ -91,10 +91,19 @@ static int ensure_slot(void)
         g_slot = si_register(&g_shm);
         if (g_slot >= 0) {
             g_shm.seg->slots[g_slot].pad = g_slot_flags;
-            cp_serve(g_slot);   /* its driver thread: checkpoint requests come to the slot */
+            cp_slot_taken(g_slot);  /* its driver thread: checkpoint requests come to the slot */
         }
     }
     return g_slot;
+}
+
+void driver_thread_due(void)
+{
+    if (cp_context() && g_shm.seg && si_lock(&g_shm) == 0) {
+        if (ensure_slot() >= 0)
+            cp_slot_taken(g_slot);
+        si_unlock(&g_shm);
+    }
 }
 
 struct si_handle *acct_shm(void) { return &g_shm; }
@@ -300,6 +309,7 @@ API CUresult cuInit(unsigned int Flags)
         const char *at = getenv("CONVGPU_STANDIN_GRAPH_AT");
         g_graph_at_instantiate = at && strcmp(at, "instantiate") == 0;
         g_backed = env_u64("CONVGPU_STANDIN_BACKED", 0) == 1;
+        cp_init();
         /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
          * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
          * freed when the shm file closes; host memory touched now makes exit_mm, and so the
@@ -532,6 +542,7 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
+    driver_thread_due();    /* the real driver's threads come with its contexts */
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_ctx_mu);
     if (g_primary_ref[dev] == 0) {
@@ -578,6 +589,7 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_DEVICE;
     if (t_depth == CTX_STACK)
         return CUDA_ERROR_INVALID_VALUE;
+    driver_thread_due();
     struct obj *o = calloc(1, sizeof *o);
     if (!o)
         return CUDA_ERROR_OUT_OF_MEMORY;

@@ -106,6 +106,8 @@ static size_t g_copy_len;
 static uint64_t g_cp_ms;            /* CONVGPU_STANDIN_CP_MS: how long a checkpoint or restore takes */
 static uint64_t g_host_max;         /* CONVGPU_STANDIN_CP_HOST_MAX: most host bytes touched */
 static pid_t g_serving;             /* the process whose driver thread runs (0: none yet) */
+static enum { AT_CONTEXT, AT_INIT, NEVER } g_start_at;  /* CONVGPU_STANDIN_CP_THREAD */
+static int g_had_context;           /* a context was made (a forked child inherits it) */
 static int g_quit;                  /* exiting: the slot is given back, answer no more */
 
 static void nap_ms(uint64_t ms)
@@ -336,27 +338,49 @@ static void *serve(void *arg)
     }
 }
 
-void cp_serve(int slot)
+/* At cuInit: the knobs. */
+void cp_init(void)
 {
-    if (g_serving == getpid())
-        return;
-    gate_init();
+    const char *at = getenv("CONVGPU_STANDIN_CP_THREAD");
+    g_start_at = !at || !*at || !strcmp(at, "context") ? AT_CONTEXT : !strcmp(at, "init") ? AT_INIT : NEVER;
     g_cp_ms = env_or("CONVGPU_STANDIN_CP_MS", 0);
     g_host_max = env_or("CONVGPU_STANDIN_CP_HOST_MAX", UINT64_MAX);
+    gate_init();
+}
+
+int cp_context(void)
+{
+    g_had_context = 1;
+    return g_start_at == AT_CONTEXT && g_serving != getpid();
+}
+
+static void serve_slot(int slot);
+
+void cp_slot_taken(int slot)
+{
+    if (g_serving != getpid() && (g_start_at == AT_INIT || (g_start_at == AT_CONTEXT && g_had_context)))
+        serve_slot(slot);
+}
+
+/* Under the segment's lock: the driver thread, started with every signal blocked (process
+ * signals go to the application's threads, as before), its tid published before this returns
+ * (GetRestoreThreadId). No thread (out of threads): the process never answers. */
+static void serve_slot(int slot)
+{
     struct start st = {.slot = slot};
     sem_init(&st.up, 0, 0);
     pthread_attr_t a;
     pthread_attr_init(&a);
     pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&a, 256 << 10);
-    sigset_t all, old;  /* signals go to the application's threads, as before */
+    sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pthread_t t;
     int ok = pthread_create(&t, &a, serve, &st) == 0;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&a);
-    if (ok) {   /* its tid is published before cuInit returns (GetRestoreThreadId) */
+    if (ok) {
         while (sem_wait(&st.up) != 0 && errno == EINTR)
             ;
         g_serving = getpid();
@@ -369,6 +393,7 @@ void cp_atfork_child(void)
     /* one thread left, none in a call; the parent's lock is not the child's */
     pthread_mutex_init(&g_gate_mu, NULL);
     pthread_cond_init(&g_open_cv, NULL);
+    gate_init();
     g_locked = 0, g_inflight = 0, t_in = 0;
     g_state = CU_PROCESS_STATE_RUNNING, g_doomed = 0, g_serving = 0;
 }

@@ -71,12 +71,18 @@ CUresult acct_give_back(const uint64_t saved[SI_MAX_DEV]);
 /* The shared segment and this process's slot in it (-1: none yet), for libcuda_cp.c. */
 struct si_handle *acct_shm(void);
 int acct_slot(void);
-/* libcuda_cp.c: this process's driver thread serves slot `slot`'s mailbox (started once per
- * process, at its slot's registration, under the segment's lock); the child of a fork starts
- * anew (nothing locked, no thread until it has a slot). */
-void cp_serve(int slot);
+/* libcuda_cp.c: this process's driver thread, which serves its slot's mailbox, starts once
+ * per process, under the segment's lock, when both have come: the slot (cp_slot_taken, at
+ * cuInit; a forked child's at its first charge) and, by default, a context (cp_context,
+ * with CONVGPU_STANDIN_CP_THREAD=context; =init: at the slot; =off: never). A forked child
+ * starts anew (nothing locked, no thread until it has a slot). */
+void cp_init(void);
+void cp_slot_taken(int slot);
+int cp_context(void);  /* 1: this process wants its driver thread now */
 void cp_atfork_child(void);
 void cp_exiting(void);
+/* libcuda.c: the driver thread started if it is due (a context was made) */
+void driver_thread_due(void);
 
 /* Device of the calling thread's current context. */
 CUresult cur_dev(int *dev);

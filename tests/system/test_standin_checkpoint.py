@@ -320,11 +320,17 @@ o["lock_reserved"] = cu.cuCheckpointProcessLock(pid, lock)
 restore = (ctypes.c_uint64 * 8)(8)              # CUcheckpointRestoreArgs.gpuPairs: not NULL
 o["restore_pairs"] = cu.cuCheckpointProcessRestore(pid, restore)
 o["tid"] = [cu.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.byref(tid)), tid.value]
+me, lock = __import__("os").getpid(), (ctypes.c_uint * 16)(200)
+o["own_tid_without_context"] = cu.cuCheckpointProcessGetRestoreThreadId(me, ctypes.byref(tid))
+o["own_lock_without_context"] = [cu.cuCheckpointProcessLock(me, lock), cu.cuCheckpointProcessGetState(me, ctypes.byref(st)), st.value]
 print(json.dumps(o))
 """
 
 
 def test_the_caller_needs_cuinit_and_a_pid_the_driver_knows(stand, build):
+    """A caller must have called cuInit; the target must have a slot. The driver thread comes
+    with a process's first context (CONVGPU_STANDIN_CP_THREAD=context): the caller itself, with
+    none, has no thread to name and never answers a lock."""
     a = stand.holder(2 * MiB)
     r = subprocess.run([sys.executable, "-c", CALLER, str(build / "standin" / "libcuda.so.1"), str(a.pid)],
                        env=stand.env, capture_output=True, text=True, timeout=30)
@@ -332,7 +338,8 @@ def test_the_caller_needs_cuinit_and_a_pid_the_driver_knows(stand, build):
     o = json.loads(r.stdout)
     tid = o.pop("tid")
     assert o == {"before_init": NOT_INITIALIZED, "unknown_pid": INVALID, "no_pointer": INVALID,
-                 "state": [0, RUNNING], "lock_reserved": INVALID, "restore_pairs": NOT_SUPPORTED}
+                 "state": [0, RUNNING], "lock_reserved": INVALID, "restore_pairs": NOT_SUPPORTED,
+                 "own_tid_without_context": NOT_READY, "own_lock_without_context": [NOT_READY, 0, RUNNING]}
     assert tid[0] == 0 and tid[1] != a.pid and str(tid[1]) in os.listdir(f"/proc/{a.pid}/task")
     assert a.ask("launch") == "launched"                    # nothing of it ran
 
