@@ -20,7 +20,7 @@ STANDIN_LDFLAGS := -shared -pthread -Wl,--no-undefined
 CALLER_CFLAGS := -std=gnu11 -O2 -g -pthread $(WARN)
 
 LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/libcuda_limits.c $(SI)/libcuda_graph.c \
-	$(SI)/libcuda_module.c $(SI)/libcuda_cp.c $(SI)/libcuda_copy.c $(SI)/standin_shm.c $(SI)/visible.c
+	$(SI)/libcuda_module.c $(SI)/libcuda_cp.c $(SI)/libcuda_cp_api.c $(SI)/libcuda_copy.c $(SI)/standin_shm.c $(SI)/visible.c
 LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
 
 # Symbols the stand-in driver must export (check-prologue verifies).

@@ -4,12 +4,13 @@
  * with no rpath, like cgcaller: LD_LIBRARY_PATH=build/standin picks the stand-in (its bytes
  * kept only with CONVGPU_STANDIN_BACKED=1), and without it the real driver runs it.
  *
- * usage: holder -s SIZE [-n COUNT] [-d DEVICE]      SIZE takes a K/M/G/T suffix
+ * usage: holder -s SIZE [-n COUNT] [-d DEVICE] [-z]      SIZE takes a K/M/G/T suffix
  *
  * Setup: cuInit, the primary context of DEVICE (default 0) made current, a module with one
  * empty kernel (PTX: the real driver compiles it; the stand-in loads any image), then COUNT
  * (default 1) cuMemAlloc_v2 blocks that total SIZE, filled through cuMemcpyHtoD_v2 with bytes
- * of a generator seeded by the pid, and their CRC-32 kept. Then, on stdout (each line flushed):
+ * of a generator seeded by the pid, and their CRC-32 kept (-z: not filled, the CRC of as many
+ * zeros kept: room taken fast on a large GPU). Then, on stdout (each line flushed):
  *   ready pid=PID bytes=SIZE crc=HEX
  * and one answer per stdin line:
  *   check        cuMemcpyDtoH_v2 of every block, CRC-32 of what came back:
@@ -70,12 +71,22 @@ static uint64_t rng;
 static uint64_t word;
 static unsigned left;
 
+static uint64_t next(void)
+{
+    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+    return rng * 0x2545F4914F6CDD1Dull;
+}
+
 static void fill(unsigned char *p, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
+    size_t i = 0;
+    for (; !left && i + 8 <= n; i += 8) {  /* whole words while none is half used: the same bytes */
+        uint64_t w = next();
+        memcpy(p + i, &w, 8);
+    }
+    for (; i < n; i++) {
         if (!left) {
-            rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
-            word = rng * 0x2545F4914F6CDD1Dull;
+            word = next();
             left = 8;
         }
         p[i] = (unsigned char)word;
@@ -144,19 +155,21 @@ int main(int argc, char **argv)
 {
     uint64_t size = 0;
     long count = 1;
-    int device = 0, opt;
-    while ((opt = getopt(argc, argv, "s:n:d:")) != -1) {
+    int device = 0, opt, zeros = 0;
+    while ((opt = getopt(argc, argv, "s:n:d:z")) != -1) {
         if (opt == 's')
             size = parse_size(optarg);
         else if (opt == 'n')
             count = strtol(optarg, NULL, 10);
         else if (opt == 'd')
             device = atoi(optarg);
+        else if (opt == 'z')
+            zeros = 1;
         else
             size = 0;
     }
     if (!size || count < 1 || count > MAX_BLOCKS || (uint64_t)count > size || optind != argc) {
-        fprintf(stderr, "usage: holder -s SIZE [-n COUNT] [-d DEVICE]  (SIZE >= COUNT, COUNT <= %d)\n",
+        fprintf(stderr, "usage: holder -s SIZE [-n COUNT] [-d DEVICE] [-z]  (SIZE >= COUNT, COUNT <= %d)\n",
                 MAX_BLOCKS);
         return 64;
     }
@@ -183,6 +196,11 @@ int main(int argc, char **argv)
         must("cuMemAlloc_v2", cuMemAlloc_v2(&blocks[b], sizes[b]));
         for (size_t off = 0; off < sizes[b]; off += CHUNK) {
             size_t n = sizes[b] - off < CHUNK ? sizes[b] - off : CHUNK;
+            if (zeros) {
+                memset(buf, 0, n);
+                want = crc32_of(want, buf, n);
+                continue;
+            }
             fill(buf, n);
             want = crc32_of(want, buf, n);
             must("cuMemcpyHtoD_v2", cuMemcpyHtoD_v2(blocks[b] + off, buf, n));

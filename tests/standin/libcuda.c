@@ -48,7 +48,7 @@ static struct si_handle g_shm = {-1, NULL};
 static int g_slot = -1; /* our slot in the shared table, -1 = none yet */
 static uint32_t g_slot_flags; /* SI_GRAPHICS: NVML lists us as a graphics client */
 
-static uint64_t env_u64(const char *name, uint64_t dflt)
+uint64_t env_u64(const char *name, uint64_t dflt)
 {
     const char *v = getenv(name);
     if (!v || !*v)

@@ -5,8 +5,9 @@
  *
  * The real driver does the work in the target process, on a thread of its own: a target held
  * whole (SIGSTOP, the freezer) never answers, one held at its calling thread by ptrace does.
- * So here each process that called cuInit runs a "driver thread" that serves its slot's
- * mailbox in the shared segment (standin_shm.h, struct si_cp). A checkpointing process (any
+ * So here each process runs a "driver thread" from its first context on (the real driver's
+ * threads come with its contexts; CONVGPU_STANDIN_CP_THREAD) that serves its slot's mailbox
+ * in the shared segment (standin_shm.h, struct si_cp). A checkpointing process (any
  * that called cuInit) posts a request there and waits on a futex for the answer; one the
  * target never took by the deadline is taken back (NOT_READY) and never runs later.
  *
@@ -19,6 +20,8 @@
  *   restore     CHECKPOINTED -> LOCKED, if every device has the room; else OOM, and the
  *               process is beyond saving (FACTS.md): the next restore is 304 and FAILED
  *   unlock      LOCKED -> RUNNING: the gate opens
+ *
+ * The caller's side, and the exported calls: libcuda_cp_api.c.
  *
  * Same build rule as libcuda.c: -O0 so each exported function begins with `push %rbp`.
  */
@@ -115,16 +118,6 @@ static void nap_ms(uint64_t ms)
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
         ;
-}
-
-static uint64_t env_or(const char *name, uint64_t dflt)
-{
-    const char *v = getenv(name);
-    char *end;
-    if (!v || !*v)
-        return dflt;
-    unsigned long long x = strtoull(v, &end, 0);
-    return *end ? dflt : (uint64_t)x;
 }
 
 static CUresult t_lock(uint32_t ms)
@@ -295,7 +288,7 @@ static CUresult t_do(uint32_t op, uint32_t arg)
     return CUDA_ERROR_INVALID_VALUE;
 }
 
-static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *rel)
+long cp_futex(uint32_t *word, int op, uint32_t val, const struct timespec *rel)
 {
     return syscall(SYS_futex, word, op, val, rel, NULL, 0);    /* shared: the segment is */
 }
@@ -316,7 +309,7 @@ static void *serve(void *arg)
     for (;;) {
         uint32_t r = __atomic_load_n(&cp->req, __ATOMIC_ACQUIRE);
         if (r >> 4 == seen) {
-            futex(&cp->req, FUTEX_WAIT, r, NULL);
+            cp_futex(&cp->req, FUTEX_WAIT, r, NULL);
             continue;
         }
         if ((r & SI_CP_OP) == SI_CP_NONE) {     /* taken back by its caller */
@@ -334,7 +327,7 @@ static void *serve(void *arg)
         cp->result = rc;
         __atomic_store_n(&cp->state, g_state, __ATOMIC_RELEASE);
         __atomic_store_n(&cp->ack, seen, __ATOMIC_RELEASE);
-        futex(&cp->ack, FUTEX_WAKE, INT_MAX, NULL);
+        cp_futex(&cp->ack, FUTEX_WAKE, INT_MAX, NULL);
     }
 }
 
@@ -343,8 +336,8 @@ void cp_init(void)
 {
     const char *at = getenv("CONVGPU_STANDIN_CP_THREAD");
     g_start_at = !at || !*at || !strcmp(at, "context") ? AT_CONTEXT : !strcmp(at, "init") ? AT_INIT : NEVER;
-    g_cp_ms = env_or("CONVGPU_STANDIN_CP_MS", 0);
-    g_host_max = env_or("CONVGPU_STANDIN_CP_HOST_MAX", UINT64_MAX);
+    g_cp_ms = env_u64("CONVGPU_STANDIN_CP_MS", 0);
+    g_host_max = env_u64("CONVGPU_STANDIN_CP_HOST_MAX", UINT64_MAX);
     gate_init();
 }
 
@@ -401,185 +394,4 @@ void cp_atfork_child(void)
 void cp_exiting(void)
 {
     __atomic_store_n(&g_quit, 1, __ATOMIC_RELEASE);
-}
-
-/* ----------------------------------------------------- the caller's side */
-
-static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one request of ours at a time */
-
-/* The slot of live process pid (and its start time), or -1. */
-static int find(int pid, uint64_t *start)
-{
-    struct si_handle *h = acct_shm();
-    int idx = -1;
-    if (pid <= 0 || !h->seg || si_lock(h) != 0)
-        return -1;
-    si_reap(h, acct_slot());
-    for (uint32_t i = 0; i < h->seg->slot_hiwater && i < SI_NSLOTS; i++)
-        if (h->seg->slots[i].pid == pid) {
-            idx = (int)i;
-            *start = h->seg->slots[i].start_time;
-            break;
-        }
-    si_unlock(h);
-    return idx;
-}
-
-static int same(int idx, int pid, uint64_t start)
-{
-    uint64_t s = 0;
-    return find(pid, &s) == idx && s == start;
-}
-
-static int64_t now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
-/* Callers of the same target take turns: an OFD lock on byte NSLOTS + slot of the segment's
- * file (dropped by the kernel if the caller dies), inside our own mutex (an OFD lock does not
- * exclude another thread of the same open file). */
-static int turn(int fd, int idx, short type)
-{
-    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = SI_NSLOTS + idx, .l_len = 1};
-    int rc;
-    while ((rc = fcntl(fd, F_OFD_SETLKW, &fl)) != 0 && errno == EINTR)
-        ;
-    return rc;
-}
-
-/* Post op to pid's driver thread and wait for its answer. Not taken within wait_ms: taken
- * back, CUDA_ERROR_NOT_READY (a target that cannot run: SIGSTOP, the freezer). Taken: its
- * answer, however long (a lock bounds its own wait by arg). */
-static CUresult request(int pid, uint32_t op, uint32_t arg, uint32_t wait_ms)
-{
-    uint64_t start = 0;
-    int idx = find(pid, &start);
-    if (idx < 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct si_handle *h = acct_shm();
-    struct si_cp *cp = &h->seg->cp[idx];
-    pthread_mutex_lock(&g_call_mu);
-    if (turn(h->fd, idx, F_WRLCK) != 0) {
-        pthread_mutex_unlock(&g_call_mu);
-        return CUDA_ERROR_UNKNOWN;
-    }
-    CUresult rc = CUDA_ERROR_INVALID_VALUE;
-    if (same(idx, pid, start)) {
-        uint32_t seq = ((__atomic_load_n(&cp->req, __ATOMIC_ACQUIRE) >> 4) + 1) & 0x0fffffffu;
-        seq = seq ? seq : 1;
-        uint32_t posted = seq << 4 | op;
-        cp->arg = arg;
-        __atomic_store_n(&cp->req, posted, __ATOMIC_RELEASE);
-        futex(&cp->req, FUTEX_WAKE, 1, NULL);
-        int64_t deadline = now_us() + (int64_t)wait_ms * 1000;
-        int cancellable = 1;
-        for (;;) {
-            uint32_t a = __atomic_load_n(&cp->ack, __ATOMIC_ACQUIRE);
-            if (a == seq) {
-                rc = cp->result;
-                break;
-            }
-            if (!same(idx, pid, start)) {   /* it exited meanwhile */
-                rc = CUDA_ERROR_INVALID_VALUE;
-                break;
-            }
-            int64_t left = deadline - now_us();
-            if (left <= 0 && cancellable) {
-                uint32_t want = posted;
-                if (__atomic_compare_exchange_n(&cp->req, &want, seq << 4, 0, __ATOMIC_ACQ_REL,
-                                                __ATOMIC_ACQUIRE)) {
-                    rc = CUDA_ERROR_NOT_READY;
-                    break;
-                }
-                cancellable = 0;    /* its driver thread has it: the answer comes */
-            }
-            int64_t nap = left > 0 && left < 50000 ? left : 50000;  /* 50 ms: is it still there? */
-            struct timespec rel = {.tv_sec = 0, .tv_nsec = nap * 1000L};
-            futex(&cp->ack, FUTEX_WAIT, a, &rel);
-        }
-    }
-    turn(h->fd, idx, F_UNLCK);
-    pthread_mutex_unlock(&g_call_mu);
-    return rc;
-}
-
-/* CONVGPU_STANDIN_CP_WAIT_MS (default 30 s): how long a request waits for a target that does
- * not run, and a lock with timeoutMs 0. The real driver then waits for good (FACTS.md). */
-static uint32_t wait_ms(void)
-{
-    uint64_t v = env_or("CONVGPU_STANDIN_CP_WAIT_MS", 30000);
-    return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
-}
-
-static int zeroed(const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++)
-        if (b[i])
-            return 0;
-    return 1;
-}
-
-/* CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state): the state the target
- * last set, read from its mailbox (a target that cannot run answers too) */
-API CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
-{
-    CHECK_INIT_UNGATED();
-    uint64_t start;
-    int idx = state ? find(pid, &start) : -1;
-    if (idx < 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    *state = (CUprocessState)__atomic_load_n(&acct_shm()->seg->cp[idx].state, __ATOMIC_ACQUIRE);
-    return CUDA_SUCCESS;
-}
-
-/* CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid): its driver thread */
-API CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
-{
-    CHECK_INIT_UNGATED();
-    uint64_t start;
-    int idx = tid ? find(pid, &start) : -1;
-    if (idx < 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    *tid = __atomic_load_n(&acct_shm()->seg->cp[idx].tid, __ATOMIC_ACQUIRE);
-    return *tid ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
-}
-
-API CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
-{
-    CHECK_INIT_UNGATED();
-    if (args && (args->reserved0 || !zeroed(args->reserved1, sizeof args->reserved1)))
-        return CUDA_ERROR_INVALID_VALUE;
-    uint32_t ms = args && args->timeoutMs ? args->timeoutMs : wait_ms();
-    return request(pid, SI_CP_LOCK, ms, ms);
-}
-
-API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
-{
-    CHECK_INIT_UNGATED();
-    if (args && !zeroed(args, sizeof *args))
-        return CUDA_ERROR_INVALID_VALUE;
-    return request(pid, SI_CP_CHECKPOINT, 0, wait_ms());
-}
-
-/* GPU remapping (gpuPairs) is not played: CUDA_ERROR_NOT_SUPPORTED. */
-API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
-{
-    CHECK_INIT_UNGATED();
-    if (args && (args->gpuPairs || args->gpuPairsCount))
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if (args && (!zeroed(args->reserved, sizeof args->reserved) || args->reserved1))
-        return CUDA_ERROR_INVALID_VALUE;
-    return request(pid, SI_CP_RESTORE, 0, wait_ms());
-}
-
-API CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
-{
-    CHECK_INIT_UNGATED();
-    if (args && !zeroed(args, sizeof *args))
-        return CUDA_ERROR_INVALID_VALUE;
-    return request(pid, SI_CP_UNLOCK, 0, wait_ms());
 }

@@ -83,6 +83,11 @@ void cp_atfork_child(void);
 void cp_exiting(void);
 /* libcuda.c: the driver thread started if it is due (a context was made) */
 void driver_thread_due(void);
+/* libcuda_cp.c: futex(2) on a word of the shared segment (not private: the processes share it) */
+struct timespec;
+long cp_futex(uint32_t *word, int op, uint32_t val, const struct timespec *rel);
+/* libcuda.c: a number from the environment (strtoull base 0), else dflt */
+uint64_t env_u64(const char *name, uint64_t dflt);
 
 /* Device of the calling thread's current context. */
 CUresult cur_dev(int *dev);

@@ -27,11 +27,12 @@ CAPACITY = 64 * MiB
 class Holder:
     """build/holder -s SIZE -n COUNT as `user`: its pid, bytes and pattern CRC from `ready`."""
 
-    def __init__(self, build, env, size, count, user):
+    def __init__(self, build, env, size, count, user, *args, timeout=15):
         ids = {"user": user, "group": user if user != "nobody" else "nogroup", "extra_groups": []} if user else {}
-        self.p = subprocess.Popen([str(build / "holder"), "-s", str(size), "-n", str(count)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **ids)
-        ready = self.answer(15)
+        self.p = subprocess.Popen([str(build / "holder"), "-s", str(size), "-n", str(count), *args],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env, **ids)
+        ready = self.answer(timeout)
         assert ready and ready.startswith("ready "), (ready, self.p.stderr.read() if self.p.poll() is not None else "")
         f = dict(kv.split("=") for kv in ready.split()[1:])
         self.pid, self.bytes, self.crc = int(f["pid"]), int(f["bytes"]), f["crc"]
