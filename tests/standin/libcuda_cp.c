@@ -164,38 +164,45 @@ static int backed(const struct obj *o)
     return g_backed && (o->kind == K_MEM || o->kind == K_HANDLE);
 }
 
-static void drop_asides(void)
+#define MOVE_CHUNK (64ull << 20)
+
+/* One backed object's contents moved a chunk at a time, so that the host holds little more
+ * than one copy meanwhile: out to o->aside, the device's pages dropped as they are copied (a
+ * restore that did not copy back would read zeros), or back, the aside freed as it empties.
+ * -1: a memfd's read or write failed (the contents are lost). */
+static int move(struct obj *o, int out)
 {
-    for (struct obj *o = tab_mems(); o; o = o->mnext)
-        if (o->aside) {
-            munmap(o->aside, o->size);
-            o->aside = NULL;
+    for (uint64_t off = 0; off < o->size; off += MOVE_CHUNK) {
+        size_t n = o->size - off < MOVE_CHUNK ? o->size - off : MOVE_CHUNK;
+        char *dev = (char *)o->key + off, *side = (char *)o->aside + off;
+        if (o->kind == K_MEM && out) {
+            memcpy(side, dev, n);
+            madvise(dev, n, MADV_DONTNEED);
+        } else if (o->kind == K_MEM) {
+            memcpy(dev, side, n);
+        } else if (out) {
+            if (pread(o->memfd, side, n, (off_t)off) != (ssize_t)n)
+                return -1;
+            fallocate(o->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)n);
+        } else if (pwrite(o->memfd, side, n, (off_t)off) != (ssize_t)n) {
+            return -1;
         }
+        if (!out)
+            munmap(side, n);
+    }
+    if (!out)
+        o->aside = NULL;
+    return 0;
 }
 
-/* Under tab_lock(): each backed object's contents copied aside; bytes copied, or -1 (none
- * kept) where host memory ran out. */
-static int64_t copy_aside(void)
+/* Under tab_lock(): every object moved out brought back (a checkpoint that cannot finish). */
+static int move_all_back(void)
 {
-    int64_t n = 0;
-    for (struct obj *o = tab_mems(); o; o = o->mnext) {
-        if (!backed(o))
-            continue;
-        void *a = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (a == MAP_FAILED) {
-            drop_asides();
-            return -1;
-        }
-        o->aside = a;
-        if (o->kind == K_MEM)
-            memcpy(a, (void *)o->key, o->size);
-        else if (pread(o->memfd, a, o->size, 0) != (ssize_t)o->size) {
-            drop_asides();
-            return -1;
-        }
-        n += (int64_t)o->size;
-    }
-    return n;
+    int rc = 0;
+    for (struct obj *o = tab_mems(); o; o = o->mnext)
+        if (o->aside && move(o, 0) != 0)
+            rc = -1;
+    return rc;
 }
 
 static CUresult t_checkpoint(void)
@@ -204,37 +211,41 @@ static CUresult t_checkpoint(void)
         return CUDA_ERROR_ILLEGAL_STATE;
     /* nothing of ours is in flight (locked): the slot holds still */
     const uint64_t *used = acct_shm()->seg->slots[acct_slot()].used;
-    uint64_t total = 0;
+    uint64_t total = 0, copied = 0;
     for (int d = 0; d < SI_MAX_DEV; d++)
         total += used[d];
+    int oom = 0, lost = 0;
     tab_lock();
-    int64_t copied = copy_aside();
-    if (copied < 0) {
-        tab_unlock();
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    for (struct obj *o = tab_mems(); o && !oom && !lost; o = o->mnext) {
+        if (!backed(o))
+            continue;
+        void *a = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        oom = a == MAP_FAILED;
+        o->aside = oom ? NULL : a;
+        lost = !oom && move(o, 1) != 0;
+        copied += o->size;
     }
     /* The host copy lives in this process (its RSS and memory cgroup grow by it, FACTS.md):
      * what no backed allocation holds is touched here. */
-    uint64_t rest = total > (uint64_t)copied ? total - (uint64_t)copied : 0;
+    uint64_t rest = total > copied ? total - copied : 0;
     if (rest > g_host_max)
         rest = g_host_max;
-    if (rest) {
-        void *h = mmap(NULL, rest, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (h == MAP_FAILED) {
-            drop_asides();
-            tab_unlock();
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
+    void *h = rest && !oom && !lost ? mmap(NULL, rest, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                                    : NULL;
+    oom = oom || h == MAP_FAILED;
+    if (oom && move_all_back() == 0) {  /* out of host memory: as it was */
+        tab_unlock();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    tab_unlock();
+    if (oom || lost) {  /* contents lost: the driver's "uncorrectable error" */
+        g_state = CU_PROCESS_STATE_FAILED;
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    if (h) {
         memset(h, 0xc9, rest);
         g_copy = h, g_copy_len = rest;
     }
-    /* the device's pages go: a restore that did not copy back would read zeros */
-    for (struct obj *o = tab_mems(); o; o = o->mnext)
-        if (o->aside && o->kind == K_MEM)
-            madvise((void *)o->key, o->size, MADV_DONTNEED);
-        else if (o->aside)
-            fallocate(o->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)o->size);
-    tab_unlock();
     acct_take_all(g_saved);
     nap_ms(g_cp_ms);
     g_state = CU_PROCESS_STATE_CHECKPOINTED;
@@ -258,19 +269,14 @@ static CUresult t_restore(void)
         return rc;
     nap_ms(g_cp_ms);
     tab_lock();
-    for (struct obj *o = tab_mems(); o; o = o->mnext)
-        if (o->aside && o->kind == K_MEM)
-            memcpy((void *)o->key, o->aside, o->size);
-        else if (o->aside && pwrite(o->memfd, o->aside, o->size, 0) != (ssize_t)o->size)
-            rc = CUDA_ERROR_OUT_OF_MEMORY;  /* tmpfs full: the contents are lost */
-    drop_asides();
+    int lost = move_all_back();
     tab_unlock();
     if (g_copy)
         munmap(g_copy, g_copy_len);
     g_copy = NULL, g_copy_len = 0;
     memset(g_saved, 0, sizeof g_saved);
-    g_state = rc ? CU_PROCESS_STATE_FAILED : CU_PROCESS_STATE_LOCKED;
-    return rc;
+    g_state = lost ? CU_PROCESS_STATE_FAILED : CU_PROCESS_STATE_LOCKED;
+    return lost ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS;
 }
 
 static CUresult t_do(uint32_t op, uint32_t arg)

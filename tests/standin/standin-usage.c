@@ -10,8 +10,9 @@
  *
  * Text output, one line per device then one per live process:
  *   dev=0 used=BYTES peak=BYTES capacity=BYTES
- *   proc pid=PID used=BYTES_DEV0,BYTES_DEV1,... [cp_state=S saved=BYTES_DEV0,...]
- *                                (cp_state: its CUprocessState where not RUNNING)
+ *   proc pid=PID used=BYTES_DEV0,BYTES_DEV1,... [cp_state=1]   (1: locked by a checkpointer)
+ *   checkpointed pid=PID state=S saved=BYTES_DEV0,...   (S 2 checkpointed, 3 failed: nothing
+ *                                on a device, the bytes a restore needs)
  *   at_peak pid=PID used=...    (who held what when a peak last rose)
  * --json: {"shm":..., "exists":true, "capacity":C,
  *          "devices":[{"dev":0,"used":U,"peak":P}],
@@ -52,21 +53,24 @@ static void print_slots(const struct si_slot *slots, const struct si_cp *cp, con
         const struct si_slot *s = &slots[i];
         if (s->pid == 0)
             continue;
+        /* text: a process checkpointed (or failed there) holds nothing on a device, and NVML lists
+         * it no more: a line of its own, not a proc line */
+        int out = cp && cp[i].state >= 2;
         if (json)
             printf("%s{\"pid\":%d,\"start_time\":%llu,\"used\":[", first ? "" : ",", s->pid,
                    (unsigned long long)s->start_time);
+        else if (out)
+            printf("checkpointed pid=%d state=%u saved=", s->pid, cp[i].state);
         else
             printf("%s pid=%d used=", word, s->pid);
         for (int d = 0; d < ndev; d++)
-            printf("%s%llu", d ? "," : "", (unsigned long long)s->used[d]);
+            printf("%s%llu", d ? "," : "", (unsigned long long)(out && !json ? cp[i].saved[d] : s->used[d]));
         if (cp && json) {
             printf("],\"cp_state\":%u,\"saved\":[", cp[i].state);
             for (int d = 0; d < ndev; d++)
                 printf("%s%llu", d ? "," : "", (unsigned long long)cp[i].saved[d]);
-        } else if (cp && cp[i].state) {    /* locked, checkpointed or failed */
-            printf(" cp_state=%u saved=", cp[i].state);
-            for (int d = 0; d < ndev; d++)
-                printf("%s%llu", d ? "," : "", (unsigned long long)cp[i].saved[d]);
+        } else if (cp && cp[i].state == 1) {   /* locked: still on the device */
+            printf(" cp_state=1");
         }
         printf(json ? "]}" : "\n");
         first = 0;

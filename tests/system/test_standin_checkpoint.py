@@ -6,9 +6,10 @@ Checkpoint, Restore and Unlock on the holder by pid, and cuCheckpointProcessGetS
 The stand-in's driver thread does the work inside the holder, as the real driver's does, so a
 holder stopped whole never answers and one held at its thread by ptrace does. No enforcer, no
 probes: real processes, a real memory cgroup, real ptrace."""
-import ctypes
 import json
 import os
+import pwd
+import queue
 import signal
 import subprocess
 import sys
@@ -28,7 +29,8 @@ class Holder:
     """build/holder -s SIZE -n COUNT as `user`: its pid, bytes and pattern CRC from `ready`."""
 
     def __init__(self, build, env, size, count, user, *args, timeout=15):
-        ids = {"user": user, "group": user if user != "nobody" else "nogroup", "extra_groups": []} if user else {}
+        pw = pwd.getpwnam(user) if user else None
+        ids = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []} if pw else {}
         self.p = subprocess.Popen([str(build / "holder"), "-s", str(size), "-n", str(count), *args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=env, **ids)
@@ -46,7 +48,7 @@ class Holder:
         """Its next line, or None if none came within timeout s (a call that blocks)."""
         try:
             line = _lines(self.p.stdout).get(timeout=timeout)
-        except Exception:   # queue.Empty
+        except queue.Empty:
             return None
         return line.rstrip() if line else None
 
