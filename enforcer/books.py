@@ -5,6 +5,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..errors import ConvgpuError
 from ..units import format_size
 from . import policies
 from .tenants.containers import Container
@@ -94,6 +95,17 @@ class Box:
     # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
     # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)
     going: dict[int, dict] = field(default_factory=dict)
+
+
+class Ambiguous(ConvgpuError):
+    """A name (or prefix) that several containers answer to: which one is meant is the
+    operator's to say, by an id."""
+
+    def __init__(self, name: str, ids: list[tuple[str, str]]):
+        super().__init__(f"{name!r} names {len(ids)} containers: "
+                         + ", ".join(f"id {cid} (cgroup {cg})" if cg != cid else f"id {cid}" for cid, cg in ids),
+                         "give one of their ids (`convgpu status` shows them)")
+        self.ids = [cid for cid, _ in ids]
 
 
 class Books:
@@ -258,12 +270,17 @@ class Books:
         return box.pids <= asking and all(self.whole(p) for p in box.pids)
 
     def find(self, container: str) -> Box:
-        for box in self.boxes.values():
-            if container in (box.name, box.container.id, box.container.short, box.container.cgroup):
-                return box
-        for box in self.boxes.values():
-            if len(container) >= 6 and box.container.id.startswith(container):
-                return box
+        """The one container a name, id, short id, cgroup or id prefix (6+ characters) names.
+        Two containers may share a name (two `convgpu run --name job`): a name that matches
+        several is an error listing their ids, never the first one found (issue 52)."""
+        for exact in (True, False):
+            found = [b for b in self.boxes.values()
+                     if (container in (b.name, b.container.id, b.container.short, b.container.cgroup) if exact
+                         else len(container) >= 6 and b.container.id.startswith(container))]
+            if len(found) > 1:
+                raise Ambiguous(container, [(b.container.id, b.container.cgroup) for b in found])
+            if found:
+                return found[0]
         raise KeyError(container)
 
     def capped(self, name: str, limit: int) -> int:

@@ -13,6 +13,7 @@ import logging
 
 from ...errors import ConvgpuError
 from ...units import format_size
+from ..ctxest import below_context_text
 from ..tenants.claims import on_gpu, parse
 from .podlimits import relimit
 
@@ -42,6 +43,11 @@ def prepare(rt, uid, raw) -> dict:
         if key in plugin:
             raise ConvgpuError(f"claim {claim.ref}: GPU {key} is shared out by the device plugin's pod limits",
                                "a node runs the device plugin or DRA on a GPU, never both: see docs/KUBERNETES.md")
+        small = rt.context_below(size, key)
+        if small:   # refused at once: else its pod's first CUDA call waits for good (issue 52)
+            raise ConvgpuError(below_context_text(f"claim {claim.ref}: its share", size, small),
+                               "ask for the context plus what the job allocates (`convgpu status` shows the "
+                               "context per GPU)")
         total = on_gpu(others, key) + size
         if total > gpus[key]:
             raise ConvgpuError(f"claim {claim.ref}: {format_size(size)} on GPU {key} would put its claims at "

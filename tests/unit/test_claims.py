@@ -3,6 +3,8 @@ container gets from its pod's claims (enforcer/tenants/claims.py), their place i
 file, and the control commands (enforcer/serving/claimlimits.py) on an enforcer over the ledger
 (no BPF): idempotent, one claim at a time, refused past a GPU's capacity, on a GPU the enforcer
 does not know, and on a GPU whose memory the device plugin shares out."""
+import logging
+
 import pytest
 
 from convgpu.enforcer.daemon import Enforcer
@@ -112,3 +114,26 @@ def test_a_gpu_is_shared_by_the_device_plugin_or_by_dra_never_both(enf):
         podlimits.apply(enf, {B: [GiB, "units", {"lower_only": False, "gpus": {"GPU-0": GiB}}]})
     assert "pod limits refused: GPU GPU-0 holds DRA claims" in str(e.value)
     assert enf.rules.pods == {A: PodLimit(GiB, "units", False, (("GPU-1", GiB),))}   # the previous set stays
+
+
+def test_a_claim_or_pod_limit_no_context_fits_in_is_refused_or_said_at_once(enf, caplog):
+    """Issue 52: a limit below one context's charge made every CUDA call of its pod wait for
+    good, and only a log line about the stalled call said why. A DRA claim is refused at its
+    prepare (the kubelet reports it on the pod); the device plugin's pods were scheduled
+    already, so their limit is said in the log, once."""
+    caplog.set_level(logging.WARNING, logger="convgpu")
+    with pytest.raises(ConvgpuError) as e:   # an H100 on driver 580: its context is charged 550 MiB
+        claimlimits.prepare(enf, "u1", wire("ml/tiny", {"GPU-0": 256 * MiB}))
+    msg = str(e.value)
+    assert msg.startswith("claim ml/tiny: its share (256.0 MiB) is below one CUDA context's charge on GPU0: "
+                          "550.0 MiB (table-hint: nothing measured: the table's H100 80GB HBM3, driver 580") and \
+        msg.endswith("); ask for the context plus what the job allocates (`convgpu status` shows the context per "
+                     "GPU)") and "\n" not in msg, msg
+    assert enf.rules.claims == {}
+    for _ in range(2):   # the agent sends its set every round: said once
+        podlimits.apply(enf, {A: [256 * MiB, "pod ml/p: 1 unit", {"lower_only": False, "gpus": {"GPU-1": 256 * MiB}}]})
+    said = [r.getMessage() for r in caplog.records if "below one CUDA context" in r.getMessage()]
+    assert said == [f"the pod limit of {A} (pod ml/p: 1 unit) (256.0 MiB) is below one CUDA context's charge on "
+                    f"GPU1: 550.0 MiB (table-hint: {said[0].split('(table-hint: ', 1)[1]}"] and \
+        said[0].endswith("a process there waits at its first CUDA call until the limit is raised")
+    assert enf.rules.pods[A].bytes == 256 * MiB    # kept all the same: the scheduler placed it
