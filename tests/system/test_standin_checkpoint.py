@@ -107,6 +107,10 @@ class Stand:
                              capture_output=True, text=True, check=True).stdout
         return json.loads(out)
 
+    def text(self) -> list[str]:
+        return subprocess.run([str(self.build / "standin" / "standin-usage")], env=self.env, capture_output=True,
+                              text=True, check=True).stdout.splitlines()
+
     def proc(self, pid):
         """pid's row of standin-usage (None: no slot): used, cp_state, saved on device 0."""
         rows = [p for p in self.usage()["procs"] if p["pid"] == pid]
@@ -147,6 +151,7 @@ def test_lock_holds_the_holders_calls_until_unlock(stand):
     assert cp.do("lock", h.pid, 100) == (ILLEGAL_STATE, LOCKED)
     assert cp.do("restore", h.pid) == (ILLEGAL_STATE, LOCKED)
     assert stand.proc(h.pid) == (8 * MiB, LOCKED, 0)        # locked, still on the device
+    assert f"proc pid={h.pid} used={8 * MiB} cp_state={LOCKED}" in stand.text()
     assert cp.do("unlock", h.pid) == (0, RUNNING)
     assert h.answer(5) == "launched"
     assert cp.do("unlock", h.pid) == (ILLEGAL_STATE, RUNNING)
@@ -181,6 +186,8 @@ def test_checkpoint_frees_the_device_and_a_restore_without_room_is_beyond_saving
     assert cp.do("checkpoint", a.pid) == (0, CHECKPOINTED)
     assert stand.proc(a.pid) == (0, CHECKPOINTED, 40 * MiB)
     assert stand.usage()["devices"][0]["used"] == 0
+    assert f"checkpointed pid={a.pid} state={CHECKPOINTED} saved={40 * MiB}" in stand.text()
+    assert not [x for x in stand.text() if x.startswith(f"proc pid={a.pid} ")]
     assert stand.nvml() == {}
     b = stand.holder(40 * MiB)                              # the freed capacity, taken
     assert stand.nvml() == {b.pid: 40 * MiB}
@@ -242,6 +249,21 @@ def test_the_host_copy_is_the_holders_memory(stand):
         a.p.kill()
         a.p.wait(timeout=10)
         cg.remove()
+
+
+def test_the_copy_knobs(stand):
+    """CONVGPU_STANDIN_CP_HOST_MAX bounds the host bytes touched for a copy (a big stand-in GPU
+    on a small CI host); CONVGPU_STANDIN_CP_MS makes a checkpoint and a restore take longer."""
+    a, cp = stand.holder(48 * MiB, CONVGPU_STANDIN_CP_HOST_MAX=16 * MiB, CONVGPU_STANDIN_CP_MS=300), stand.cp()
+    rss0 = a.rss()
+    assert cp.do("lock", a.pid, 1000) == (0, LOCKED)
+    rc, state, ms = cp.call("checkpoint", a.pid)
+    assert (rc, state) == (0, CHECKPOINTED) and ms >= 300, ms
+    assert 16 * MiB <= a.rss() - rss0 < 20 * MiB
+    assert stand.proc(a.pid) == (0, CHECKPOINTED, 48 * MiB)
+    rc, state, ms = cp.call("restore", a.pid)
+    assert (rc, state) == (0, LOCKED) and ms >= 300, ms
+    assert cp.do("unlock", a.pid) == (0, RUNNING)
 
 
 def test_lock_of_a_stopped_holder_is_not_ready_and_leaves_it_running(stand):
