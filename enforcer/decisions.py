@@ -74,9 +74,11 @@ class Decider:
             granted = self._grant(dev, now)
             if not granted and waiting and self.swap is not None:
                 self._swap_for(dev, now)   # --swap-idle: idle holders out, for a waiter the full GPU holds back
-            if (not granted and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
-                    and not self._grant(dev, now, fit_only=True)):
-                self._deadlock(dev, now)   # on the reclaimed pool, only who can run: nobody can
+            if not granted and not self._held_back and not self.books.tearing(dev):
+                # on the reclaimed pool, only who can run: nobody can; or nothing to reclaim and
+                # everyone on it paused (assignments already what each holds: a limit raised at run time)
+                if (not self._grant(dev, now, fit_only=True) if self._reclaim(dev, now) else self._all_paused(dev, now)):
+                    self._deadlock(dev, now)
 
     def _serve(self, box: Box, dev: int, now: float) -> bool:
         """Within a container: resume the stopped calls that fit its assignment now, each on
@@ -115,7 +117,8 @@ class Decider:
         """One pass of the policy over the waiters on dev; True if it resumed one."""
         cands = []
         for box in self.books.boxes.values():
-            if dev not in box.waiting or box.key in self._held_back:
+            if dev not in box.waiting or box.key in self._held_back or \
+                    (self.swap is not None and self.swap.behind(box, dev)):
                 continue
             want = self._want(box, dev, box.waiting[dev])
             if want is None:
@@ -171,6 +174,13 @@ class Decider:
             box.assigned[dev] = held
             self.act.write_assign(box, dev)
         return bool(back)
+
+    def _all_paused(self, dev: int, now: float) -> bool:
+        """Every container on dev waits and cannot go on by itself (Books.paused), some within
+        its limit."""
+        on = [b for b in self.books.boxes.values() if dev in b.assigned]
+        return bool(on) and all(self.books.paused(b, dev, now) for b in on) and \
+            any(not b.waiting[dev].over_limit for b in on)
 
     def _lacks(self, dev: int) -> dict[str, int]:
         """What each waiter on dev lacks to run (its want beyond its assignment and the free

@@ -22,14 +22,15 @@ class Activity:
     quiet_since: float   # the last time any of the three moved
 
 
-def observe(prev: Activity | None, calls: int, cpu_ticks: int, busy_gpu: bool, now: float,
+def observe(prev: Activity | None, calls: int, cpu_ticks: int, busy: bool, now: float,
             ticks_per_s: int = 100) -> Activity:
     """The next sample. Quiet goes on while calls did not change, the CPU time grew by less than
-    CPU_QUIET of the time between the samples, and NVML saw no SM use."""
+    CPU_QUIET of the time between the samples, and nothing says it is busy (NVML saw its SMs in
+    use, or it waits at a call: quiet because it must be)."""
     if prev is None:
         return Activity(calls, cpu_ticks, now, now)
     cpu = (cpu_ticks - prev.cpu_ticks) / ticks_per_s
-    quiet = calls == prev.calls and cpu <= CPU_QUIET * max(now - prev.at, 1e-3) and not busy_gpu
+    quiet = calls == prev.calls and cpu <= CPU_QUIET * max(now - prev.at, 1e-3) and not busy
     return Activity(calls, cpu_ticks, now, prev.quiet_since if quiet else now)
 
 

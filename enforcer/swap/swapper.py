@@ -42,6 +42,7 @@ SLOW = 0.5 * 2 ** 30    # B/s the deadlines assume for a copy (measured: ~1.3 Gi
 MARGIN = 256 << 20      # NVML's free memory must exceed a restore's bytes by this
 NEVER = "convgpu.io/swap"   # a label (or pod annotation) with the value "never": never swapped
 SAMPLE_S = 1.0          # s between idleness samples
+FOR_OTHERS_S = 30.0     # s at most a side swapped out of a deadlock waits behind the others
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Swap:
     since: float = 0.0                                # when it went out (time.time())
     why: str = ""
     asked: bool = False                               # a wait for its footprint is in the books
+    retry: int = -1                                   # NVML's sample (seq) a refused restore waits to be past
 
 
 @dataclass
@@ -79,6 +81,10 @@ class Swapper:
         self.process_holds, self.whole, self.nvml, self.gpu_total = process_holds, whole, nvml, gpu_total
         self.changed, self.path = changed, path
         self.procs: dict[int, Swap] = {}
+        # container id -> (GPU, the containers it went out for, until when): a side swapped out to
+        # break a deadlock gets no grant there before them (a first-come policy handed the room
+        # it freed straight back to it: it had waited longest)
+        self.for_others: dict[str, tuple[int, set[str], float]] = {}
         self.off = ""                    # why swap cannot be (no host driver; the agent's answer)
         self.seen: dict[int, idle.Activity] = {}
         self._sampled = 0.0
@@ -154,14 +160,14 @@ class Swapper:
         free = self.gpu_total(dev) - (self.nvml().used.get(dev, 0) if self.nvml() else 0)
         need = sum(s.nvml.values())
         if self.nvml() is not None and free < need + MARGIN:
-            log.warning("swap in %s pid %d: NVML shows %s free on GPU%d, %s needed: not restored yet (a restore "
-                        "without the room leaves it beyond saving); waits again", s.name, s.pid, format_size(free),
-                        dev, format_size(need))
-            s.asked = False
-            self.want(s.pid, "room promised, not there yet")
-            return
+            if s.retry < 0:   # said once a wait; the grant came, the room not (an exit NVML still lists)
+                log.warning("swap in %s pid %d: NVML shows %s free on GPU%d, %s needed: not restored yet (a "
+                            "restore without the room leaves it beyond saving); it waits again", s.name, s.pid,
+                            format_size(free), dev, format_size(need))
+            s.asked, s.retry = False, self.nvml().seq   # asked again at a later sample (step): never from here,
+            return                                      # inside the decider's pass
         self._credit(s, -1)   # its room is its container's again: held for the restore in the books
-        s.state = "restoring"
+        s.state, s.retry = "restoring", -1
         self._save()
         self.agent.submit("restore", s.pid, need / SLOW + 60)
 
@@ -182,6 +188,10 @@ class Swapper:
         if now - self._sampled >= SAMPLE_S:
             self._sampled = now
             self._sample(now)
+            nv = self.nvml()
+            for s in list(self.procs.values()):   # a restore refused for want of room NVML showed: again
+                if s.state == "out" and not s.asked and s.retry >= 0 and nv is not None and nv.seq > s.retry:
+                    self.want(s.pid, "NVML sampled again")
             if self.settings.eager:
                 for s in list(self.procs.values()):
                     if s.state == "out" and not s.asked and all(self.books.free(d) >= n for d, n in s.credit.items()):
@@ -334,14 +344,30 @@ class Swapper:
         chosen = idle.breaker(hs, needs)
         for h in chosen:
             self.out(h.pid, f"GPU{dev} deadlocked: out so that another waiter can run")
+        if chosen:
+            self.for_others[chosen[0].container] = (dev, set(needs) - {chosen[0].container}, now + FOR_OTHERS_S)
         return bool(chosen)
+
+    def behind(self, box, dev: int) -> bool:
+        """box went out to break a deadlock on dev: no grant for it there while those it went out
+        for still wait (at most FOR_OTHERS_S)."""
+        cid = box.container.id
+        got = self.for_others.get(cid)
+        if got is None or got[0] != dev:
+            return False
+        waiting = {b.container.id for b in self.books.boxes.values() if dev in b.waiting}
+        if got[1] & waiting and time.monotonic() < got[2]:
+            return True
+        del self.for_others[cid]
+        return False
 
     def _sample(self, now: float):
         counts: dict[int, int] = {}
         for u in self.tracer.usage():
             counts[u.pid] = counts.get(u.pid, 0) + u.n_alloc + u.n_free + max(u.contexts, 0)
-        for pid in list(self.books.pid_box):
-            self.seen[pid] = idle.observe(self.seen.get(pid), counts.get(pid, 0), cpu_of(pid), False, now)
+        waiting = {a.pid for b in self.books.boxes.values() for w in b.waiting.values() for a in w.asks.values()}
+        for pid in list(self.books.pid_box):   # a process that waits is quiet because it must be: never idle
+            self.seen[pid] = idle.observe(self.seen.get(pid), counts.get(pid, 0), cpu_of(pid), pid in waiting, now)
         for pid in set(self.seen) - set(self.books.pid_box):
             del self.seen[pid]
 

@@ -26,6 +26,15 @@ def envs(build, env5, capacity):
             dict(base, CONVGPU_STANDIN_BACKED="1"))
 
 
+def asker(cg, build, env, size: str):
+    """cgcaller as nobody in cg: one allocation of size, held until its stdin ends; returns once
+    it is allocated (within 20 s)."""
+    p = popen_in(cg, *NOBODY, build / "cgcaller", "alloc", "-s", size, "--hold", env=env)
+    line = _lines(p.stdout).get(timeout=20)
+    assert line.startswith("allocated 1"), line
+    return p
+
+
 def plain(env: dict) -> dict:
     """A holder whose contents nobody checks: unbacked (the stand-in touches no host memory)."""
     return {k: v for k, v in env.items() if k != "CONVGPU_STANDIN_BACKED"}
@@ -77,7 +86,7 @@ def test_an_idle_holder_goes_out_for_a_waiter_and_comes_back_at_its_next_call(cg
     try:
         a = Holder(cgroups("a"), build, caller, "3G")
         t0 = time.monotonic()
-        b = Holder(cgroups("b"), build, plain(caller), "2G", timeout=20, fill=False)
+        b = asker(cgroups("b"), build, plain(caller), "2G")
         took = time.monotonic() - t0
         assert took < 10, took
         g = row(enf, "a")
@@ -85,15 +94,18 @@ def test_an_idle_holder_goes_out_for_a_waiter_and_comes_back_at_its_next_call(cg
         enf.wait_for(f"swap out a pid {a.pid} (idle")
         usage = subprocess.run([f"{build}/standin/standin-usage"], env=caller, capture_output=True, text=True).stdout
         assert f"proc pid={a.pid} " not in usage and f"proc pid={b.pid} used={2 * GiB}" in usage, usage
-        b.leave()
+        b.stdin.close()
+        assert b.wait(timeout=30) == 0
         t1 = time.monotonic()
-        a.send("check")                            # its next call: blocked in the driver until restored
-        assert a.answer(10) == f"intact crc={a.crc}"
+        a.send("launch")                           # its next call: blocked in the driver until restored
+        assert a.answer(10) == "launched"
         assert time.monotonic() - t1 < 10
+        a.send("check")                            # every byte as it was
+        assert a.answer(60) == f"intact crc={a.crc}"
         until(lambda: row(enf, "a").get("swapped") == 0, 5, "shown back")
         enf.wait_for(f"swap in a pid {a.pid}: back on the GPU")
     finally:
-        stop_all([a and a.p, b and b.p], enf)
+        stop_all([a and a.p, b], enf)
 
 
 def test_by_hand_out_and_in(cgroups, build, env5):
@@ -126,7 +138,7 @@ def test_a_kill_9_while_out_leaves_it_to_the_successor(cgroups, build, env5):
     nxt = a = b = None
     try:
         a = Holder(cgroups("a"), build, caller, "3G")
-        b = Holder(cgroups("b"), build, plain(caller), "2G", timeout=20, fill=False)
+        b = asker(cgroups("b"), build, plain(caller), "2G")
         assert row(enf, "a")["swapped"] == 3 * GiB
         enf.p.kill()
         enf.p.wait()
@@ -134,11 +146,14 @@ def test_a_kill_9_while_out_leaves_it_to_the_successor(cgroups, build, env5):
         assert [(r["pid"], r["state"]) for r in kept.values()] == [(a.pid, "out")]
         nxt = Enforcing(build, *args(), env=e, start_timeout=120, run_dir=run_dir, state_dir=state_dir)
         until(lambda: row(nxt, "a").get("swapped") == 3 * GiB, 10, "still out, the successor's")
-        b.leave()
+        b.stdin.close()
+        assert b.wait(timeout=30) == 0
+        a.send("launch")
+        assert a.answer(10) == "launched"
         a.send("check")
-        assert a.answer(10) == f"intact crc={a.crc}"
+        assert a.answer(60) == f"intact crc={a.crc}"
     finally:
-        stop_all([a and a.p, b and b.p], nxt, enf)
+        stop_all([a and a.p, b], nxt, enf)
 
 
 def test_a_deadlock_of_two_containers_is_broken_by_a_swap_not_a_kill(cgroups, build, env5):
@@ -146,7 +161,8 @@ def test_a_deadlock_of_two_containers_is_broken_by_a_swap_not_a_kill(cgroups, bu
     banker's check never makes) each asks 512 MiB more: both wait, none can run. One side goes
     out, the other runs; once that one is done, the first comes back and runs, bytes intact."""
     e, caller = envs(build, env5, 2 * GiB)
-    enf = Enforcing(build, "--gpu-memory", "2GiB", "--limit", "a=1GiB", "--limit", "b=1GiB", "--swap-idle", "1",
+    # --swap-idle 60: the deadlock alone swaps here (no holder is idle that long in the test)
+    enf = Enforcing(build, "--gpu-memory", "2GiB", "--limit", "a=1GiB", "--limit", "b=1GiB", "--swap-idle", "60",
                     env=e, start_timeout=120)
     a = b = None
     try:

@@ -6,7 +6,7 @@ GiB = 1 << 30
 
 
 def test_quiet_is_no_driver_call_no_cpu_and_no_gpu_use_for_the_whole_time():
-    a = observe(None, calls=10, cpu_ticks=500, busy_gpu=False, now=100.0)
+    a = observe(None, calls=10, cpu_ticks=500, busy=False, now=100.0)
     assert a.quiet_since == 100.0
     a = observe(a, 10, 500, False, 130.0)                   # nothing moved for 30 s
     assert a.quiet_since == 100.0
@@ -16,7 +16,7 @@ def test_quiet_is_no_driver_call_no_cpu_and_no_gpu_use_for_the_whole_time():
     assert c.quiet_since == 100.0
     d = observe(a, 10, 503, False, 131.0)                   # 30 ms of CPU in 1 s: it works
     assert d.quiet_since == 131.0
-    e = observe(a, 10, 500, True, 131.0)                    # NVML saw its SMs busy
+    e = observe(a, 10, 500, True, 131.0)                    # NVML saw its SMs busy, or it waits at a call
     assert e.quiet_since == 131.0
 
 

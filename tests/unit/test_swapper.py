@@ -64,7 +64,7 @@ def setup(tmp_path, free=8 * GiB, settings=Settings()):
     books.boxes[box.container.id] = books.by_key[1] = box
     books.pid_box[P] = box
     state[(1, 0)] = SimpleNamespace(used=3 * GiB, contexts=1, reserved=0, tearing=0)
-    sampler = SimpleNamespace(raw={(P, 0): 3 * GiB + CTX}, used={0: 8 * GiB - free})
+    sampler = SimpleNamespace(raw={(P, 0): 3 * GiB + CTX}, used={0: 8 * GiB - free}, seq=1)
     agent, maps, tracer, changed = Agent(), Maps(), Tracer(), []
     sw = Swapper(books, maps, tracer, agent, settings,
                  lambda b, d: {P: (3 * GiB + CTX, CTX)}, lambda pid: False, lambda: sampler, lambda d: 8 * GiB,
@@ -131,9 +131,14 @@ def test_a_restore_is_never_started_without_the_room_nvml_shows(tmp_path):
     sw.step(2.0)
     sw.want(P, "by hand")
     sampler.used = {0: 8 * GiB - (3 * GiB + CTX + MARGIN - 1)}    # someone else holds the room
-    sw.resume(box, 0, box.waiting[0].asks[-P])
+    sw.resume(box, 0, box.waiting.pop(0).asks[-P])         # granted: the Actuator took the wait
     assert agent.asked[-1] == ("checkpoint", P) and sw.procs[P].state == "out"   # no restore asked
-    assert books.swapped == {"/a": {0: 3 * GiB + CTX}} and box.waiting[0].asks[-P].swapin   # waits again
+    assert books.swapped == {"/a": {0: 3 * GiB + CTX}} and 0 not in box.waiting
+    sw.step(10.0)                                               # the same NVML sample: nothing
+    assert 0 not in box.waiting
+    sampler.seq += 1                                            # a new one: it waits again
+    sw.step(12.0)
+    assert box.waiting[0].asks[-P].swapin and agent.asked[-1] == ("checkpoint", P)
 
 
 def test_a_failed_restore_goes_back_out_and_one_the_driver_failed_is_said(tmp_path):
