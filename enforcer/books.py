@@ -65,7 +65,10 @@ class Exit:
 
 @dataclass
 class Box:
-    """A container under enforcement."""
+    """A budget under enforcement: a container's own, or a DRA claim's, which every container
+    that uses the claim shares (issue 48: one entry in the books, one key in BPF's maps, stalled
+    together, one row in `status`). `container` names it (a claim's: kind "claim", no cgroup of
+    its own); `members` are the containers whose processes it holds, each with its cgroup."""
     key: int
     container: Container
     name: str
@@ -93,6 +96,33 @@ class Box:
     # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
     # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)
     going: dict[int, dict] = field(default_factory=dict)
+    members: dict[str, Container] = field(default_factory=dict)   # container id -> the container
+    of_pid: dict[int, str] = field(default_factory=dict)           # pid -> its member's id
+    claims: set = field(default_factory=set)   # uids of the DRA claims whose budget this is (tenants/claims.py)
+
+    @property
+    def cgroups(self) -> tuple[str, ...]:
+        """The cgroups of its members (what a freezer stall freezes), its own where none is known."""
+        got = sorted({m.cgroup for m in self.members.values() if m.cgroup})
+        return tuple(got) if got or not self.container.cgroup else (self.container.cgroup,)
+
+    def add(self, pid: int, c: Container | None):
+        """pid is one of its processes, in container c (None: not known, its own)."""
+        c = c or self.container
+        self.pids.add(pid)
+        self.members.setdefault(c.id, c)
+        self.of_pid[pid] = c.id
+
+    def drop(self, pid: int) -> Container | None:
+        """pid left; the member it was in if that was its last process (the member goes)."""
+        self.pids.discard(pid)
+        cid = self.of_pid.pop(pid, None)
+        if cid is None or cid in self.of_pid.values():
+            return None
+        return self.members.pop(cid, None)
+
+    def member_pids(self, cid: str) -> list[int]:
+        return sorted(p for p, m in self.of_pid.items() if m == cid)
 
 
 class Books:
@@ -250,12 +280,18 @@ class Books:
         asking = {a.pid for a in w.asks.values()}
         return box.pids <= asking and all(self.whole(p) for p in box.pids)
 
+    def member_box(self, cid: str) -> Box | None:
+        """The budget a container's processes are charged to, if any of them is placed."""
+        return next((b for b in self.boxes.values() if cid in b.members), None)
+
     def find(self, container: str) -> Box:
+        """A budget by its name, id, short id or cgroup, or by one of its members'."""
         for box in self.boxes.values():
-            if container in (box.name, box.container.id, box.container.short, box.container.cgroup):
-                return box
+            for c in (box.container, *box.members.values()):
+                if container in (box.name, c.id, c.short, c.cgroup) and container:
+                    return box
         for box in self.boxes.values():
-            if len(container) >= 6 and box.container.id.startswith(container):
+            if len(container) >= 6 and any(c.id.startswith(container) for c in (box.container, *box.members.values())):
                 return box
         raise KeyError(container)
 

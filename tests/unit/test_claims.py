@@ -8,7 +8,7 @@ import pytest
 from convgpu.enforcer.daemon import Enforcer
 from convgpu.enforcer.serving import claimlimits, podlimits
 from convgpu.enforcer.tenants import decisionfile
-from convgpu.enforcer.tenants.claims import ClaimShare, claim_limit, parse
+from convgpu.enforcer.tenants.claims import ClaimShare, binding, budget_limit, parse
 from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.tenants.limits import LimitRules, PodLimit
 from convgpu.errors import ConvgpuError
@@ -42,19 +42,31 @@ def test_a_bad_entry_is_refused_naming_the_claim(uid, raw):
     assert "invalid claim" in str(e.value)
 
 
-def test_the_limit_from_the_claims_of_a_pod():
+def test_the_claims_that_bind_a_container_and_their_budget():
     claims = {"1": share("ml/a", {"GPU-0": GiB}, containers=[A]), "2": share("ml/b", {"GPU-0": 3 * GiB}),
-              "3": share("ml/c", {"GPU-1": 2 * GiB}, containers=[A, B]), "9": share("ml/z", {"GPU-0": 8 * GiB}, pods=[OTHER])}
-    # matched: the claims it uses, several on one GPU each its own share
-    assert claim_limit(claims, A, POD) == PodLimit(3 * GiB, "DRA claim ml/a + ml/c", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
-    # not matched yet (a new or restarted container): the smallest share of its pod's claims per GPU
-    assert claim_limit(claims, "c" * 64, POD) == PodLimit(
-        3 * GiB, "DRA claim the smallest of 3 claims of its pod (ml/a, ml/b, ml/c)", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
-    assert claim_limit(claims, A, "0f0f0f0f-0000-0000-0000-000000000000") is None and claim_limit({}, A, POD) is None
+              "3": share("ml/c", {"GPU-1": 2 * GiB}, containers=[A, B]), "9": share("ml/z", {"GPU-0": 8 * GiB}, pods=[OTHER]),
+              "8": ClaimShare("ml/y", (OTHER,), (("GPU-1", GiB),), (), (POD,))}   # a second pod seen using it
+    # matched: the claims it uses; not matched yet (a new or restarted container): every claim of its pod,
+    # those it is reserved for and those the agent saw it use
+    assert binding(claims, A, POD) == ("1", "3")
+    assert binding(claims, "c" * 64, POD) == ("1", "2", "3", "8")
+    assert binding(claims, A, "0f0f0f0f-0000-0000-0000-000000000000") == ("1", "3") and binding({}, A, POD) == ()
+    assert binding(claims, "c" * 64, "0f0f0f0f-0000-0000-0000-000000000000") == ()
+    # a budget's limit: its claims' shares per GPU, 0 on a GPU none of them names
+    got = budget_limit(claims, ("1", "3", "gone"))
+    assert got == PodLimit(3 * GiB, "DRA claim ml/a + ml/c", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)),
+                           "ml/ResourceClaim/a+c", named_only=True)
+    assert budget_limit(claims, ("gone",)) is None
     rules = LimitRules({}, 16 * GiB, claims=claims, pods={A: PodLimit(5 * GiB, "units")})
     c = Container("kubernetes", A, f"/kubepods/pod{POD}/{A}", POD)
     assert rules.limit_for(c, None, None) == (3 * GiB, "DRA claim ml/a + ml/c")   # the claims beat pod limits
-    assert (rules.share(c, "GPU-0", 3 * GiB, "DRA claim ml/a + ml/c"), rules.share(c, "GPU-1", 3 * GiB, "DRA claim ml/a + ml/c")) == (GiB, 2 * GiB)
+    budget = rules.budget({"2"})
+    assert rules.limit_for(c, None, None, budget) == (3 * GiB, "DRA claim ml/b")  # the budget the books say
+    assert [rules.share(c, g, 3 * GiB, "DRA claim ml/a + ml/c") for g in ("GPU-0", "GPU-1", "GPU-2")] == [GiB, 2 * GiB, 0]
+    # the device plugin's grant keeps its limit on a GPU it does not name (an ordinal not mapped yet)
+    d = Container("kubernetes", "d" * 64, "/kubepods/podx/d", "0f0f0f0f-0000-0000-0000-000000000000")
+    rules.pods = {d.id: PodLimit(2 * GiB, "units", False, (("GPU-0", 2 * GiB),))}
+    assert rules.share(d, "GPU-1", 2 * GiB, "units") == 2 * GiB
 
 
 def test_claims_are_kept_in_the_decisions_file():
