@@ -132,6 +132,12 @@ class Node:
         os.replace(self.faults + ".new", self.faults)
 
 
+# Each DRA call dials anew, as the kubelet's gRPC client does after a plugin restart: gRPC Python
+# shares connections to one address between channels, and one that failed while the plugin was
+# away (the health stream's reconnect) failed the next call at once with its cached error.
+FRESH = [("grpc.use_local_subchannel_pool", 1)]
+
+
 class Inotify:
     """The kernel's inotify on one directory (inotify(7), through libc): what the kubelet's plugin
     watcher uses (fsnotify). A socket made again at the same path is a new IN_CREATE, whatever its
@@ -225,7 +231,7 @@ class DraKubelet:
 
     def _register(self, path):
         rm, rs = api.registration()
-        ch = grpc.insecure_channel(api.unix(path))
+        ch = grpc.insecure_channel(api.unix(path), options=FRESH)
         self._channels.append(ch)
         deadline = time.monotonic() + 5
         while True:   # the socket exists from bind(); it accepts from listen()
@@ -247,7 +253,7 @@ class DraKubelet:
 
     def _read_health(self, endpoint):
         hm, hs = api.drahealth()
-        ch = grpc.insecure_channel(api.unix(endpoint))
+        ch = grpc.insecure_channel(api.unix(endpoint), options=FRESH)
         self._channels.append(ch)
         try:
             for resp in hs.DRAResourceHealthStub(ch).NodeWatchResources(hm.NodeWatchResourcesRequest()):
@@ -258,7 +264,7 @@ class DraKubelet:
     def _call(self, driver, method, claims):
         endpoint, version = self.plugins[driver]
         m, s = api.dra(version)
-        ch = grpc.insecure_channel(api.unix(endpoint))
+        ch = grpc.insecure_channel(api.unix(endpoint), options=FRESH)
         try:
             req = getattr(m, f"{method}Request")(claims=[m.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims])
             return getattr(s.DRAPluginStub(ch), method)(req, timeout=self.call_timeout).claims

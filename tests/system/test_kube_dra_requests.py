@@ -149,15 +149,58 @@ def test_a_restarted_plugin_is_registered_again(root, build, short_tmp):
             first.serve()
             kubelet.start()
             assert kubelet.registrations.get(timeout=10)[1] == "v1.DRAPlugin"
-            inode = os.stat(first.reg_socket).st_ino
             first.close()
             second = plugin_for(short_tmp, srv, enf)
             second.serve()
             info, chosen = kubelet.registrations.get(timeout=10)
             assert (info.name, chosen, second.registered) == (DRIVER, "v1.DRAPlugin", 1)
-            print(f"registration socket inode {inode} -> {os.stat(second.reg_socket).st_ino}")
             assert kubelet.prepare(DRIVER, [c])[c[1]].error == ""
             second.close()
+    finally:
+        kubelet.stop()
+        srv.stop()
+
+
+def test_an_invalid_cdi_spec_is_never_answered_ok(root, build, short_tmp, monkeypatch):
+    """Every spec Prepare answers OK for passes the CDI library's checks (kube/cdi.py validate):
+    with no /dev/nvidia* under the device root the spec had `"deviceNodes": []`, which the library
+    refuses ("invalid device, empty device edits"), and Prepare answered OK. Now the device's
+    edits hold NVIDIA_VISIBLE_DEVICES=void (its nodes come from NVIDIA's spec, named beside it);
+    with no NVIDIA spec named (--cdi '') the claim is refused; and a spec that fails the check is
+    refused, its file removed, nothing kept by the enforcer."""
+    from convgpu.kube import cdi
+    enf = inprocess_enforcer(build / "standin" / "libcuda.so.1", "dra-cdi", 4 * GiB)
+    srv = ApiServer().start()
+    a, b, c = [("team", f"0e000000-0000-4000-8000-00000000000{i}", f"c{i}") for i in range(3)]
+    for ns, uid, name in (a, b, c):
+        srv.put_claim(claim(ns, name, uid, [("p", POD)], [("gpu", "gpu-0", "1Gi", None)]))
+    kubelet = DraKubelet(str(short_tmp / "registry"))
+    try:
+        with serving(enf):
+            plugin = plugin_for(short_tmp, srv, enf)
+            plugin.dev_root = str(short_tmp / "no-dev")       # no /dev/nvidia* under it
+            plugin.serve()
+            kubelet.start()
+            assert kubelet.registrations.get(timeout=10)[1] == "v1.DRAPlugin"
+            assert kubelet.prepare(DRIVER, [a])[a[1]].error == ""
+            import json
+            spec = json.loads((short_tmp / "cdi" / f"convgpu-claim-{a[1]}.json").read_text())
+            assert all(any(d["containerEdits"].values()) for d in spec["devices"]), spec["devices"]   # no empty edits
+            cdi.validate(spec)
+            assert spec["cdiVersion"] == "0.5.0" and "NVIDIA_VISIBLE_DEVICES=void" in spec["devices"][0]["containerEdits"]["env"]
+            plugin.cdi_kind = ""                                # no NVIDIA spec named: no GPU for its containers
+            got = kubelet.prepare(DRIVER, [b])[b[1]].error
+            assert got == (f"claim team/c1: no device node of its GPU under {short_tmp / 'no-dev'}, and no CDI kind "
+                           "(--cdi) names NVIDIA's spec: its containers would get no GPU"), got
+            real = cdi.spec
+            monkeypatch.setattr(cdi, "spec", lambda *args: {**real(*args), "containerEdits": {"env": ["=oops"]}})
+            plugin.cdi_kind = "nvidia.com/gpu"
+            got = kubelet.prepare(DRIVER, [c])[c[1]].error
+            assert got == ("claim team/c2: its CDI spec would be refused by the runtime: spec env: invalid "
+                           "environment variable '=oops'"), got
+            assert sorted(os.listdir(short_tmp / "cdi")) == [f"convgpu-claim-{a[1]}.json"]
+            assert sorted(enf.rules.claims) == [a[1]]
+            plugin.close()
     finally:
         kubelet.stop()
         srv.stop()

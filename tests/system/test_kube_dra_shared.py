@@ -97,8 +97,7 @@ def test_two_pods_on_one_shared_claim_are_held_together_to_it(root, build, cgrou
             sync = ClaimSync(plugin.enforcer, [KubeletLogPods(logs_for(short_tmp, [("p1", P1, [("main", C1)]),
                                                                                   ("p2", P2, [("main", C2)])]))],
                              str(short_tmp / "pr.sock"))
-            assert sync.round() == {SHARED: {"containers": [C1, C2], "users": [P2]}}
-            assert enf.rules.claims[SHARED].users == (P2,)
+            sent = sync.round()
 
             cg1, cg2 = systemd_pod(cgroups, P1, C1), systemd_pod(cgroups, P2, C2, "burstable")
             a = start_in(cg1, build, caller_env, "alloc", "-n", 4, "-s", 256 * MiB, "--hold")
@@ -114,6 +113,8 @@ def test_two_pods_on_one_shared_claim_are_held_together_to_it(root, build, cgrou
             assert (row["gpus"]["0"]["used"], row["gpus"]["0"]["limit"]) == (2 * GiB, 2 * GiB)
             # stalled together: the freezer holds both pods' containers
             assert [(cg / "cgroup.freeze").read_text().strip() for cg in (cg1, cg2)] == ["1", "1"]
+            # what the agent told: both containers, and p2 as a pod that uses the claim
+            assert sent == {SHARED: {"containers": [C1, C2], "users": [P2]}} and enf.rules.claims[SHARED].users == (P2,)
             # p1 ends: its gigabyte is back in the claim, p2's call fits and it runs to its 2 GiB
             a.kill()
             a.wait()
