@@ -124,6 +124,9 @@ def enforce_table(s: Snapshot) -> Table:
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
             row(t, text(c["name"], "bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
+        if c.get("kind") == "claim":   # a DRA claim's budget: the containers that share it, below it
+            for m in c.get("consumers", []):
+                row(t, text(f"  {m['id'][:12]} ({len(m['pids'])} proc)", "dim"), "", "", "", "", "", "", "")
     for r in e.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
         row(t, text(r["name"], "bold"), "-", format_size(r["limit"]), "", "", Text(not_placed(r), style="dim"), "", "")
     return t

@@ -80,13 +80,13 @@ class Placement:
         box = books.member_box(c.id)
         if box is not None:
             return box
+        if keep:
+            runtime.new_container(c)   # a new cgroup where a gone one was decided for
         ident, bound = runtime.budget(c)
         box = books.boxes.get(ident.id)
         if box is not None:   # a claim's budget: c is one more of its containers
             runtime.take_claims(box, bound)
             return box
-        if keep:
-            runtime.new_container(c)   # a new cgroup where a gone one was decided for
         meta = self.engines.lookup_sync(c) if self.engines is not None and ident is c else None
         name = (meta.name if meta and meta.name else runtime.name_of(c.cgroup, c.short)) if ident is c \
             else runtime.budget_name(bound)

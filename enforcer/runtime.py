@@ -151,7 +151,7 @@ class Runtime:
                 out.append({"id": key, "name": pod.job or key, "cgroup": "", "limit": pod.bytes,
                             "source": pod.source, "what": "pod"})
         for uid, claim in sorted(v.claims.items()):
-            if not ids & {*claim.pods, *claim.containers}:
+            if not ids & {*claim.pods, *claim.users, *claim.containers}:
                 out.append({"id": uid, "name": claim.ref, "cgroup": "", "limit": claim.bytes,
                             "source": "DRA claim", "what": "claim"})
         return out

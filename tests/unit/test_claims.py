@@ -124,3 +124,57 @@ def test_a_gpu_is_shared_by_the_device_plugin_or_by_dra_never_both(enf):
         podlimits.apply(enf, {B: [GiB, "units", {"lower_only": False, "gpus": {"GPU-0": GiB}}]})
     assert "pod limits refused: GPU GPU-0 holds DRA claims" in str(e.value)
     assert enf.rules.pods == {A: PodLimit(GiB, "units", False, (("GPU-1", GiB),))}   # the previous set stays
+
+
+def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
+    """Issue 48, the books (an enforcer over the ledger, no kernel; containers looked up by pid
+    from a table): the containers a claim binds share one Box; a budget holds each claim once;
+    a container placed before the agent said it uses a claim another budget holds gets 0, and
+    one whose claim no budget holds yet takes it; an unprepared claim leaves its budget."""
+    P, Q, S = POD, OTHER, "0f0f0f0f-1111-2222-3333-444444444444"
+    cs = {pid: Container("kubernetes", cid * 64, f"/kubepods/pod{pod}/{cid * 64}", pod)
+          for pid, cid, pod in ((10, "a", P), (20, "b", P), (30, "c", Q), (40, "d", S), (50, "e", S))}
+    e = Enforcer(Ledger().start(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), nvml=Nvml(),
+                 run_dir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"), container_of=lambda pid: cs[pid])
+    e.durable.open(wait=0)
+    rt, books, place = e.runtime, e.books, e.placement
+    try:
+        got = claimlimits.prepare_all(rt, {"x": wire("ml/x", {"GPU-0": GiB}), "y": wire("ml/y", {"GPU-1": 2 * GiB}),
+                                           "z": wire("ml/z", {"GPU-0": 512 * MiB}, pods=(Q,)),
+                                           "w": wire("ml/w", {"GPU-1": 256 * MiB}, pods=(Q,)),
+                                           "t": wire("ml/t", {"GPU-1": 512 * MiB}, pods=("1e1e1e1e-0000-0000-0000-0000000000aa",))})
+        assert got == {"claims": {u: {"changed": True} for u in "xyzwt"}}
+        # two containers of P, not matched yet: bound by both its claims, one budget
+        a, b = place.box_for(10), place.box_for(20)
+        place.join(a, 10), place.join(b, 20)
+        assert a is b and (a.container.id, a.container.kind, a.name, a.claims) == ("claim:x", "claim", "ml/x + ml/y", {"x", "y"})
+        assert (a.limit, a.source, sorted(a.members), a.cgroups) == (
+            3 * GiB, "DRA claim ml/x + ml/y", ["a" * 64, "b" * 64], (cs[10].cgroup, cs[20].cgroup))
+        assert [books.limit(a, d) for d in (0, 1)] == [GiB, 2 * GiB] and len(books.boxes) == 1
+        # Q's container: its claims' budget, 0 on a GPU they do not name
+        c = place.box_for(30)
+        place.join(c, 30)
+        assert (c.claims, c.limit, books.limit(c, 0), books.limit(c, 1)) == ({"z", "w"}, 768 * MiB, 512 * MiB, 256 * MiB)
+        # S's containers were placed before the agent told that S uses z and w: budgets of their own
+        d, f = place.box_for(40), place.box_for(50)
+        place.join(d, 40), place.join(f, 50)
+        assert [(x.container.id, x.limit, x.source) for x in (d, f)] == [("d" * 64, GiB, "default"), ("e" * 64, GiB, "default")]
+        # now it does: d matched to z, which Q's budget holds. Its memory cannot be moved there, and a
+        # budget of its own would count z twice: 0. f, not matched, is bound by S's claims, z and t:
+        # it takes t, which no budget holds yet
+        claimlimits.containers(rt, {"z": {"containers": ["d" * 64], "users": [S]}, "t": {"users": [S]}})
+        assert (d.claims, d.limit) == (set(), 0) and d.source.startswith("DRA claim ml/z (held by another budget")
+        assert (f.claims, f.limit, f.source, books.limit(f, 0)) == ({"t"}, 512 * MiB, "DRA claim ml/t", 0)
+        assert (c.claims, books.limit(c, 0)) == ({"z", "w"}, 512 * MiB)   # Q's budget as it was
+        # an unprepared claim leaves its budget: P's holds y alone, and a new claim of P's goes to it
+        assert claimlimits.unprepare(rt, ["x"]) == {"changed": True}
+        assert (a.claims, a.limit, books.limit(a, 0), books.limit(a, 1)) == ({"y"}, 2 * GiB, 0, 2 * GiB)
+        claimlimits.prepare_all(rt, {"v": wire("ml/v", {"GPU-0": GiB})})
+        assert (a.claims, a.limit) == ({"y", "v"}, 3 * GiB)
+        # a member's last process leaves: the budget stays with the other
+        place.gone(10)
+        assert sorted(a.members) == ["b" * 64] and books.boxes["claim:x"] is a
+        with pytest.raises(ConvgpuError, match="is a DRA claim's budget, shared by 1 container"):
+            rt.set_limit("b" * 64, GiB)
+    finally:
+        e.durable.close()
