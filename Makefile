@@ -94,7 +94,7 @@ $(BUILD)/turns: $(SI)/turns.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/turns.c -L$(OUT) -l:libcuda.so.1
 
 $(BUILD)/reenter: $(SI)/reenter.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
-	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/reenter.c -L$(OUT) -l:libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/reenter.c -L$(OUT) -l:libcuda.so.1 -ldl
 
 $(BUILD)/alloc_bench: bench/alloc_bench.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ bench/alloc_bench.c -L$(OUT) -l:libcuda.so.1 -ldl

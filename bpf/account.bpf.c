@@ -97,6 +97,23 @@ static __always_inline void obj_free(u64 id, struct cg_proc *p, u16 api, u32 ns,
     obj_free_on(id, p, api, ns, addr, 1, &dev);
 }
 
+// An object of ours that a call ends: given back where it was recorded (most graphs and
+// modules hold none: that is no unknown free).
+static __always_inline void indirect_gone(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
+{
+    if (own_obj(id >> 32, ns, addr, p))
+        obj_free(id, p, api, ns, addr);
+}
+
+// A context gone takes its limits with it (limit_key): the driver frees what they took, and a
+// primary context retained again starts from the defaults.
+static __always_inline void limits_gone(u64 id, struct cg_proc *p, u16 api, u64 ctx)
+{
+#pragma unroll
+    for (u64 k = CU_LIMIT_STACK_SIZE; k <= CU_LIMIT_MALLOC_HEAP_SIZE; k++)
+        indirect_gone(id, p, api, NS_LIMIT, ctx << 8 | k);
+}
+
 static __always_inline void ctx_count(u64 id, struct cg_proc *p, s32 dev, s64 delta, u16 api,
                                       u64 ctx)
 {
@@ -150,8 +167,11 @@ static __always_inline void ctx_gone(u64 id, struct cg_proc *p, u16 api, u32 ns,
         if (cc)
             obj_del(&ck, cc->quota);
     }
-    if (obj_del(&k, quota) == 0)
+    if (obj_del(&k, quota) == 0) {
         ctx_count(id, p, dev, -1, api, ctx);
+        if (ns == NS_PRIMARY)       // its last release (a created context's: exit_ctx_destroy)
+            limits_gone(id, p, api, ctx);
+    }
 }
 
 // ---- the thread's device and runtime call: entries that need no return probe ----
@@ -162,6 +182,7 @@ static __always_inline int ctx_switch(struct pt_regs *ctx, u16 api, int push, in
     count_hit(api);
     if (retired())                  // a successor's program does it (see retired())
         return 0;
+    set_thread_ctx(id, PT_REGS_PARM1(ctx), push ? CTX_PUSH : pop ? CTX_POP : CTX_SET);
     s32 dev = -1;
     if (!pop) {
         struct cg_obj_key k = {.tgid = id >> 32, .ns = NS_CTX, .addr = PT_REGS_PARM1(ctx)};
@@ -216,6 +237,60 @@ int exit_runtime(struct pt_regs *ctx)
 // ---- return: settle the call (one return program per family keeps each one small
 // enough for the verifier to explore quickly) ----
 
+// Where an admitted call's result (at its first argument) is in the books; 0: it has none.
+static __always_inline u32 result_ns(u16 api)
+{
+    switch (api) {
+    case API_cuCtxSetLimit:
+        return 0;
+    case API_cuMemCreate:
+        return NS_VMM;
+    case API_cuArrayCreate_v2: case API_cuArray3DCreate_v2: case API_cuMipmappedArrayCreate:
+        return NS_ARRAY;
+    case API_cuDevicePrimaryCtxRetain: case API_cuCtxCreate_v2: case API_cuCtxCreate_v3:
+    case API_cuCtxCreate_v4:
+        return NS_CTX;
+    case API_cuGraphInstantiateWithFlags: case API_cuGraphInstantiateWithParams:
+    case API_cuGraphInstantiateWithParams_ptsz: case API_cuGraphInstantiate_v2:
+        return NS_GEXEC;
+    case API_cuModuleLoadData: case API_cuModuleLoadDataEx: case API_cuLibraryLoadData:
+        return NS_MODULE;
+    }
+    return NS_PTR;
+}
+
+// A return of a forwarded call (call_enter). The innermost settles as any call; its reservation
+// stays in the slot, with its result (want), for the outer calls still open. An outer call
+// settles only a result of its own: the inner call's pointer or handle, still in the books, is
+// the forward (a forwarder returns what the driver gave: the shim, HAMi-core); anything else is
+// an allocation the outer call made itself, charged here. The last outer return closes the
+// slot and gives its reservation back. 1: settle c as any call.
+#define NO_RESULT ((u64)-1)         // the inner call failed: any outer success is its own
+static __always_inline int forward_return(struct cg_thread *t, struct cg_call *c, u32 rc, u32 tgid)
+{
+    u16 f = t->fwd, n = f & FWD_OPEN;
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)c->a0);
+    if (f & FWD_INNER) {
+        t->fwd = n;
+        t->call.want = rc ? NO_RESULT : v;
+        c->reserved = 0;            // kept for the outer calls
+        return 1;
+    }
+    u32 ns = result_ns(c->api);
+    int forwarded = v == t->call.want && (!ns || own_obj(tgid, ns, v, procs.lookup(&tgid)));
+    if (!rc)
+        t->call.want = v;           // what the next outer call forwards, if it does
+    t->fwd = n - 1;
+    if (n > 1) {
+        c->reserved = 0;            // still open under the next one
+    } else {
+        t->call.api = 0;
+        t->call.reserved = 0;
+    }
+    return !rc && !forwarded;
+}
+
 // Takes the saved call; on failure counts it and returns NULL (nothing is accounted).
 static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struct cg_call *c,
                                               s32 *dev)
@@ -234,11 +309,15 @@ static __always_inline struct cg_proc *settle(struct pt_regs *ctx, u64 id, struc
     if (!t->call.api)
         return 0;
     *c = t->call;
-    t->call.api = 0;
-    t->call.reserved = 0;           // handed to the exit program (DONE) or released below
-    s32 tdev = t->dev;
     u32 rc = PT_REGS_RC(ctx);
     u32 tgid = id >> 32;
+    if (!t->fwd) {
+        t->call.api = 0;
+        t->call.reserved = 0;       // handed to the exit program (DONE) or released below
+    } else if (!forward_return(t, c, rc, tgid)) {
+        return 0;                   // an outer call that brings nothing of its own
+    }
+    s32 tdev = t->dev;
     if (rc != 0) {
         release(c);
         struct cg_proc *fp = find_proc(tgid, 0);
@@ -407,20 +486,27 @@ int exit_ctx_create(struct pt_regs *ctx)
     s32 cd = host_of(tgid, (s32)d, 0);
     bpf_probe_read_user(&v, sizeof(v), (void *)c.a0);
     ctx_made(id, p, c.api, v, cd, c.api == API_cuDevicePrimaryCtxRetain);
-    if (c.api != API_cuDevicePrimaryCtxRetain)
+    if (c.api != API_cuDevicePrimaryCtxRetain) {
         set_thread_dev(id, cd, 1, 0);   // cuCtxCreate pushes the new context current
+        set_thread_ctx(id, v, CTX_PUSH);
+    }
     release(&c);
     return 0;
 }
 
 // CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev); cuCtxDestroy_v2(CUcontext ctx)
+// A destroyed context's limits go with it, whether the books knew the context or not, and the
+// driver pops it if it was the calling thread's current one.
 int exit_ctx_destroy(struct pt_regs *ctx)
 {
     SETTLE();
-    if (c.api == API_cuDevicePrimaryCtxRelease_v2)
+    if (c.api == API_cuDevicePrimaryCtxRelease_v2) {
         ctx_gone(id, p, c.api, NS_PRIMARY, host_of(tgid, (s32)c.a0, 0));
-    else
+    } else {
         ctx_gone(id, p, c.api, NS_CTX, c.a0);
+        limits_gone(id, p, c.api, c.a0);
+        set_thread_ctx(id, c.a0, CTX_GONE);
+    }
     release(&c);
     return 0;
 }

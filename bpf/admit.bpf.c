@@ -346,6 +346,43 @@ static __always_inline void admit_call(struct pt_regs *ctx, u64 id, struct cg_th
     }
 }
 
+// A forwarded call's state (cg_thread.fwd): FWD_INNER, the call in the slot is the inner entry
+// of the one it overwrote; FWD_OPEN, how many outer calls are still open under it.
+#define FWD_INNER 0x8000
+#define FWD_OPEN 0x7fff
+
+// How many arguments an admitted call has (the slot keeps five): a forwarder passes them all
+// alike, and past its own a register holds whatever its caller left there. Resolved at compile
+// time, as admitted().
+static __always_inline int arity(u16 api)
+{
+    switch (api) {
+    case API_cuMemAllocPitch_v2: case API_cuCtxCreate_v3: case API_cuGraphInstantiate_v2:
+    case API_cuModuleLoadDataEx: case API_cuLibraryLoadData:
+        return 5;
+    case API_cuMemCreate: case API_cuMemAllocFromPoolAsync: case API_cuMemAllocFromPoolAsync_ptsz:
+    case API_cuCtxCreate_v4:
+        return 4;
+    case API_cuMemAllocManaged: case API_cuMemAllocAsync: case API_cuMemAllocAsync_ptsz:
+    case API_cuMipmappedArrayCreate: case API_cuCtxCreate_v2: case API_cuGraphInstantiateWithFlags:
+    case API_cuGraphInstantiateWithParams: case API_cuGraphInstantiateWithParams_ptsz:
+        return 3;
+    }
+    return 2;
+}
+
+// The call in the slot has this entry's arguments: all an admitted call has, the first two of
+// any other. An inner call that asks otherwise (a taller pitch, a VMM handle on another GPU) is
+// no forward: the slot keeps the inner call's arguments, and an outer block settled with them
+// would be charged the inner call's size or GPU.
+static __always_inline int same_call(struct pt_regs *ctx, struct cg_call *c, u16 api)
+{
+    int n = admitted(api) ? arity(api) : 2;
+    return c->a0 == PT_REGS_PARM1(ctx) && c->a1 == PT_REGS_PARM2(ctx) &&
+           (n < 3 || c->a2 == PT_REGS_PARM3(ctx)) && (n < 4 || c->a3 == PT_REGS_PARM4(ctx)) &&
+           (n < 5 || c->a4 == PT_REGS_PARM5(ctx));
+}
+
 // The thread's entry, with this call recorded in it; 0 where nothing was recorded.
 static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api)
 {
@@ -373,17 +410,24 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     // library: that call, forwarded. A library that exports the driver's names and calls the
     // driver with its own arguments (a copy of the shim, which discovery must probe as a
     // driver; an interposer such as HAMi-core) is admitted at its entry and again here. This
-    // entry is the one admitted and settled (the outer return finds no call), so the outer
-    // reservation is given back now; kept, it stayed counted for good, and every pod, whose
-    // shim is such a copy, was held short of its claim (docs/ENFORCE.md, "Forwarded calls").
-    // Any other nesting leaves the open reservation counted, too much held but never too
-    // little: an interposer that passes arguments of its own, or a call from a signal handler,
-    // even the same call at the same site, whose outer call still runs on and allocates with
-    // nothing left in the slot to charge it at its return.
+    // entry is the one admitted, so the outer reservation is given back now; kept, it stayed
+    // counted for good, and every pod, whose shim is such a copy, was held short of its claim
+    // (docs/ENFORCE.md, "Forwarded calls"). The release is earned at the outer return
+    // (forward_return): the inner call's reservation waits there, and a result that is not the
+    // inner call's is an allocation of the outer call's own, charged (two probed driver
+    // copies, the second called from a signal handler while the first ran: 400 MiB held, 200
+    // charged). Any other nesting leaves the open reservation counted, too much held but never
+    // too little: an interposer that passes arguments of its own, a call from a signal
+    // handler at the same site, or any call between an inner return and its outer's.
     u32 site = PT_REGS_IP(ctx);
-    if (t->call.api == api && t->call.site != site && t->call.a0 == PT_REGS_PARM1(ctx) &&
-        t->call.a1 == PT_REGS_PARM2(ctx))
+    u16 fwd = 0;
+    if (t->call.api == api && t->call.site != site && same_call(ctx, &t->call, api)) {
         release(&t->call);
+        u16 n = t->fwd & FWD_OPEN;  // outer calls open: one more if the open call was an inner one
+        if (admitted(api))
+            fwd = FWD_INNER | (t->fwd & FWD_INNER ? (n < FWD_OPEN ? n + 1 : n) : n ? n : 1);
+    }
+    t->fwd = fwd;
     t->call.site = site;
     t->call.a0 = PT_REGS_PARM1(ctx);
     t->call.a1 = PT_REGS_PARM2(ctx);
@@ -394,6 +438,7 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     t->call.reserved = 0;
     t->call.stalled = 0;
     graph_node_enter(ctx, t, api, id >> 32);   // a graph's memory node: read while it is at hand
+    limit_enter(t, api, id);                    // a limit's context, likewise
     if (!ctl)
         return t;
     u64 key = t->quota ? 0 : member_key(id >> 32);  // a thread made before its process was placed

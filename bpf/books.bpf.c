@@ -188,6 +188,51 @@ static __always_inline void set_thread_dev(u64 id, s32 dev, int push, int pop)
     t->dev = dev;
 }
 
+// The thread's context stack (curctx, maps.bpf.c), by the driver's rules: CTX_SET replaces the
+// top (on an empty stack it pushes; NULL pops), CTX_PUSH pushes, CTX_POP pops, CTX_GONE pops the
+// top if it is `ctx` (cuCtxDestroy of the current context). A context is kept as the value the
+// call was given or returned, known to the books or not: the driver binds exactly that value.
+// A value it refuses leaves the top wrong here; a limit set there then fails, or is charged on
+// a key of its own: too much, never too little.
+enum { CTX_SET, CTX_PUSH, CTX_POP, CTX_GONE };
+static __always_inline void set_thread_ctx(u64 id, u64 ctx, int op)
+{
+    struct cg_ctxstack *s = curctx.lookup(&id);
+    if (!s) {
+        int denied = 0;             // as set_thread_dev: an entry where `threads` has (or makes) one
+        if (op == CTX_POP || op == CTX_GONE || !get_thread(id, 0, &denied))
+            return;
+        struct cg_ctxstack z = {};
+        curctx.update(&id, &z);     // the map full: this thread's limits count as unknown (limit_key)
+        s = curctx.lookup(&id);
+        if (!s)
+            return;
+    }
+    u32 d = s->depth;
+    if (op == CTX_GONE) {
+        if (d > CTX_DEPTH)          // the top unknown: whether it went is too (until the stack empties)
+            s->lost = 1;
+        else if (d && s->ctx[(d - 1) & (CTX_DEPTH - 1)] == ctx)
+            s->depth = d - 1;
+        return;
+    }
+    if (op == CTX_SET && !ctx)
+        op = CTX_POP;
+    if (op == CTX_POP) {
+        s->depth = d ? d - 1 : 0;
+        if (d <= 1)
+            s->lost = 0;
+        return;
+    }
+    if (!ctx)                       // a NULL push: refused by the driver
+        return;
+    if (op == CTX_PUSH || !d)
+        d += 1;
+    s->depth = d;
+    if (d <= CTX_DEPTH)
+        s->ctx[(d - 1) & (CTX_DEPTH - 1)] = ctx;
+}
+
 // While a container waits for memory, a free or an exit wakes the enforcer at once (the
 // time to resume the waiter); otherwise events wait for its next poll.
 static __always_inline u64 wake_if_waiting(void)

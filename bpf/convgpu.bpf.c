@@ -20,6 +20,7 @@
 //   indirect_returns.bpf.c  their returns: charged, and given back by the call that ends them
 //   discovery.bpf.c ... a process opening a driver file or a GPU node waits until it is probed
 //   exit.bpf.c ........ the kernel's exit and exec tracepoints release what a process held
+//   swap.bpf.c ........ a swapped process's next driver call, told (attached while one is swapped)
 #include <uapi/linux/ptrace.h>
 #include "convgpu.h"
 
@@ -33,3 +34,4 @@
 #include "indirect_returns.bpf.c"
 #include "discovery.bpf.c"
 #include "exit.bpf.c"
+#include "swap.bpf.c"

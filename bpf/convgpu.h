@@ -96,6 +96,7 @@ enum cg_op {
     OP_GRAPH = 20,      /* a graph's memory nodes grew (size: its bytes now; nothing taken yet) */
     OP_UNSIZED = 21,    /* a call that may take memory no entry can size (a module from a file):
                          * the backstop (NVML) is its check */
+    OP_TOUCH = 22,      /* a swapped process made a driver call: it waits to be restored (swap.bpf.c) */
 };
 
 /* Event flags. */

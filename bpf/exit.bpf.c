@@ -99,6 +99,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (t) {
         release(&t->call);          // killed while stalled: its reservation goes too
         q_give(t->quota, Q_THREADS);
+        curctx.delete(&id);         // made only for a thread with an entry (set_thread_ctx)
     }
     threads.delete(&id);
     held.delete(&id);
@@ -118,7 +119,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 // exec replaces the image: the driver's file descriptors close and device memory goes.
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
-    process_gone(bpf_get_current_pid_tgid() >> 32, API_sched_process_exec, OP_EXEC);
-    forget_identity(bpf_get_current_pid_tgid() >> 32);
+    u64 id = bpf_get_current_pid_tgid();
+    curctx.delete(&id);             // a new image has no context current
+    process_gone(id >> 32, API_sched_process_exec, OP_EXEC);
+    forget_identity(id >> 32);
     return 0;
 }

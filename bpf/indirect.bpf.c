@@ -59,6 +59,31 @@ static __always_inline struct cg_obj *own_obj(u32 tgid, u32 ns, u64 addr, struct
     return o && (!p || o->gen == p->gen) ? o : 0;
 }
 
+// The key of a limit in objs (NS_LIMIT): its context << 8 | CUlimit. The driver keeps limits per
+// context (issue 47: four cuCtxCreate contexts with a 200 MiB heap each held 768 MiB while the
+// books, one limit a process and device, said 192 MiB). The context is the thread's current one
+// (curctx); with none made current by a probed call, its device's primary context (the
+// runtime's, made current where no probe sees it), else the device itself (below any
+// context's address); deeper in the stack than kept, or lost there, a key of the call's own,
+// charged until exit: too much, never too little.
+#define LIMIT_OWN (1ULL << 55)
+static __always_inline u64 limit_key(u64 id, struct cg_proc *p, s32 dev, u64 kind)
+{
+    struct cg_ctxstack *s = curctx.lookup(&id);
+    u32 d = s ? s->depth : 0;
+    u64 ctx = (u32)dev;
+    if (d > CTX_DEPTH || (s && s->lost)) {
+        ctx = LIMIT_OWN | (bpf_ktime_get_ns() & (LIMIT_OWN - 1));
+    } else if (d) {
+        ctx = s->ctx[(d - 1) & (CTX_DEPTH - 1)];
+    } else {
+        struct cg_obj *pr = own_obj(id >> 32, NS_PRIMARY, (u32)dev, p);
+        if (pr)
+            ctx = pr->ref;
+    }
+    return ctx << 8 | (u8)kind;
+}
+
 // A graph memory node's bytes (in device pages, as an allocation's) and its device, from
 // CUDA_MEM_ALLOC_NODE_PARAMS at `params` (poolProps.location {type, id} at offset 8).
 static __always_inline u64 alloc_node_bytes(u64 params, u32 tgid, struct cg_thread *t, s32 *dev)
@@ -154,12 +179,23 @@ static __always_inline void graph_node_enter(struct pt_regs *ctx, struct cg_thre
     t->call.want = dev;
 }
 
+// A limit's context, read at its entry (in the trace too) and kept in the call until its return:
+// its key (limit_key) in a2, which cuCtxSetLimit(CUlimit, size_t) has no use for.
+static __always_inline void limit_enter(struct cg_thread *t, u16 api, u64 id)
+{
+    if (api != API_cuCtxSetLimit)
+        return;
+    u32 tgid = id >> 32;
+    struct cg_proc *p = procs.lookup(&tgid);
+    t->call.a2 = limit_key(id, p, dev_of(t, p), t->call.a0);
+}
+
 // What an admitted call that is not an allocation takes (admit_call), on *dev.
 static __always_inline u64 indirect_size(struct cg_thread *t, u16 api, u32 tgid, s32 *dev)
 {
     struct cg_proc *p = procs.lookup(&tgid);
-    if (api == API_cuCtxSetLimit) { // (CUlimit, size_t): only what it adds to what it took before
-        struct cg_obj *o = own_obj(tgid, NS_LIMIT, (u64)*dev << 8 | (u8)t->call.a0, p);
+    if (api == API_cuCtxSetLimit) { // (CUlimit, size_t): what it adds to what that context's took
+        struct cg_obj *o = own_obj(tgid, NS_LIMIT, t->call.a2, p);
         u64 now = limit_bytes(t->call.a0, t->call.a1, *dev), was = o ? o->size : 0;
         return now > was ? now - was : 0;
     }

@@ -9,20 +9,13 @@ INDIRECT(cuGraphExecDestroy) INDIRECT(cuGraphDestroy)
 INDIRECT(cuModuleLoadData) INDIRECT(cuModuleLoadDataEx) INDIRECT(cuLibraryLoadData)
 INDIRECT(cuModuleUnload) INDIRECT(cuLibraryUnload) INDIRECT(cuModuleLoad) INDIRECT(cuLibraryLoadFromFile)
 
-// An object of ours that a call ends: given back where it was recorded (most graphs and
-// modules hold none: that is no unknown free).
-static __always_inline void indirect_gone(u64 id, struct cg_proc *p, u16 api, u32 ns, u64 addr)
-{
-    if (own_obj(id >> 32, ns, addr, p))
-        obj_free(id, p, api, ns, addr);
-}
-
-// CUresult cuCtxSetLimit(CUlimit limit, size_t value): what the limit took before goes, what
-// it takes now comes.
+// CUresult cuCtxSetLimit(CUlimit limit, size_t value): what the limit took before on that
+// context goes, what it takes now comes (a2: its key, limit_enter). Given back when the context
+// is destroyed (exit_ctx_destroy) or at exit.
 int exit_ctx_limit(struct pt_regs *ctx)
 {
     SETTLE();
-    u64 key = (u64)dev << 8 | (u8)c.a0, now = limit_bytes(c.a0, c.a1, dev);
+    u64 key = c.a2, now = limit_bytes(c.a0, c.a1, dev);
     indirect_gone(id, p, c.api, NS_LIMIT, key);
     if (now)
         obj_add(id, p, c.api, NS_LIMIT, key, now, dev, 0);

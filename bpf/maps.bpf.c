@@ -47,12 +47,15 @@ struct cg_thread {                  // one entry per thread that ever called CUD
                                     // at entry and one at return (probe cost, FACTS.md)
     u64 freeing;                    // a free in the driver: its pointer or handle (0: none),
     u16 free_api;                   // apart from `call`, so that a free inside another call
-    u16 pad3;                       // loses nothing, and a second program at the same entry
+    u16 fwd;                        // loses nothing, and a second program at the same entry
     u32 free_tid;                   // (two enforcers' during a take-over) cannot overwrite it
     u64 free_size;                  // the freed object, out of `objs` from the free's entry to
     u64 free_gen;                   //   its return (free_enter, handle_enter): what the return
     s32 free_dev;                   //   settles
     u32 free_how;                   // STASH_*: what the entry did
+                                    // fwd (FWD_*, admit.bpf.c): the call in `call` was forwarded
+                                    // (call_enter); in what was padding, so that a pinned
+                                    // `threads` keeps its layout across a restart
 };
 
 // The enforcer pins the state (accounting, calls in flight, containers) under PIN_DIR: its
@@ -65,6 +68,20 @@ struct cg_thread {                  // one entry per thread that ever called CUD
 #endif
 
 STATE("hash", u64, struct cg_thread, threads, MAX_THREADS);
+// The contexts current on a thread, as the driver keeps them (a stack: cuCtxCreate and
+// cuCtxPushCurrent push, cuCtxPopCurrent pops, cuCtxSetCurrent replaces the top, NULL pops, and
+// cuCtxDestroy pops the one destroyed if it is current): cuCtxSetLimit applies to the top one,
+// and each context keeps its own limits (indirect.bpf.c). A map of its own, not in `threads`,
+// whose layout a restarted enforcer must find unchanged; an entry only for a thread `threads`
+// has (its quota bounds them), gone at the thread's exit.
+#define CTX_DEPTH 8
+struct cg_ctxstack {
+    u64 ctx[CTX_DEPTH];             // ctx[d - 1]: the one current at depth d
+    u32 depth;                      // pushes less pops; deeper than CTX_DEPTH: the top is unknown
+    u32 lost;                       // 1: a context destroyed while deeper than that: every top is
+                                    // unknown until the stack is empty
+};
+STATE("hash", u64, struct cg_ctxstack, curctx, MAX_THREADS);
 STATE("hash", u32, struct cg_proc, procs, MAX_THREADS);
 STATE("hash", struct cg_usage_key, struct cg_usage, usage, 65536);
 STATE("hash", struct cg_obj_key, struct cg_obj, objs, MAX_OBJS);

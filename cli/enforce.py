@@ -17,6 +17,7 @@ from ..enforcer.daemon import Enforcer
 from ..enforcer.tenants.engines import EngineLookup
 from ..enforcer.tenants.limits import DEFAULT_LIMIT, LimitRules, parse_limit_args
 from ..enforcer.quotas import MapQuota
+from ..enforcer.swap.swapper import Settings as SwapSettings
 from ..enforcer.failsafe.stall import make_stopper
 from ..errors import ConfigError, PrerequisiteError
 from ..probes.ledger import Ledger
@@ -33,7 +34,8 @@ DEFAULTS = {"policy": "fifo", "default_limit": DEFAULT_LIMIT, "gpu_memory": None
             "metrics_tls": None,
             "run_dir": "/run/convgpu", "state_dir": ctxest.DEFAULT_STATE_DIR, "libs": [], "discover": True,
             "probes": True, "unprobed": "stall", "unmapped_charge": "all", "max_objects": MapQuota.objects,
-            "max_threads": MapQuota.threads, "max_processes": MapQuota.processes, "handover": 0.0}
+            "max_threads": MapQuota.threads, "max_processes": MapQuota.processes, "handover": 0.0,
+            "swap_idle": 0.0, "swap_in": "call", "swap_budget": None, "never_swap": []}
 # what the BPF maps hold (bpf/maps.bpf.c MAX_OBJS, MAX_THREADS): quotas above these let
 # fewer containers than 16 sit at them at once before a neighbour's entries find no room
 MAP_SIZES = MapQuota(262144 // 16, 65536 // 16, 65536 // 64)
@@ -73,6 +75,11 @@ class OverLimit(str, Enum):
 class UnmappedCharge(str, Enum):
     all = "all"
     guess = "guess"
+
+
+class SwapIn(str, Enum):
+    call = "call"
+    eager = "eager"
 
 
 class Unprobed(str, Enum):
@@ -151,6 +158,10 @@ def enforce(
     max_threads: int = typer.Option(None, "--max-threads", min=1, help=f"Threads calling CUDA one container may have tracked at once (default {MapQuota.threads})."),
     max_processes: int = typer.Option(None, "--max-processes", min=1, help=f"Processes using CUDA one container may have tracked at once (default {MapQuota.processes})."),
     handover: float = typer.Option(None, "--handover", min=0.0, help="Seconds a successor may take, at a SIGTERM (systemctl restart, a DaemonSet rollout), to take over the calls this enforcer holds: they stay held and admission stays on meanwhile, so a restart lets no stalled process past its limit (default 0: a SIGTERM resumes them, as Ctrl-C always does). The systemd unit and the DaemonSet set 60."),
+    swap_idle: float = typer.Option(None, "--swap-idle", min=0.0, help="Seconds a holder must be quiet (no driver call, no CPU, no GPU use) before its GPU memory may be moved to host memory (the driver's checkpoint) so that a waiter the full GPU holds back can run; a deadlock is then also broken by a swap (default 0: never by policy; `convgpu swap out` by hand)."),
+    swap_in: SwapIn = typer.Option(None, "--swap-in", help="A swapped process comes back at its next CUDA call (call, default), or as soon as room frees (eager)."),
+    swap_budget: str = typer.Option(None, "--swap-budget", help="Host memory all swapped processes together may take (default: no cap; each is also kept within its own memory cgroup's limit)."),
+    never_swap: list[str] = typer.Option([], "--never-swap", help="A container name (glob) never swapped (repeatable); also the label or pod annotation convgpu.io/swap=never."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
 ):
     """Give every container a GPU-memory limit; stall those that want more until memory frees."""
@@ -169,7 +180,10 @@ def enforce(
            "metrics_address": metrics_address, "metrics_tls": metrics_tls, "run_dir": run_dir, "state_dir": state_dir, "libs": list(lib) or None,
            "discover": discover, "probes": probes, "unprobed": unprobed.value if unprobed else None,
            "max_objects": max_objects, "max_threads": max_threads, "max_processes": max_processes,
-           "unmapped_charge": unmapped_charge.value if unmapped_charge else None, "handover": handover}
+           "unmapped_charge": unmapped_charge.value if unmapped_charge else None, "handover": handover,
+           "swap_idle": swap_idle, "swap_in": swap_in.value if swap_in else None,
+           "swap_budget": parse_size(swap_budget, "--swap-budget") if swap_budget is not None else None,
+           "never_swap": list(never_swap) or None}
     s = settings_from(conf, cli)
     quota = map_quota(s)
     if s["gpu_memory"] == 0:
@@ -195,7 +209,9 @@ def enforce(
                    seed=s["seed"], engines=engines, run_dir=s["run_dir"], nvml=nvml,
                    reload=reload if path else None, physical=physical_of(s["reserve"], nvml),
                    unprobed=s["unprobed"], state_dir=s["state_dir"], quota=quota,
-                   unmapped_charge=s["unmapped_charge"], handover=s["handover"])
+                   unmapped_charge=s["unmapped_charge"], handover=s["handover"],
+                   swap=SwapSettings(s["swap_idle"] or 0.0, s["swap_in"] == "eager", s["swap_budget"],
+                                     tuple(s["never_swap"] or ())))
     common.stop_on_signals(interrupt=False)   # SIGHUP: reload, once started
     try:
         if s["metrics_port"]:

@@ -30,7 +30,7 @@ COMMANDS = {"trace": ("trace", "trace", {}), "doctor": ("doctor", "doctor", {}),
             "limit": ("limit", "app", None), "reload": ("limit", "reload", {}),
             "run": ("run", "run", {"context_settings": {"allow_interspersed_args": False}}),
             "shim": ("shim", "shim", {}), "kube": ("kube", "kube", {}),
-            "recommend": ("recommend", "recommend", {})}
+            "recommend": ("recommend", "recommend", {}), "swap": ("swap", "app", None)}
 
 
 def _register(argv: list[str] | None = None) -> typer.Typer:

@@ -50,6 +50,8 @@ def table(st: dict) -> Table:
             state = (f"over by {format_size(g['over_by'])} ({g['over_s']:.0f}s)" if g.get("over_by") else
                      "over limit" if g["over_limit"] else f"waiting {g['waiting_s']:.1f}s"
                      if g["waiting"] else "running")
+            if g.get("swapped"):   # in host memory by the driver's checkpoint (enforcer/swap/)
+                state = f"swapped {format_size(g['swapped'])} ({g['swapped_s']:.0f}s), {state}"
             row(t, c["name"], dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"]), format_size(g["context_overhead"]),
                       g.get("context_source", "-"), state,

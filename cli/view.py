@@ -122,6 +122,8 @@ def enforce_table(s: Snapshot) -> Table:
             state = (Text(f"over by {format_size(g['over_by'])}", style="bold red") if g.get("over_by") else
                      Text("over limit", style="bold red") if g["over_limit"] else
                      Text(f"waiting {g['waiting_s']:.1f}s", style="yellow") if g["waiting"] else Text("running"))
+            if g.get("swapped"):   # in host memory by the driver's checkpoint (enforcer/swap/)
+                state = Text(f"swapped {format_size(g['swapped'])}", style="cyan")
             row(t, text(c["name"], "bold"), dev, format_size(c["limit"]), format_size(g["assigned"]),
                       format_size(g["used"] + g["context_overhead"]), state, _age(c["stalled_s"]), str(c["stalls"]))
         if c.get("kind") == "claim":   # a DRA claim's budget: the containers that share it, below it

@@ -62,16 +62,19 @@ class Holds:
 
 
 class Actuator:
-    """Handed the stall backend, the holds, BpfMaps (to read `held` at a stop) and the pids under
-    the preload shim (Books.shimmed: they wait in their threads, never signalled)."""
+    """Handed the stall backend, the holds, BpfMaps (to read `held` at a stop), the pids under
+    the preload shim (Books.shimmed: they wait in their threads, never signalled) and swap_in(box,
+    dev, ask) (Swapper.resume: a granted wait for a swapped process's footprint is a restore,
+    not a thread let go)."""
 
-    def __init__(self, stopper, holds: Holds, maps, shimmed: set[int]):
-        self.stopper, self.holds, self.maps, self.shimmed = stopper, holds, maps, shimmed
+    def __init__(self, stopper, holds: Holds, maps, shimmed: set[int], swap_in=lambda box, dev, ask: None):
+        self.stopper, self.holds, self.maps, self.shimmed, self.swap_in = stopper, holds, maps, shimmed, swap_in
         self.write_assign = maps.write_assign   # the decider's assignments go to BPF as they are
 
     def hold(self, box: Box, pid: int, ask=None):
-        """A call of pid was stopped (ask) or a shim request waits: hold it as the backend does."""
-        if pid in self.shimmed:
+        """A call of pid was stopped (ask) or a shim request waits: hold it as the backend does.
+        A swapped process's footprint holds nothing (the driver's lock keeps it)."""
+        if pid in self.shimmed or (ask is not None and ask.swapin):
             return
         if isinstance(self.stopper, SignalStopper):
             if ask is not None and self.holds.holder is not None:
@@ -112,6 +115,8 @@ class Actuator:
         resumed was not counted so: three contexts resumed together, a fourth placed a
         millisecond later was granted beside them, and one of the four met its recheck over
         the assignment (issue 23: a restall that then held a sibling thread for good)."""
+        if a.swapin:   # a restore, taken into the books by the swapper: no thread to let go
+            return self.swap_in(box, dev, a)
         if self.holds.holder is not None:   # dropped once BPF's `held` forgets the stop (decisions._gone_through)
             box.going.setdefault(dev, {})[a.tid] = a
         self._let_go(a.pid, a.tid, a.seq)
@@ -130,18 +135,19 @@ class Actuator:
             return
         box.stalled_s += time.monotonic() - w.since
         self.answer_shim(box, dev, w.wakes, {"grant": True})
-        if isinstance(self.stopper, SignalStopper):
-            for a in w.asks.values():
+        freezer = not isinstance(self.stopper, SignalStopper)
+        for a in w.asks.values():
+            if not freezer or a.swapin:   # the freezer holds no swapped process: restored as the others thaw
                 self._send_on(box, dev, a)
-            rest = w.pids - self.shimmed - {a.pid for a in w.asks.values()}
-            if rest:
-                self.stopper.resume(Target(tuple(rest)))
-        elif box.waiting:   # freezer: thawed, its process on another GPU would meet no grant
+        rest = w.pids - self.shimmed - {a.pid for a in w.asks.values()}
+        if rest and not freezer:
+            self.stopper.resume(Target(tuple(rest)))
+        if freezer and box.waiting:   # thawed, its process on another GPU would meet no grant
             log.info("resume %s on GPU%d after %.3f s (%s); it stays frozen until GPU%s %s",
                      box.name, dev, time.monotonic() - w.since, why,
                      ", GPU".join(map(str, sorted(box.waiting))), "settles" if len(box.waiting) == 1 else "settle")
             return
-        else:
+        if freezer:
             self.thaw(box)
         log.debug("resumed %s pids %s (t=%d)", box.name, sorted(w.pids), time.monotonic_ns())
         log.info("resume %s on GPU%d after %.3f s (%s)", box.name, dev, time.monotonic() - w.since, why)

@@ -28,6 +28,7 @@ class Ask:
     said: bool = False        # logged as over the limit
     first: bool = False       # its process's first context: it was just placed (Decider._settling)
     reserved: bool = False    # stopped again at its recheck, its reservation kept (BPF): in _taken already
+    swapin: bool = False      # no stopped thread: a swapped process's footprint, to restore (enforcer/swap/)
 
     @property
     def need(self) -> int:
@@ -151,6 +152,10 @@ class Books:
         self.departed: dict = {}
         self.orphaned: dict[str, dict[int, int]] = {}   # container id -> GPU -> what its gone members left (backstop)
         self.unattributed: dict[int, int] = {}          # GPU -> memory no one can be shown to hold (backstop)
+        # container id -> GPU -> what its swapped processes were charged there: in host memory
+        # now, so not on the GPU (enforcer/swap/swapper.py writes it); and those processes' pids
+        self.swapped: dict[str, dict[int, int]] = {}
+        self.swapped_pids: set[int] = set()
         self.next_key = 1                   # a container's key in BPF's maps: never one used before
 
     def new_key(self) -> int:
@@ -206,8 +211,10 @@ class Books:
     def beyond(self, box: Box, dev: int) -> int:
         """What the container holds beyond its processes' tracked bytes and contexts at the
         estimate: NVML's measured overhead (box.extra) and what its gone members left (the
-        backstop: memory that outlived its process stays its container's)."""
-        return box.extra.get(dev, 0) + self.orphaned.get(box.container.id, {}).get(dev, 0)
+        backstop: memory that outlived its process stays its container's), less what its
+        swapped processes were charged (in host memory now: enforcer/swap/)."""
+        cid = box.container.id
+        return box.extra.get(dev, 0) + self.orphaned.get(cid, {}).get(dev, 0) - self.swapped.get(cid, {}).get(dev, 0)
 
     def held(self, box: Box, dev: int) -> int:
         """What the container holds now: its demand less the requests it is stopped at."""

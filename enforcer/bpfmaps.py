@@ -137,6 +137,15 @@ class BpfMaps:
             return {}
         return {d: c for d, c in enumerate(g.charge) if c}
 
+    def set_swapped(self, pid: int, on: bool):
+        """bpf/swap.bpf.c `swapped`: pid's next call through a touch probe is told (once)."""
+        t = self.table("swapped")
+        if on:
+            t[ct.c_uint(pid)] = ct.c_ulonglong(0)
+        else:
+            with contextlib.suppress(KeyError):
+                del t[ct.c_uint(pid)]
+
     def stopped_unplaced(self) -> set[int]:
         """Processes BPF stopped at a call (in `held` with no HELD_OPEN bit: an open held by
         discovery is the tracer's to resume)."""

@@ -39,6 +39,8 @@ from .serving.broker import ShimBroker
 from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
+from .swap.client import Agent
+from .swap.swapper import Settings as SwapSettings, Swapper
 from .tenants.cgroupfs import cgroup_layout, procs_in
 from .tenants.containers import container_of_pid
 from .tenants.limits import LimitRules
@@ -63,7 +65,7 @@ class Enforcer:
                  container_of=container_of_pid, run_dir: str = "/run/convgpu", nvml=None,
                  reload=None, physical: dict[int, int] | None = None, unprobed: str = "stall",
                  state_dir: str | None = None, quota: MapQuota | None = None,
-                 unmapped_charge: str = "all", handover: float = 0.0):
+                 unmapped_charge: str = "all", handover: float = 0.0, swap: SwapSettings | None = None):
         self.tracer, self.rules, self.container_of = tracer, rules, container_of
         self.stopper = stopper = stopper or SignalStopper()
         self.unprobed = unprobed   # a process that opened a driver file we cannot probe: stall|kill|allow
@@ -94,9 +96,14 @@ class Enforcer:
         self.books = Books(capacity, physical, cgstate_reader(tracer), self.charges.ctx, share_of(rules, gpus),
                            whole=self.holds.whole, freezer=not isinstance(stopper, SignalStopper))
         self.maps = BpfMaps(tracer, self.books.limit, self.charges.ctx, self.books.beyond)   # the one writer of BPF's maps
-        self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed)
+        # swap (enforcer/swap/): its agent, the child that makes the driver's checkpoint calls, comes at start
+        self.swapper = Swapper(self.books, self.maps, tracer, None, swap or SwapSettings(), self._process_holds,
+                               self.holds.whole, lambda: self.charge.sampler,
+                               lambda d: gpus[d].total if d in gpus else physical.get(d, 0), self._changed,
+                               os.path.join(state_dir, "swap.json") if state_dir else None)
+        self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed, self.swapper.resume)
         self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
-                               process_holds=self._process_holds, holder=self.holds.current)
+                               process_holds=self._process_holds, holder=self.holds.current, swap=self.swapper)
         over = lambda: self.decider.over_limit   # noqa: E731 (a reload may change it)
         self.admission = Admission(self.maps, self.books.waiters, self.charges.newcomer_charge, over,
                                    quota or MapQuota(), self.owner)
@@ -134,7 +141,7 @@ class Enforcer:
         self.reporter = Reporter(tracer, self.books, self.decider, self.charge, self.backstop, self.broker,
                                  self.quotas, self.holds, self.runtime, self.history, self.admission, self.acct,
                                  stopper, self.state_file, lambda: self.watchdog.pid if self.watchdog else None,
-                                 unprobed, unmapped_charge, self.started, handover)
+                                 unprobed, unmapped_charge, self.started, handover, self.swapper)
         self.adopter = Adopter(tracer, self.maps, self.books, self.runtime, self.charges.ctx, container_of,
                                run_dir, self.state_file, self.pin_dir, self.owner)
         self.heartbeat = Heartbeat(self.maps.beat, HEARTBEAT_EVERY, LOOP_HUNG)
@@ -166,7 +173,8 @@ class Enforcer:
 
     def _own_pids(self) -> set[int]:
         return ({os.getpid(), self.admission.exempt, self.maps.measuring}
-                | ({self.watchdog.pid} if self.watchdog else set()))
+                | ({self.watchdog.pid} if self.watchdog else set())
+                | ({a} if self.swapper.agent and (a := self.swapper.agent.pid()) else set()))
 
     # ---- events in: each to the part that hears it ----
     def _take(self, events, now: float) -> bool:
@@ -183,7 +191,11 @@ class Enforcer:
                 dirty |= self.placement.first_call(e)
             elif e.op in ("stall", "over_limit"):
                 self.placement.stalled(e, now)
+                if e.pid in self.books.swapped_pids:   # its next call, stopped: it wants its memory back
+                    self.swapper.want(e.pid, f"its {e.api}")
                 dirty = True
+            elif e.op == "touch":   # a swapped process's next call, blocked in the driver (bpf/swap.bpf.c)
+                self.swapper.want(e.pid, "its next driver call")
             elif e.op == "quota":
                 self.quotas.hit(e)
             elif e.op == "exec":
@@ -199,8 +211,10 @@ class Enforcer:
         return dirty
 
     def _gone(self, pid: int):
-        """A process left (an exit, an exec): heard by ContextCharge, the shim broker and Placement."""
+        """A process left (an exit, an exec): heard by ContextCharge, the swapper, the shim broker
+        and Placement."""
         self.charge.forget(pid)
+        self.swapper.gone(pid)
         if pid in self.books.shimmed:
             self.broker.shim_gone(pid)
         self.placement.gone(pid)
@@ -224,7 +238,7 @@ class Enforcer:
                       "reload` reads it", self.durable.error)
         self.runtime.decided()
         raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
-        self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime), 0o600,
+        self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime, self.swapper), 0o600,
                                           root_only=True, sel=self.sel))
         try:
             from .serving.shim import ShimHandler
@@ -286,8 +300,21 @@ class Enforcer:
         takeover.retire(prev)   # our probes own admission now: the old ones may detach
         if prev:
             self._take_over_holds(prev)
+        self._start_swap()
         log.info("enforcing: policy %s, capacity %s", self.decider.policy, self.reporter.capacity_text())
         return self
+
+    def _start_swap(self):
+        """The checkpoint agent (a child: never the driver in this process), on the host's own
+        driver; then what an enforcer before us left swapped is taken back (Swapper.load)."""
+        driver = self.charge.host_driver()
+        if driver is None:
+            self.swapper.off = "no host driver to make the checkpoint calls with"
+            return
+        self.swapper.agent = Agent(driver)
+        self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
+        self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)
+        self.swapper.load()
 
     def _take_over_holds(self, prev: list[dict]):
         """The calls the enforcer before us left stopped are our waits now, held whole (SIGCONT
@@ -333,6 +360,7 @@ class Enforcer:
         if self.metrics is not None:
             self.metrics.close()
         self.charge.close()   # its sampler; a measurement's child goes (newcomers it held: resume_unplaced)
+        self.swapper.close()  # what is out: brought back by a release agent as it fits
         self.history.close()   # runs still going are kept as cut short
         self.durable.close()
         if self.watchdog is not None:   # nothing is held now: it has nothing left to do
@@ -372,6 +400,7 @@ class Enforcer:
         if self.metrics is not None:
             self.metrics.close()
         self.charge.close()
+        self.swapper.close(hand_over=True)   # what is out stays out: the successor takes it (swap.json)
         self.history.close()
         self.durable.close()
         log.info("handing over: %d processes stay stopped at their calls, admission on, for up to %.0f s "
@@ -415,6 +444,7 @@ class Enforcer:
                 self.fds.send(takeover.probe_fds(self.tracer.b))   # libraries attached since
             self.history.sample(from_books(self.books, self.tracer.usage(), self.charges.excess, self.charges.ctx,
                                            self.runtime.names, self.rules, now, time.time()))
+        self.swapper.step(now)   # the agent's answers, idleness, eager swap-ins
         self.heartbeat.beat_if_due()   # after a resume: it can wait
         self._save_held_unless_woken()
         self.runtime.sweep(now)

@@ -30,11 +30,12 @@ class Decider:
     holder(): the ThreadHolder, or None (stops hold whole processes)."""
 
     def __init__(self, books: Books, act, policy: str, rng, max_wait: float, over_limit: str = "stall",
-                 process_holds=lambda box, dev: {}, holder=lambda: None):
+                 process_holds=lambda box, dev: {}, holder=lambda: None, swap=None):
         policies.POLICIES[policy]   # validated by the CLI; KeyError here is a bug
         self.books, self.act, self.policy, self.rng = books, act, policy, rng
         self.max_wait, self.over_limit = max_wait, over_limit
         self.process_holds, self.holder = process_holds, holder
+        self.swap = swap   # the Swapper (enforcer/swap/): room made by swapping, asked for, never driven here
         self.stuck: set[int] = set()     # devices where every container waits and none can run
         self._held_back: set = frozenset()   # keys of containers whose newcomer waits this pass (_settling)
 
@@ -70,9 +71,12 @@ class Decider:
                     self.act.resume(box, dev, "fits its assignment")
                     self.stuck.discard(dev)   # someone runs again
                     box.placed.update((q, now) for q in firsts)
-            if (not self._grant(dev, now) and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
+            granted = self._grant(dev, now)
+            if not granted and waiting and self.swap is not None:
+                self._swap_for(dev, now)   # --swap-idle: idle holders out, for a waiter the full GPU holds back
+            if (not granted and not self._held_back and not self.books.tearing(dev) and self._reclaim(dev, now)
                     and not self._grant(dev, now, fit_only=True)):
-                self._deadlock(dev)   # on the reclaimed pool, only who can run: nobody can
+                self._deadlock(dev, now)   # on the reclaimed pool, only who can run: nobody can
 
     def _serve(self, box: Box, dev: int, now: float) -> bool:
         """Within a container: resume the stopped calls that fit its assignment now, each on
@@ -168,12 +172,33 @@ class Decider:
             self.act.write_assign(box, dev)
         return bool(back)
 
-    def _deadlock(self, dev: int):
+    def _lacks(self, dev: int) -> dict[str, int]:
+        """What each waiter on dev lacks to run (its want beyond its assignment and the free
+        memory), for those a grant could help (within their limit)."""
+        out = {}
+        for box in self.books.boxes.values():
+            w = box.waiting.get(dev)
+            want = self._want(box, dev, w) if w is not None else None
+            if want is not None and want <= self.books.limit(box, dev):
+                out[box.container.id] = max(0, want - box.assigned[dev] - self.books.free(dev))
+        return out
+
+    def _swap_for(self, dev: int, now: float):
+        """A waiter the full GPU holds back (not its own limit): the swapper may take idle holders
+        out (--swap-idle; it says whom and why)."""
+        lacks = [n for n in self._lacks(dev).values() if n > 0]
+        if lacks:
+            self.swap.make_room(dev, min(lacks), now)
+
+    def _deadlock(self, dev: int, now: float):
         """What waiters hold themselves (their contexts) leaves too little for any of them:
-        only an exit ends it. Said once, until someone runs again. With every grant and
-        placement safe (policies.schedule) the policies never lead here; a state made unsafe
-        from outside can (a waiter over its limit holding memory, a limit raised at run time,
-        a context measured larger than charged)."""
+        one side goes out to host memory where the swapper can take it (no kill: docs/
+        SCHEDULING.md), else only an exit ends it. Said once, until someone runs again. With
+        every grant and placement safe (policies.schedule) the policies never lead here; a state
+        made unsafe from outside can (a waiter over its limit holding memory, a limit raised at
+        run time, a context measured larger than charged)."""
+        if self.swap is not None and self.swap.break_deadlock(dev, self._lacks(dev), now):
+            return
         if dev in self.stuck:
             return
         self.stuck.add(dev)

@@ -197,7 +197,11 @@ class ContextCharge:
             return False
         # a pid a gone member left memory under, now another process's: its row mixes the two
         # (the backstop splits it), so it measures no context (enforcer/attribution.py)
-        self.charges.excess = {k: v for k, v in nv.items() if k[0] not in self.books.departed}
+        fresh = {k: v for k, v in nv.items() if k[0] not in self.books.departed}
+        # a swapped process (enforcer/swap/) is listed with nothing while it is out: its context
+        # keeps the measurement it went out with, which its container was credited
+        fresh.update({k: v for k, v in self.charges.excess.items() if k[0] in self.books.swapped_pids and k not in fresh})
+        self.charges.excess = fresh
         self._check_mappings({pid for pid, _ in nv}, {(pid, dev) for pid, dev in nv})
         return self.recharge()
 

@@ -22,12 +22,14 @@ class Reporter:
 
     def __init__(self, tracer, books, decider, charge, backstop, broker, quotas, holds, runtime, history,
                  admission, acct, stopper, state_file: str, watchdog_pid, unprobed: str, unmapped_charge: str,
-                 started: float, handover: float = 0.0):
+                 started: float, handover: float = 0.0, swapper=None):
         self.tracer, self.books, self.decider, self.charge, self.charges = tracer, books, decider, charge, charge.charges
+        self.swapper = swapper
         self.backstop, self.broker, self.quotas, self.holds, self.runtime = backstop, broker, quotas, holds, runtime
         self.history, self.admission, self.acct, self.stopper = history, admission, acct, stopper
         self.state_file, self.watchdog_pid, self.unprobed = state_file, watchdog_pid, unprobed
         self.unmapped_charge, self.started, self.handover = unmapped_charge, started, handover
+        self.release = None   # argv of the swap release agent (enforcer/swap/agent.py), once swap runs
         self._saved = None
 
     def status(self) -> dict:
@@ -44,7 +46,9 @@ class Reporter:
                               # memory NVML counts that nobody can be shown to hold (enforcer/attribution.py)
                               "unattributed": self.books.unattributed.get(dev, 0),
                               # containers with no process left that hold memory their gone processes left
-                              "left_by_exited": [r for r in self.backstop.gone_rows(now) if r["gpu"] == dev]}
+                              "left_by_exited": [r for r in self.backstop.gone_rows(now) if r["gpu"] == dev],
+                              # whether swap can be (enforcer/swap/): "on", or "off: why"
+                              "swap": self._swap_state(dev)}
         rows = []
         sampler = self.charge.sampler
         raw = sampler.raw if sampler is not None else None
@@ -71,6 +75,8 @@ class Reporter:
                     "over_by": over["over_by"], "over_s": over["over_s"],
                     # memory its exited processes left (another process keeps the driver's files)
                     "left_by_exited": over["left_by_exited"],
+                    # in host memory by the driver's checkpoint (enforcer/swap/): bytes, seconds, processes
+                    **(self.swapper.status(box, dev) if self.swapper is not None else {}),
                     "circular": bool(w and w.circular),
                     "tearing_down": self._tearing_of(box, dev),
                     "waiting_s": round(now - w.since, 3) if w else 0.0,
@@ -127,6 +133,14 @@ class Reporter:
             return {str(d): f"off: {self.backstop.off.get(d, 'NVML has stopped answering')}" for d in capacity}
         return {str(d): f"off: {self.backstop.off[d]}" if d in self.backstop.off else
                 "on" if s is not None else "off: no NVML sampler" for d in capacity}
+
+    def _swap_state(self, dev: int) -> str:
+        if self.swapper is None:
+            return "off: not built"
+        if self.backstop.off.get(dev, "").startswith("MIG"):
+            return "off: MIG mode (the checkpoint of a MIG instance's process is not known to work)"
+        why = self.swapper.why_off()
+        return f"off: {why}" if why else "on"
 
     def _uuid(self, dev: int) -> str:
         g = getattr(self.tracer, "gpumap", None)
@@ -201,14 +215,14 @@ class Reporter:
                               "labels": b.labels, "stalled_s": b.stalled_s, "stalls": b.stalls,
                               "grants": b.grants, "over_limits": b.over_limits, "restalls": b.restalls}
                  for b in self.books.boxes.values()}
-        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog_pid())
+        state = (sorted(pids), sorted(cgroups), boxes, self.watchdog_pid(), self.release)
         if state == self._saved:   # the file is rewritten (rename) only when it changes
             return
         self._saved = state
         if FAULT:
             FAULT.hit("held")   # the watchdog's file still lists what was held before
         write_state(self.state_file, pids, cgroups, boxes=boxes, saved=time.time(), watchdog=state[3],
-                    handover=self.handover)
+                    handover=self.handover, release=self.release)
 
     def capacity_text(self) -> str:
         return ", ".join(f"GPU{d} {format_size(c)}" for d, c in sorted(self.books.capacity.items()))

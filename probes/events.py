@@ -12,7 +12,7 @@ SCHEMA = 1  # CONVGPU_SCHEMA in convgpu.h
 OPS = {1: "alloc", 2: "free", 3: "ctx_create", 4: "ctx_destroy", 5: "map", 6: "unmap",
        7: "reserve", 8: "unreserve", 9: "set_device", 10: "meminfo", 11: "exit", 12: "exec",
        13: "failed", 14: "stall", 15: "over_limit", 16: "unknown", 17: "lib_open",
-       18: "quota", 19: "full", 20: "graph", 21: "unsized"}
+       18: "quota", 19: "full", 20: "graph", 21: "unsized", 22: "touch"}
 EF_ESTIMATE, EF_UNKNOWN, EF_DEFERRED, EF_RESTALL, EF_UNRECORDED, EF_ORDINAL, EF_RESERVED = 0x1, 0x2, 0x4, 0x8, 0x10, 0x20, 0x40
 EF_TRACED = 0x80   # killed, not stopped: traced by another process (result: its pid), bpf kill_unchecked
 

@@ -22,7 +22,7 @@ from ..bpf import DIR as BPF_DIR, SOURCE, source_text
 from ..errors import PrerequisiteError, ProbeError
 from . import bpfcache, links, prologue, untrusted
 from .libs import Library
-from .table import ADMITTED, CUDA, PROBES, Probe
+from .table import ADMITTED, CUDA, PROBES, TOUCH, Probe
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +246,22 @@ def attach_library(b, lib: Library, recheck: bool = False, syms=None) -> Library
         names = ", ".join(x.probe.symbol for x in out.missing_required)
         raise ProbeError(f"cannot attach required probes {names} in {lib}: "
                          f"{out.missing_required[0].reason}", "run `convgpu doctor`")
+    return out
+
+
+def attach_touch(b, lib: Library) -> list[int]:
+    """bpf/swap.bpf.c `touch` on each of table.TOUCH that lib exports (its symbols read within
+    untrusted.Budget, as any driver's): while a process is swapped its next call is heard. The
+    links' descriptors (perf-event ones are b's own: detached with it)."""
+    syms = untrusted.read_symbols(lib.fd, list(TOUCH), prologue.PROLOGUE_BYTES)
+    path = f"/proc/self/fd/{lib.fd}".encode()
+    out = []
+    for name, s in sorted(syms.items()):
+        if prologue.classify(s.prologue)[0] == "unprobeable":
+            continue
+        fd = links.attach(b, b"touch", path, s.offset, name.encode())
+        if fd is not None:
+            out.append(fd)
     return out
 
 

@@ -85,7 +85,11 @@ class Nvml:
         where the compute processes of a GPU cannot be read (GPU lost, unknown error): an
         empty list there would read as "no process uses it", and every context measured on it
         would fall back to its smaller estimate (issue 31). Graphics processes are optional
-        (NotSupported on datacenter cards)."""
+        (NotSupported on datacenter cards). A process's compute rows are summed: each copy of
+        the driver it loaded is a client of its own, listed apart (two copies in one process:
+        two rows, 200 MiB each; the larger alone let 400 MiB pass as 200, issue 47). Its
+        graphics rows are summed alike, and are the same memory seen from the other list (a
+        process that draws and computes is in both): the larger of the two sums counts."""
         if not self.ok:
             return {}
         n = self._n
@@ -97,18 +101,28 @@ class Nvml:
             # the GPU's own total, read with its lists: memory no list names (a process gone
             # whose files another keeps) shows here alone (enforcer/attribution.py)
             totals[i] = int(n.nvmlDeviceGetMemoryInfo(h).used)
-            procs = list(n.nvmlDeviceGetComputeRunningProcesses(h))
-            compute |= {p.pid for p in procs}
+            rows = list(n.nvmlDeviceGetComputeRunningProcesses(h))
+            compute |= {p.pid for p in rows}
             try:
-                procs += n.nvmlDeviceGetGraphicsRunningProcesses(h)
+                drawn = _summed(n.nvmlDeviceGetGraphicsRunningProcesses(h))
             except Exception as e:
                 log.debug("nvmlDeviceGetGraphicsRunningProcesses: %s", e)
-            for p in procs:
-                used = p.usedGpuMemory
-                if used is not None and used < (1 << 62):   # N/A reads as a huge value
-                    out[(p.pid, i)] = max(out.get((p.pid, i), 0), int(used))
+                drawn = {}
+            computed = _summed(rows)
+            for pid in computed.keys() | drawn.keys():
+                out[(pid, i)] = max(computed.get(pid, 0), drawn.get(pid, 0))
         self.compute, self.used = compute, totals   # graphics: listed, not in compute (enforcer/attribution.py)
         return out
+
+
+def _summed(rows) -> dict[int, int]:
+    """pid -> the bytes of its rows in one of NVML's process lists (N/A, a huge value, left out)."""
+    out: dict[int, int] = {}
+    for p in rows:
+        used = p.usedGpuMemory
+        if used is not None and used < (1 << 62):
+            out[p.pid] = out.get(p.pid, 0) + int(used)
+    return out
 
 
 def _s(x) -> str:

@@ -117,3 +117,19 @@ ADMITTED = frozenset({
     "cuGraphInstantiateWithParams_ptsz", "cuGraphInstantiate_v2", "cuModuleLoadData", "cuModuleLoadDataEx",
     "cuLibraryLoadData",
 })
+
+# The driver's most used entry points besides those above: while a process is swapped (its GPU
+# memory checkpointed to host memory, enforcer/swap/), BPF `touch` (bpf/swap.bpf.c) is attached
+# to each the host's drivers export, so that the swapped process's next call is heard (it blocks
+# in the driver until restored). Attached only then: a launch pays no trap otherwise.
+TOUCH: tuple[str, ...] = tuple(f"{name}{sfx}" for name, sfxs in (
+    ("cuLaunchKernel", ("", "_ptsz")), ("cuLaunchKernelEx", ("", "_ptsz")),
+    ("cuLaunchCooperativeKernel", ("", "_ptsz")), ("cuGraphLaunch", ("", "_ptsz")),
+    ("cuMemcpy", ("", "_ptds")), ("cuMemcpyAsync", ("", "_ptsz")), ("cuMemcpyHtoD_v2", ("", "_ptds")),
+    ("cuMemcpyDtoH_v2", ("", "_ptds")), ("cuMemcpyDtoD_v2", ("", "_ptds")), ("cuMemcpyHtoDAsync_v2", ("", "_ptsz")),
+    ("cuMemcpyDtoHAsync_v2", ("", "_ptsz")), ("cuMemcpyDtoDAsync_v2", ("", "_ptsz")),
+    ("cuMemsetD8_v2", ("", "_ptds")), ("cuMemsetD32_v2", ("", "_ptds")), ("cuMemsetD8Async", ("", "_ptsz")),
+    ("cuMemsetD32Async", ("", "_ptsz")), ("cuStreamSynchronize", ("", "_ptsz")), ("cuCtxSynchronize", ("",)),
+    ("cuEventSynchronize", ("",)), ("cuEventRecord", ("", "_ptsz")), ("cuStreamWaitEvent", ("", "_ptsz")),
+    ("cuStreamQuery", ("", "_ptsz")), ("cuEventQuery", ("",)),
+) for sfx in sfxs)

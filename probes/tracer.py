@@ -90,6 +90,7 @@ class Tracer:
         # enforcer's, map_gpus()); the others' events and rows are mapped here.
         self.gpumap = Mapper()
         self.mapped: set[int] = set()
+        self.touch_fds: list[int] | None = None   # bpf/swap.bpf.c `touch` links, while a process is swapped
 
     # --- life cycle ---
     def start(self) -> "Tracer":
@@ -212,6 +213,25 @@ class Tracer:
         if lib.inode in self.finder.known:
             self.finder.known[lib.inode] = lib
         return lib
+
+    def touch(self, on: bool) -> int:
+        """`touch` on the drivers' most used entry points (table.TOUCH), while some process is
+        swapped (enforcer/swap/), else off: a launch pays no trap for it. Returns the probes on."""
+        if on and self.touch_fds is None:
+            self.touch_fds = []
+            for lp in self.attached:
+                if lp.library.kind != CUDA or lp.library.fd < 0:
+                    continue
+                try:
+                    self.touch_fds += loader.attach_touch(self.b, lp.library)
+                except Exception as e:   # a copy that cannot be read now: its process's calls block unheard
+                    log.warning("%s: cannot attach the swap probes (%s): a swapped process of it comes back "
+                                "only by an admitted call or `convgpu swap in`", lp.library, e)
+        elif not on and self.touch_fds is not None:
+            fds, self.touch_fds = self.touch_fds, None
+            self.on_release(fds)
+            links.release(self.b, fds)
+        return len(self.touch_fds or ())
 
     def failure(self, inode) -> str | None:
         """Why the library of this inode could not be probed, or None (probed, or unknown)."""

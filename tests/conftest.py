@@ -504,8 +504,8 @@ class StandinNvml:
             pid, = struct.unpack_from("<i", self.seg, 352 + 144 * i)
             used = struct.unpack_from("<16Q", self.seg, 352 + 144 * i + 16)
             for dev, n in enumerate(used):
-                if pid > 0 and n:
-                    out[(pid, dev)] = n
+                if pid > 0 and n:   # a process with two stand-in copies has two slots: summed, as
+                    out[(pid, dev)] = out.get((pid, dev), 0) + n    # probes.nvml sums its rows
         return out
 
     def gpus(self) -> list:

@@ -180,6 +180,21 @@ def release(path: str) -> tuple[set[int], int]:
     return done, thawed
 
 
+def swap_release(state: dict) -> int | None:
+    """Where the dead enforcer left processes swapped out or locked (its swap.json): a release
+    agent of its own session (enforcer/swap/agent.py --release) unlocks them and restores each
+    once it fits, so none stays locked with nobody to unlock it. Its pid, or None."""
+    argv = state.get("release")
+    try:
+        with open(argv[-1]) as f:
+            if not json.load(f).get("procs"):
+                return None
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+    return subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            cwd="/").pid
+
+
 def link_id(fd: int) -> int | None:
     """The BPF link behind a descriptor (fdinfo's link_id), None for anything else."""
     try:
@@ -257,7 +272,18 @@ def main() -> int:
     wait_for_death(pipe_fd, fd_sock, held)
     taken_over: list = []
     signal.signal(signal.SIGTERM, lambda *_: taken_over.append(1))
-    handover = float(read_state(path).get("handover") or 0) if path != "-" else 0.0
+    state = read_state(path) if path != "-" else {}
+    handover = float(state.get("handover") or 0)
+    if handover > 0 and zero_fds and held:
+        # first: every process with a held call stopped whole. A thread the enforcer held alone by
+        # ptrace is let go by the kernel when its tracer is gone (its exit runs after the close of
+        # the lifeline and of its probes' links, which woke us), and one held at its recheck would
+        # run its call unchecked; a process in a group stop stays stopped (FACTS.md, issue 47)
+        for pid in state.get("pids", []):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
     if handover > 0 and zero_fds and held and hand_over(path, zero_fds[0], handover, taken_over):
         opened = resume_held(held_fd, opens_only=True) if held_fd >= 0 else set()
         print(f"convgpu watchdog: enforcer {pid} is gone; its successor took over what it held"
@@ -266,8 +292,10 @@ def main() -> int:
         return 0
     for fd in zero_fds:   # first: nothing is stopped again
         admission_off(fd)
+    before = read_state(path) if path != "-" else {}
     stopped = resume_held(held_fd) if held_fd >= 0 else set()
     listed, thawed = release(path)
+    swap_release(before)
     if held_fd >= 0:   # a program past its check when the maps were zeroed may still stop one
         time.sleep(0.05)   # (its vCPU taken away mid-program by the host): looked at again
         stopped |= resume_held(held_fd)

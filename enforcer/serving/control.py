@@ -8,10 +8,11 @@ from .server import Handler, Peer, request
 
 
 class ControlHandler(Handler):
-    """Handed the enforcer's Reporter (what it shows) and Runtime (what may change while it runs)."""
+    """Handed the enforcer's Reporter (what it shows), Runtime (what may change while it runs)
+    and the Swapper (`convgpu swap out/in`)."""
 
-    def __init__(self, reporter, runtime):
-        self.reporter, self.runtime = reporter, runtime
+    def __init__(self, reporter, runtime, swapper=None):
+        self.reporter, self.runtime, self.swapper = reporter, runtime, swapper
 
     def handle(self, peer: Peer, msg: dict):
         cmd = msg.get("cmd")
@@ -91,6 +92,50 @@ class ControlHandler(Handler):
     def cmd_claim_list(self, msg):
         """The prepared claims (the DRA plugin reads them back after its restart)."""
         return {"claims": {u: c.wire() for u, c in sorted(self.runtime.durable.value.claims.items())}}
+
+
+    def _swap_targets(self, msg) -> list[tuple[int, object]]:
+        """(pid, its container) for `swap out/in TARGET [--gpu N]`: a container's name or id (every
+        CUDA process of it), or one pid."""
+        target, gpu = str(msg.get("target", ""))[:4096], msg.get("gpu")
+        if gpu is not None and not isinstance(gpu, int):
+            raise ConvgpuError(f"invalid gpu {gpu!r}", "give a GPU index")
+        books = self.runtime.books
+        if target.isdigit() and int(target) in books.pid_box:
+            pairs = [(int(target), books.pid_box[int(target)])]
+        else:
+            try:
+                box = books.find(target)
+            except KeyError:
+                raise ConvgpuError(f"no container or CUDA process {target!r} is known to the enforcer",
+                                   "see `convgpu status` for names, ids and pids") from None
+            pairs = [(p, box) for p in sorted(box.pids)]
+        return [(p, b) for p, b in pairs if gpu is None or gpu in b.assigned]
+
+    def cmd_swap_out(self, msg):
+        """Every CUDA process of the target (on --gpu N) out to host memory (enforcer/swap/)."""
+        if self.swapper is None:
+            raise ConvgpuError("swap is not part of this enforcer", "run `convgpu doctor`")
+        started, why = [], []
+        for pid, box in self._swap_targets(msg):
+            w = self.swapper.out(pid, "by hand")
+            (why.append(f"pid {pid}: {w}") if w else started.append(pid))
+        if not started:
+            raise ConvgpuError(f"nothing swapped out ({'; '.join(why) or 'no CUDA process'})",
+                               "see `convgpu status` (gpus.N.swap says whether swap is on)")
+        return {"pids": started, "message": f"swapping out pids {', '.join(map(str, started))}"
+                + (f" ({'; '.join(why)})" if why else "")}
+
+    def cmd_swap_in(self, msg):
+        """Every swapped process of the target waits for its footprint: the policy grants it."""
+        if self.swapper is None:
+            raise ConvgpuError("swap is not part of this enforcer", "run `convgpu doctor`")
+        out = [p for p, _ in self._swap_targets(msg) if p in self.swapper.procs]
+        if not out:
+            raise ConvgpuError(f"nothing of {msg.get('target')!r} is swapped out", "see `convgpu status`")
+        for pid in out:
+            self.swapper.want(pid, "by hand")
+        return {"pids": out, "message": f"pids {', '.join(map(str, out))} wait for their memory back"}
 
 
 def answers(path: str) -> bool:

@@ -44,11 +44,15 @@ SETTINGS = {
     "max_processes": ("int", None),
     "unmapped_charge": ("choice", ("all", "guess")),
     "handover": ("seconds", None),
+    "swap_idle": ("seconds", None),
+    "swap_in": ("choice", ("call", "eager")),
+    "swap_budget": ("size", None),
+    "never_swap": ("strs", None),
 }
 # changing these needs a restart: a reload only warns
 RESTART_KEYS = ("stall", "run_dir", "state_dir", "metrics_port", "metrics_address", "metrics_tls", "gpu_memory", "reserve",
                 "libs", "discover", "probes", "unprobed", "max_objects", "max_threads", "max_processes",
-                "unmapped_charge", "handover")
+                "unmapped_charge", "handover", "swap_idle", "swap_in", "swap_budget", "never_swap")
 MATCHES = ("name", "id", "cgroup", "label")
 
 

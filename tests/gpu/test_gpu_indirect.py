@@ -7,7 +7,10 @@ with a 1 GiB default limit, each job in its own cgroup (build/cgcaller on the ho
   is stopped by the backstop (NVML's count) within a second of the memory appearing;
 - the context estimate is the same after a job held 2 GiB in a graph and exited, and after a
   restart (nothing learned from tenants);
-- a neighbour allocating within its limit runs throughout.
+- a neighbour allocating within its limit runs throughout;
+- a limit is each context's (issue 47): four contexts with a 200 MiB heap are charged 4 x 192 MiB
+  and one destroyed gives its 192 MiB back; four with a 16 KiB stack under a limit that fits
+  one: the second is held at the call, and once the limit is raised NVML shows all four.
 Each case's NVML peak, times and the enforcer's lines go to $CONVGPU_GPU_LOG (docs/gpu-runs/)."""
 import json
 import os
@@ -111,11 +114,11 @@ def setup(tmp_path_factory):
 
 
 class Enforcer:
-    def __init__(self, tmp, state_dir):
+    def __init__(self, tmp, state_dir, *args):
         self.run_dir, self.log = str(tmp / f"run-{time.monotonic_ns()}"), []
+        args = args or ("--default-limit", "1GiB", "--limit", "neighbour=4GiB", "--limit", "graphok=4GiB")
         self.p = subprocess.Popen([sys.executable, "-m", "convgpu.cli.main", "enforce", "--gpu-memory", "32GiB",
-                                   "--default-limit", "1GiB", "--limit", "neighbour=4GiB", "--limit", "graphok=4GiB",
-                                   "--run-dir", self.run_dir, "--state-dir", state_dir],
+                                   *args, "--run-dir", self.run_dir, "--state-dir", state_dir],
                                   stderr=subprocess.PIPE, text=True, cwd="/")
         lines_until(self.p.stderr, lambda line: "enforcing:" in line, self.log, 90, "enforcer log")
 
@@ -123,9 +126,15 @@ class Enforcer:
         from convgpu.enforcer.serving.server import request
         return request(f"{self.run_dir}/control.sock", {"cmd": "status"})["status"]
 
+    def cli_limit(self, name, size):
+        r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "limit", "set", name, size,
+                            "--run-dir", self.run_dir], capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0, r.stderr
+
     def close(self):
-        self.p.terminate()
-        self.p.wait(timeout=60)
+        if self.p.poll() is None:
+            self.p.terminate()
+            self.p.wait(timeout=60)
         self.log += rest_of(self.p.stderr)
 
 
@@ -196,3 +205,68 @@ def test_memory_outside_allocations_is_held_at_the_call_or_stopped_by_the_driver
         assert "devices" not in json.load(open(tmp / "state" / "ctx-overhead.json"))
     finally:
         again.close()
+
+
+def gpu0(enf, name):
+    return next((c["gpus"]["0"] for c in enf.status()["containers"] if c["name"] == name), None)
+
+
+def test_each_context_is_charged_its_own_limit(setup):
+    """cgcaller ctxlimit: four cuCtxCreate contexts, then each given a limit. A heap is charged at
+    the call (the driver takes it at the first launch that uses it, which never comes here):
+    `used` is exactly 4 x (200 - 8) MiB, and 3 x after the first context is destroyed. A 16 KiB
+    stack the driver takes at the call (resident threads x 15 KiB, ~3.9 GiB a context on an H100
+    SXM or an H200): under a limit of five contexts and one and a half stacks the second is held
+    at the call, NVML never shows more than the limit; raised, all four run and NVML shows
+    them."""
+    from convgpu.enforcer import devattrs
+    build, tmp, base = setup
+    lib = next((p for p in ("/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                            "/lib/libcuda.so.1") if os.path.exists(p)), None)
+    need(lib is not None, "no libcuda.so.1 of the host's driver")
+    resident = devattrs.query(os.path.realpath(lib), []).get(0)
+    need(bool(resident), f"GPU0's resident threads not read from {lib}")
+    est, stack = 600 * MiB, resident * (16 - 1) * 1024   # the operator's context figure: none measured
+    limit = 5 * est + stack * 3 // 2                      # five contexts and one stack, not two
+    enf = Enforcer(tmp, str(tmp / "state-ctx"), "--ctx-overhead", "600MiB", "--default-limit", "1GiB",
+                   "--limit", "ctxheap=16GiB", "--limit", f"ctxstack={limit}")
+    nv, procs = Nvml(), []
+    result = {"scenario": "issue 47: a limit per context (heap x4, stack x4 held at the second)",
+              "resident": resident, "stack_mib": stack / MiB, "limit_mib": limit / MiB}
+    try:
+        heap = job(base, "ctxheap", build / "cgcaller", "ctxlimit", "-n", 4, "-s", "200M", "--limit", "heap",
+                   "--hold", "--hold-freed")
+        procs.append(heap)
+        lines_until(heap.stdout, lambda x: x.startswith("allocated"), [], 60, "ctxheap")
+        g = gpu0(enf, "ctxheap")
+        result["heap"] = {"used": g["used"], "contexts": g["contexts"], "nvml_peak_mib": nv.peak.get(heap.pid, 0) / MiB}
+        assert (g["used"], g["contexts"]) == (4 * 192 * MiB, 5), g
+        heap.stdin.write("\n")
+        heap.stdin.flush()
+        lines_until(heap.stdout, lambda x: x.startswith("freed"), [], 60, "ctxheap")
+        until(lambda: gpu0(enf, "ctxheap")["used"] == 3 * 192 * MiB, 5, f"one heap given back: {gpu0(enf, 'ctxheap')}")
+        heap.stdin.write("\n")
+        heap.stdin.flush()
+        assert heap.wait(timeout=60) == 0
+        s = job(base, "ctxstack", build / "cgcaller", "ctxlimit", "-n", 4, "-s", "16K", "--limit", "stack", "--hold")
+        procs.append(s)
+        until(lambda: state(s.pid) == "T", 60, f"the second stack never held ({state(s.pid)})")
+        time.sleep(1.0)                             # NVML would show a second stack by now
+        g = gpu0(enf, "ctxstack")
+        result["stack"] = {"used": g["used"], "held_nvml_peak_mib": nv.peak.get(s.pid, 0) / MiB}
+        assert g["used"] == stack, (g, result)
+        assert nv.peak.get(s.pid, 0) <= limit + SLACK, result
+        enf.cli_limit("ctxstack", "24GiB")
+        lines_until(s.stdout, lambda x: x.startswith("allocated"), [], 60, "ctxstack")
+        time.sleep(1.0)
+        result["stack"]["raised_nvml_peak_mib"] = nv.peak.get(s.pid, 0) / MiB
+        assert gpu0(enf, "ctxstack")["used"] == 4 * stack
+        assert nv.peak.get(s.pid, 0) >= 4 * stack, result       # the driver took four stacks
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        enf.close()
+        nv.close()
+        result["log"] = [x for x in enf.log if "stall" in x or "resident" in x or "over its limit" in x][-20:]
+        record(result)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from test_gpu_failclosed import LIMITS, PRELUDE, base, nobody, read  # noqa: F401  (base: a fixture)
+from test_gpu_failclosed import PRELUDE, base, nobody, read  # noqa: F401  (base: a fixture)
 from test_gpu_guarantee import record
 from test_gpu_map_quota import Env
 

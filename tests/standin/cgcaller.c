@@ -6,8 +6,9 @@
  *
  * usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]
  *                 [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]
+ *                 [--limit stack|heap|fifo]
  * FAMILY: alloc pitch managed vmm async array ctx fail runtime
- *         stack heap fifo graph capture module graphprobe
+ *         stack heap fifo ctxlimit graph capture module graphprobe
  * SIZE accepts a K/M/G/T suffix (powers of 1024).
  *
  * stdout protocol (line-buffered):
@@ -58,7 +59,8 @@ static struct {
     const char *image;
     int from_file;
     int orphan;
-} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0, 0};
+    CUlimit limit;      /* ctxlimit: which one */
+} O = {NULL, 1, 1 << 20, 0, 1, 0, 0, 0, 0, NULL, 0, 0, CU_LIMIT_MALLOC_HEAP_SIZE};
 
 static CUdevice g_dev;
 static CUcontext g_prim;
@@ -91,6 +93,7 @@ struct ts {
     CUdeviceptr resv;
     size_t resv_size, vsize;
     CUcontext ctx;
+    CUcontext *ctxs;    /* ctxlimit: count each */
     CUgraph *graphs;    /* graph/capture: count each */
     CUgraphExec *execs;
     CUmodule *mods;     /* module */
@@ -332,6 +335,34 @@ static void fam_stack(struct ts *t, int free_phase) { set_limit(t, free_phase, C
 static void fam_heap(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_MALLOC_HEAP_SIZE); }
 static void fam_fifo(struct ts *t, int free_phase) { set_limit(t, free_phase, CU_LIMIT_PRINTF_FIFO_SIZE); }
 
+/* ctxlimit: COUNT contexts made first (each cuCtxCreate makes it current; popped back at once),
+ * then each given the --limit of SIZE (pushed, cuCtxSetLimit, popped): the driver keeps limits
+ * per context, so COUNT of them take COUNT times. Free: the first context destroyed (its limit
+ * with it); the others go at exit. Counted bytes: SIZE per context. */
+static void fam_ctxlimit(struct ts *t, int free_phase)
+{
+    CUcontext popped = NULL;
+    if (free_phase) {
+        CK("cuCtxDestroy_v2", cuCtxDestroy_v2(t->ctxs[0]));
+        t->fcount++, t->fbytes += O.size;
+        return;
+    }
+    for (long i = 0; i < O.count; i++) {
+        if (p_ctx_v4)
+            CK("cuCtxCreate_v4", p_ctx_v4(&t->ctxs[i], NULL, 0, g_dev));
+        else
+            CK("cuCtxCreate_v2", p_ctx_v2(&t->ctxs[i], 0, g_dev));
+        CK("cuCtxPopCurrent_v2", cuCtxPopCurrent_v2(&popped));
+    }
+    for (long i = 0; i < O.count; i++) {
+        CK("cuCtxPushCurrent_v2", cuCtxPushCurrent_v2(t->ctxs[i]));
+        CK("cuCtxSetLimit", cuCtxSetLimit(O.limit, O.size));
+        fprintf(stderr, "info limit %ld set\n", i);
+        CK("cuCtxPopCurrent_v2", cuCtxPopCurrent_v2(&popped));
+        t->acount++, t->abytes += O.size;
+    }
+}
+
 /* graph/capture: COUNT graphs of one alloc node of SIZE each, instantiated, launched into a
  * stream of the thread's own, then memset on the legacy stream so the memory is touched (on a
  * GPU). Free: cuMemFreeAsync each (allowed for graph memory outside its graph), then the
@@ -435,7 +466,7 @@ static const struct {
     {"vmm", fam_vmm},     {"async", fam_async}, {"array", fam_array},
     {"ctx", fam_ctx},     {"runtime", fam_runtime}, {"stack", fam_stack},
     {"heap", fam_heap},   {"fifo", fam_fifo},   {"graph", fam_graph},
-    {"capture", fam_capture}, {"module", fam_module},
+    {"capture", fam_capture}, {"module", fam_module}, {"ctxlimit", fam_ctxlimit},
 };
 static void (*g_fn)(struct ts *, int);
 
@@ -661,9 +692,10 @@ static void orphan_leave(void)
 static void usage(void)
 {
     fprintf(stderr, "usage: cgcaller FAMILY [-n COUNT] [-s SIZE] [-t THREADS] [-d DEVICE]"
-                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]\n"
+                    " [--hold] [--no-free] [--hold-freed] [--image FILE [--from-file]] [--orphan]"
+                    " [--limit stack|heap|fifo]\n"
                     "FAMILY: alloc pitch managed vmm async array ctx fail runtime\n"
-                    "        stack heap fifo graph capture module graphprobe\n");
+                    "        stack heap fifo ctxlimit graph capture module graphprobe\n");
     exit(64);
 }
 
@@ -686,6 +718,9 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "-t")) O.threads = atoi(v), i++;
         else if (!strcmp(a, "-d")) O.device = atoi(v), i++;
         else if (!strcmp(a, "--image")) O.image = v, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "stack")) O.limit = CU_LIMIT_STACK_SIZE, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "heap")) O.limit = CU_LIMIT_MALLOC_HEAP_SIZE, i++;
+        else if (!strcmp(a, "--limit") && !strcmp(v, "fifo")) O.limit = CU_LIMIT_PRINTF_FIFO_SIZE, i++;
         else usage();
     }
     if (O.count < 1 || O.threads < 1)
@@ -713,7 +748,7 @@ int main(int argc, char **argv)
         usage();
     if (g_fn == fam_runtime)
         load_runtime();
-    if (g_fn == fam_ctx) {
+    if (g_fn == fam_ctx || g_fn == fam_ctxlimit) {
         *(void **)&p_ctx_v4 = dlsym(RTLD_DEFAULT, "cuCtxCreate_v4");
         *(void **)&p_ctx_v2 = dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
         if (!p_ctx_v4 && !p_ctx_v2)
@@ -746,6 +781,7 @@ int main(int argc, char **argv)
         ts[i].graphs = xcalloc((size_t)O.count, sizeof(CUgraph));
         ts[i].execs = xcalloc((size_t)O.count, sizeof(CUgraphExec));
         ts[i].mods = xcalloc((size_t)O.count, sizeof(CUmodule));
+        ts[i].ctxs = xcalloc((size_t)O.count, sizeof(CUcontext));
     }
     pthread_barrier_init(&b_start, NULL, (unsigned)n);
     pthread_barrier_init(&b_alloc, NULL, (unsigned)n + 1);

@@ -192,8 +192,9 @@ def test_replayed_program_has_the_compiled_maps_types_and_code(pair):
     assert [n.decode() for n in names] == list(replayed.spec["maps"])
     # quotas, swept, shim_calls (issue 24), gpumap (25), gone (23), exec_gen, checked, nodecfg and
     # mapping (issue 33: a driver recognised by the GPU nodes it opens and the code it maps), resident
-    # (issue 39: what a stack byte costs per GPU) included
-    assert len(names) == 28 and b"resident" in names
+    # (issue 39: what a stack byte costs per GPU), curctx (issue 47: each thread's current contexts)
+    # included
+    assert len(names) == 30 and b"resident" in names and b"curctx" in names and b"swapped" in names
     for n in names:
         a, b = compiled[n], replayed[n]
         ka, kb = map_info(a.map_fd), map_info(b.map_fd)
@@ -261,7 +262,8 @@ def pin_dir(root):
     shutil.rmtree(d, ignore_errors=True)
 
 
-STATE = {"threads", "procs", "usage", "objs", "members", "assign", "cgstate", "control", "quotas", "swept", "gpumap", "gone"}
+STATE = {"threads", "curctx", "procs", "usage", "objs", "members", "assign", "cgstate", "control", "quotas", "swept",
+         "gpumap", "gone"}
 
 
 def test_replay_pins_the_state_maps_and_a_second_start_continues_on_them(pin_dir):

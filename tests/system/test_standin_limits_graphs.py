@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -481,6 +482,49 @@ def test_standin_nvml_lists_the_slots_when_asked(build, run_caller, caller_env):
     assert ast.literal_eval(listed[0].stdout)[c.pid] == 4 * (65536 - 1024), listed[0].stderr
     assert listed[1].stdout.strip() == repr("Not Supported"), listed[1].stderr
     c.release()
+
+
+def test_cgcaller_ctxlimit_each_context_takes_its_own_limit(build, run_caller, caller_env):
+    """The driver keeps limits per context (issue 47): four contexts with a 200 MiB heap take 4 x
+    192 MiB in the slot; destroying one gives its limit back; the exit, the rest."""
+    from conftest import StandinNvml
+    nvml = StandinNvml(caller_env["CONVGPU_STANDIN_SHM"])
+    c = run_caller("ctxlimit", "-n", 4, "-s", "200M", "--limit", "heap", "--hold-freed")
+    assert c.allocated == (4, 4 * 200 * MiB)
+    assert nvml.process_memory()[(c.pid, 0)] == 4 * 192 * MiB
+    c.p.stdin.write("\n")
+    c.p.stdin.flush()
+    c._read_until("freed")
+    assert c.freed == (1, 200 * MiB)
+    assert nvml.process_memory()[(c.pid, 0)] == 3 * 192 * MiB
+    assert c.release() == 0
+    assert nvml.process_memory().get((c.pid, 0), 0) == 0
+
+
+def test_standin_nvml_lists_a_process_with_two_driver_copies_twice(build, caller_env, tmp_path):
+    """Each copy of the driver a process loads is a client of its own, with a slot of its own:
+    NVML lists the process once per copy, and probes.nvml sums its rows (issue 47: the larger
+    row alone made 400 MiB read as 200)."""
+    copy = tmp_path / "libcuda-second.so"
+    shutil.copy(build / "standin" / "libcuda.so.1", copy)
+    env = dict(caller_env, CONVGPU_STANDIN_ALLOC_MS="300")
+    p = subprocess.Popen([str(build / "reenter"), str(200 * MiB), "100", str(copy)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().split()[:3] == ["allocated", "2", str(400 * MiB)], p.stderr.read()
+        code = ("import pynvml, sys\nfrom convgpu.probes.nvml import Nvml\npynvml.nvmlInit()\n"
+                "h = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+                "rows = sorted((q.pid, q.usedGpuMemory) for q in pynvml.nvmlDeviceGetComputeRunningProcesses(h))\n"
+                "print([r for r in rows if r[0] == int(sys.argv[1])], Nvml().process_memory()[(int(sys.argv[1]), 0)])\n")
+        r = subprocess.run([sys.executable, "-c", code, str(p.pid)], capture_output=True, text=True, timeout=30,
+                           env=dict(caller_env, LD_LIBRARY_PATH=str(build / "standin-nvml"),
+                                    CONVGPU_STANDIN_NVML_PROCS="1"))
+        rows, total = r.stdout.rsplit(" ", 1)
+        assert ast.literal_eval(rows) == [(p.pid, 200 * MiB), (p.pid, 200 * MiB)], r.stderr
+        assert int(total) == 400 * MiB
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.mark.parametrize("at", ["launch", "instantiate"])

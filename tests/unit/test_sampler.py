@@ -102,3 +102,64 @@ def test_with_contexts_a_new_context_moves_and_then_is_not_mixed_with_the_old_re
     assert s.sample() == {K: (600 * MiB, 1)}
     assert s.sample() == {K: (600 * MiB, 1)}       # contexts changed during the sample: kept
     assert s.sample() == {K: (1100 * MiB, 2)}      # not min(600, 1100): 600 was one context
+
+
+# ---- Nvml.process_memory: NVML's lists as one figure a process and GPU (issue 47) ----
+
+class Lists:
+    """The part of pynvml that process_memory reads: per GPU, its compute and graphics rows
+    (pid, bytes); graphics None: NotSupported, as on datacenter cards."""
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus):
+        self.gpus = gpus
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        from types import SimpleNamespace
+        return SimpleNamespace(total=80 << 30, used=0)
+
+    def _rows(self, rows):
+        from types import SimpleNamespace
+        return [SimpleNamespace(pid=pid, usedGpuMemory=n) for pid, n in rows]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return self._rows(self.gpus[h][0])
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        if self.gpus[h][1] is None:
+            raise self.NVMLError("Not Supported")
+        return self._rows(self.gpus[h][1])
+
+
+def nvml_over(gpus):
+    from convgpu.probes.nvml import Nvml
+    nv = Nvml.__new__(Nvml)
+    nv.ok, nv.error, nv._n, nv.driver, nv.compute = True, "", Lists(gpus), "580.159.04", set()
+    return nv
+
+
+def test_two_compute_rows_of_one_process_are_summed():
+    """Two copies of the driver in one process are two clients of it, listed apart: 200 + 200
+    MiB is 400 MiB (max() made it 200, and the backstop let 400 MiB pass a 300 MiB limit)."""
+    nv = nvml_over([([(7, 200 * MiB), (7, 200 * MiB), (8, 64 * MiB)], None),
+                    ([(7, 5 * MiB), (9, 1 << 63)], None)])          # N/A: left out
+    assert nv.process_memory() == {(7, 0): 400 * MiB, (8, 0): 64 * MiB, (7, 1): 5 * MiB}
+    assert nv.compute == {7, 8, 9}
+
+
+def test_graphics_rows_count_beside_compute_rows_never_on_top_of_them():
+    """A process in both lists is one process: the larger of its compute sum and its graphics
+    sum. One only in the graphics list counts its graphics rows (summed too)."""
+    nv = nvml_over([([(7, 100 * MiB), (7, 50 * MiB), (8, 300 * MiB)],
+                     [(7, 120 * MiB), (8, 300 * MiB), (9, 70 * MiB), (9, 5 * MiB)])])
+    assert nv.process_memory() == {(7, 0): 150 * MiB, (8, 0): 300 * MiB, (9, 0): 75 * MiB}
+    assert nv.compute == {7, 8}
+    nv = nvml_over([([(7, 100 * MiB)], [(7, 60 * MiB), (7, 60 * MiB)])])
+    assert nv.process_memory() == {(7, 0): 120 * MiB}
