@@ -105,7 +105,8 @@ class Placement:
         for u in {u.pid for u in usage} - set(books.pid_box) - {pid}:
             try:
                 other = self.container_of(u)
-                if other.id == c.id or (bound and runtime.budget(other)[0].id == ident.id):
+                if other.id == c.id or (bound and books.member_box(other.id) is None
+                                        and runtime.budget(other)[0].id == ident.id):
                     self.join(box, u, usage=usage, c=other)
             except Exception:
                 pass
@@ -134,11 +135,11 @@ class Placement:
                      dev, format_size(box.assigned[dev]), format_size(self.books.demand(box, dev)))
 
     def join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None, c=None):
-        """pid (of container c, looked up where not given) is in box from now on. What it allocated before (while no enforcer admitted, or
-        in calls that are not admitted) was charged to no container: adopt it. Read before the
-        membership is written, so a racing free can only make this an over-count. A member
-        placed again (its first context on another GPU) adopts nothing on the GPUs the box has:
-        BPF charged its bytes there already."""
+        """pid (of container c, looked up where not given) is in box from now on. What it
+        allocated before (while no enforcer admitted, or in calls that are not admitted) was
+        charged to no container: adopt it. Read before the membership is written, so a racing
+        free can only make this an over-count. A member placed again (its first context on
+        another GPU) adopts nothing on the GPUs the box has: BPF charged its bytes there already."""
         charged = set(box.assigned) if self.books.pid_box.get(pid) is box else set()
         held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
                 if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}

@@ -101,7 +101,7 @@ class DraPlugin(Serving):
         self.version = 0               # changes of what is published (health stream)
         self.changed = threading.Condition()
         self.lock = threading.Lock()   # one Prepare or Unprepare at a time
-        self.timeout = enforcer.timeout if hasattr(enforcer, "timeout") else TIMEOUT
+        self.timeout = getattr(enforcer, "timeout", TIMEOUT)   # one Prepare's or Unprepare's, all its claims
         self.prepared: dict[str, Claim] = {}   # uid -> the claim as prepared by this process
         self.abandoned: set[str] = set()       # told failed, the enforcer's reply never came: taken back
         self.registered = 0            # NotifyRegistrationStatus(registered) calls
@@ -208,7 +208,8 @@ class DraPlugin(Serving):
                            "kubelet asks again" for c in claims})
             claims = []
         try:
-            self._settle(end)
+            if locked:
+                self._settle(end)
             for c in claims:
                 try:
                     if time.monotonic() > end - GRACE:

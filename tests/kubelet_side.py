@@ -288,5 +288,5 @@ class DraKubelet:
     def restart(self):
         self.stop()
         fresh = DraKubelet(self.dir, self.versions, self.pod_resources)
-        fresh.pods = self.pods
+        fresh.pods, fresh.call_timeout = self.pods, self.call_timeout
         return fresh.start()
