@@ -112,7 +112,7 @@ def waited(build: str, cap: int, hold: float, swap_idle: float | None) -> dict:
     run = tempfile.mkdtemp(prefix="convgpu-bench-swap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     share = int(cap * 0.6)
     args = [sys.executable, "-m", "convgpu.cli.main", "enforce", "--run-dir", run, "--state-dir", run,
-            "--gpu-memory", str(cap), "--limit", f"a={cap}", "--limit", f"b={cap}", "--ctx-overhead", "0"]
+            "--gpu-memory", f"{cap}B", "--limit", f"a={cap}B", "--limit", f"b={cap}B", "--ctx-overhead", "0"]
     if swap_idle is not None:
         args += ["--swap-idle", str(swap_idle)]
     enf = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)

@@ -134,8 +134,8 @@ class Daemon:
         self.fault_at = None
         self.t0 = time.monotonic()
         self.p = subprocess.Popen([*python_argv(), "enforce", "--no-discover", "--lib", s.lib, "--run-dir", run_dir,
-                                   "--state-dir", state_dir, "--gpu-memory", str(s.gpu_memory), "--default-limit",
-                                   str(s.default_limit), *(["--ctx-overhead", str(s.ctx)] if s.ctx is not None else []),
+                                   "--state-dir", state_dir, "--gpu-memory", f"{s.gpu_memory}B", "--default-limit",
+                                   f"{s.default_limit}B", *(["--ctx-overhead", f"{s.ctx}B"] if s.ctx is not None else []),
                                    *s.extra],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, env=env)
@@ -192,7 +192,7 @@ class Job:
             " rc=0; " + \
             " ".join(f"wait $p{i} || rc=$?;" for i in range(s.procs)) + " exit $rc"
         if kind == "run":
-            self.p = subprocess.Popen([*python_argv(), "run", "--limit", str(s.limit), "--name", name, "--run-dir", run_dir,
+            self.p = subprocess.Popen([*python_argv(), "run", "--limit", f"{s.limit}B", "--name", name, "--run-dir", run_dir,
                                        "--", "/bin/sh", "-c", script], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=s.env, start_new_session=True)
             from convgpu.cli.run import PARENT

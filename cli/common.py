@@ -1,6 +1,7 @@
 """What every command shares: logging set-up and the one place errors become output."""
 import functools
 import logging
+import os
 import signal
 import sys
 
@@ -93,6 +94,11 @@ def fail(message: str) -> "typer.Exit":
     return typer.Exit(1)
 
 
+def warn(message: str):
+    """A warning: one line on stderr; the command goes on (and exits 0)."""
+    err_console.print(f"[bold yellow]convgpu: warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def handle_errors(fn):
     """Domain errors -> one line with the remedy, exit 1; tracebacks only with --debug."""
     @functools.wraps(fn)
@@ -107,7 +113,7 @@ def handle_errors(fn):
 
 
 RUN_DIR = "/run/convgpu"
-RUN_DIR_HELP = "The enforcer's --run-dir (default /run/convgpu)."
+RUN_DIR_HELP = "The enforcer's --run-dir."
 NO_BPF_CACHE_HELP = ("Compile the BPF program even where a compile of it is cached (the cache: "
                      "$CONVGPU_BPF_CACHE, default /var/cache/convgpu/bpf; CONVGPU_BPF_CACHE=off: never used).")
 
@@ -124,6 +130,11 @@ def control(run_dir: str, msg: dict) -> dict:
     try:
         reply = request(path, msg)
     except (FileNotFoundError, ConnectionRefusedError):
+        from ..enforcer.hostlock import running
+        other = running()
+        if other.get("run_dir") not in (None, "?", os.path.abspath(run_dir)):
+            raise EnforcerUnreachable(f"no enforcer answers on {path}; one runs with --run-dir {other['run_dir']} "
+                                      f"(pid {other['pid']})", f"add --run-dir {other['run_dir']}") from None
         raise EnforcerUnreachable(f"no enforcer answers on {path}",
                                   "start one with `convgpu enforce` (or give its --run-dir)") from None
     except PermissionError:
@@ -133,3 +144,20 @@ def control(run_dir: str, msg: dict) -> dict:
     if not reply.get("ok"):
         raise ConvgpuError(reply.get("error", "the enforcer refused the request"))
     return reply
+
+
+def own_status(run_dir: str) -> dict:
+    """The caller's own container, asked over the shim socket (any process may connect; the
+    enforcer answers from the kernel's word of who asks: docs/TENANT.md)."""
+    from ..enforcer.serving.server import request
+    path = os.environ.get("CONVGPU_SHIM_SOCKET") or f"{run_dir.rstrip('/')}/shim/shim.sock"
+    try:
+        reply = request(path, {"op": "status"})
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise EnforcerUnreachable(f"no enforcer answers on {path}",
+                                  "ask the operator whether convgpu runs, and to mount its shim dir (pods get it)") from None
+    except (OSError, ValueError) as e:
+        raise EnforcerUnreachable(f"the enforcer on {path} did not answer ({e})", "ask the operator") from None
+    if not reply.get("ok"):
+        raise ConvgpuError(reply.get("error", "the enforcer refused the request"))
+    return reply["status"]

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..enforcer import ctxest
@@ -15,7 +14,6 @@ from ..probes.libs import LibraryFinder
 from ..probes.nvml import Nvml
 from ..units import format_size
 from . import common
-from .view import row
 
 
 @dataclass
@@ -57,8 +55,26 @@ def backstop_check(nv) -> Check:
                  f"off on {', '.join(off)}: NVML counts no process's memory there", fix, fatal=False)
 
 
+def headers_check(kr: str) -> Check:
+    """The running kernel's headers, or others linked in (scripts/setup.sh links the distro's
+    generic headers where none match: bcc compiles uprobe programs with them, as those use only
+    stable uapi types; issue 52: doctor called those `ok`, as if they were the kernel's own)."""
+    build = f"/lib/modules/{kr}/build"
+    if not os.path.exists(f"{build}/include"):
+        return Check("kernel headers", False, f"{build}: none",
+                     f"install linux-headers-{kr} (or run scripts/setup.sh: it links the generic ones)")
+    real = os.path.realpath(build)
+    if kr in real or not os.path.islink(build):
+        return Check("kernel headers", True, f"{build} ({real})")
+    return Check("kernel headers", False, f"{build} -> {real}: another kernel's headers, linked in",
+                 "enough for convgpu's uprobe programs (stable uapi types only); install "
+                 f"linux-headers-{kr} where the distro has it", fatal=False)
+
+
 def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.RUN_DIR) -> list[Check]:
-    checks = [Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run as root (sudo convgpu ...)")]
+    root = os.geteuid() == 0
+    checks = [Check("root", root, f"euid {os.geteuid()}", "run as root (sudo convgpu ...)")]
+    as_root = "run `sudo convgpu doctor`: only root may look at this (it says nothing of the kernel)"
     checks.append(Check("BTF", os.path.exists("/sys/kernel/btf/vmlinux"), "/sys/kernel/btf/vmlinux",
                         "a kernel with CONFIG_DEBUG_INFO_BTF helps; not required by bcc", fatal=False))
     up = os.path.exists("/sys/bus/event_source/devices/uprobe")
@@ -74,20 +90,27 @@ def run_checks(state_dir: str = ctxest.DEFAULT_STATE_DIR, run_dir: str = common.
         checks.append(Check("uprobe sessions", ok, detail,
                             "Linux >= 6.13: without, every free is also trapped at its return (about "
                             "half a microsecond each: docs/ENFORCE.md, \"Waits\")", fatal=False))
+    elif up:   # issue 52: as non-root these read as the kernel's lack
+        checks.append(Check("uprobe links", False, NEEDS_ROOT, as_root, fatal=False))
     from ..probes.loader import has_open_tracepoints
-    tp = has_open_tracepoints()
-    checks.append(Check("open tracepoints", tp, "syscalls/sys_{enter,exit}_openat" if tp else "none under tracefs",
-                        "a kernel with CONFIG_FTRACE_SYSCALLS: else a new driver copy is found only by "
-                        "the periodic scan, up to a second late", fatal=False))
+    if root:
+        tp = has_open_tracepoints()
+        checks.append(Check("open tracepoints", tp, "syscalls/sys_{enter,exit}_openat" if tp else "none under tracefs",
+                            "a kernel with CONFIG_FTRACE_SYSCALLS: else a new driver copy is found only by "
+                            "the periodic scan, up to a second late", fatal=False))
+    else:
+        checks.append(Check("open tracepoints", False, f"{NEEDS_ROOT} (tracefs is root's)", as_root, fatal=False))
     kr = os.uname().release
-    hdr = os.path.exists(f"/lib/modules/{kr}/build/include")
-    checks.append(Check("kernel headers", hdr, f"/lib/modules/{kr}/build",
-                        "run scripts/setup.sh (installs headers or links the generic ones)"))
+    hdr_check = headers_check(kr)
+    hdr = hdr_check.ok or not hdr_check.fatal
+    checks.append(hdr_check)
     try:
         loader.import_bcc()
         checks.append(Check("bcc", True, "imports"))
-        if os.geteuid() == 0 and hdr:
+        if root and hdr:
             checks += _bpf_checks()
+        elif not root:
+            checks.append(Check("BPF compile+load", False, NEEDS_ROOT, as_root, fatal=False))
     except Exception as e:
         checks.append(Check("bcc", False, str(e)[:200], "apt-get install python3-bpfcc; venv with --system-site-packages"))
     libs = LibraryFinder().scan() if os.path.isdir("/proc") else []
@@ -166,10 +189,15 @@ def _decisions_check(state_dir: str) -> Check:
     dir writable (else `limit set`, `convgpu run` and the agent's pod limits are refused)."""
     from ..enforcer.tenants import durable
     state, detail = durable.check(state_dir)
+    if os.geteuid() != 0 and (state == "unreadable" and "Permission denied" in detail or
+                              state == "unwritable" and "not writable" in detail):   # root's, not broken
+        return Check("decisions", False, f"{NEEDS_ROOT} ({detail})",
+                     "run `sudo convgpu doctor`: only root may read the enforcer's state dir", fatal=False)
     fixes = {"unreadable": "the enforcer holds every container until it is repaired or moved aside "
                            "(then `convgpu reload`): see docs/OPERATOR.md, \"What survives a restart\"",
              "unwritable": "make the state dir writable (and not full), or give --state-dir"}
-    return Check("decisions", state in ("ok", "none"), detail, fixes.get(state, ""), fatal=False)
+    # unreadable: the enforcer holds every container: it cannot work as meant (issue 52: only `warn`)
+    return Check("decisions", state in ("ok", "none"), detail, fixes.get(state, ""), fatal=state == "unreadable")
 
 
 def _recheck_check(lib) -> Check:
@@ -217,19 +245,49 @@ def _bpf_checks() -> list[Check]:
     return out
 
 
+NEEDS_ROOT = "not checked: needs root"
+
+
+def verdict(checks: list[Check]) -> tuple[bool, str]:
+    """(ready, the one line that sums the checks up): not ready where tracing cannot work, or
+    where an enforcer would hold every container (its decisions unreadable)."""
+    bad = [c.name for c in checks if c.fatal and not c.ok]
+    warn = sum(1 for c in checks if not c.ok and not c.fatal)
+    if bad:
+        return False, (f"NOT READY: {', '.join(bad)} failed; `convgpu trace` and `convgpu enforce` cannot work "
+                       "here until each is fixed (the fixes are above)")
+    demo = not any(c.name == "libcuda" and c.ok for c in checks)
+    return True, ("ready: `convgpu trace` and `convgpu enforce` work here"
+                  + (" (no NVIDIA driver: `convgpu trace` runs its demo)" if demo else "")
+                  + (f"; {warn} warning(s) above limit what is measured or shown, not what is enforced" if warn else ""))
+
+
+def report(checks: list[Check]) -> list[Text]:
+    """One line per check, its fix on the next where it failed; never a table: a path or a fix is
+    never cut or split mid-word (issue 52: a 100-column table split paths), the terminal wraps
+    long lines whole."""
+    width = max(len(c.name) for c in checks) + 2
+    out = []
+    for c in checks:
+        mark = ("ok", "green") if c.ok else ("FAIL", "red") if c.fatal else ("warn", "yellow")
+        line = Text.assemble((f"{mark[0]:<5}", mark[1]), f"{c.name:<{width}}", c.detail)   # details: text
+        out.append(line)
+        if not c.ok and c.fix:
+            out.append(Text(" " * (5 + width) + "fix: " + c.fix, style="dim"))
+    return out
+
+
 @common.handle_errors
 def doctor(state_dir: str = typer.Option(ctxest.DEFAULT_STATE_DIR, "--state-dir", help="The enforcer's state dir: "
                                          "what a start would charge per CUDA context (learned or measured there)."),
            run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help=common.RUN_DIR_HELP)):
-    """Check that this host can trace CUDA allocations; print the fix for every problem."""
+    """Check that this host can trace and limit CUDA allocations; print the fix for every problem
+    and, last, a one-line verdict (exit 1 when not ready)."""
     checks = run_checks(state_dir, run_dir)
-    t = Table(show_header=True, box=None)
-    for col in ("check", "", "detail", "fix"):
-        t.add_column(col, overflow="fold")
-    for c in checks:
-        mark = Text("ok", "green") if c.ok else Text("FAIL", "red") if c.fatal else Text("warn", "yellow")
-        row(t, c.name, mark, c.detail, "" if c.ok else c.fix)   # details name files and containers: text
-    Console(width=100).print(t)
-    bad = [c for c in checks if c.fatal and not c.ok]
-    if bad:
-        raise common.fail(f"tracing cannot work here: {', '.join(c.name for c in bad)}; see the fixes above")
+    console = Console(highlight=False)
+    for line in report(checks):
+        console.print(line, soft_wrap=True)
+    ready, line = verdict(checks)
+    if not ready:
+        raise common.fail(f"verdict: {line}")
+    console.print(Text.assemble(("verdict: ", "bold"), (line, "green")), soft_wrap=True)

@@ -2,6 +2,7 @@
 
 Every option can also be set in the config file's [enforce] table (same name, underscores);
 an option given on the command line wins. Built-in defaults are in DEFAULTS."""
+import errno
 import logging
 import os
 import signal
@@ -11,7 +12,7 @@ from enum import Enum
 import typer
 
 from .. import phases
-from ..enforcer import ctxest, policies
+from ..enforcer import ctxest, hostlock, policies
 from ..enforcer.tenants import config as cfg
 from ..enforcer.daemon import Enforcer
 from ..enforcer.tenants.engines import EngineLookup
@@ -50,6 +51,29 @@ def metrics_tls_of(value: str | None):
     if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(f"invalid --metrics-tls {value!r}", "give CERT,KEY or CERT,KEY,CLIENT_CA (PEM files)")
     return Tls(*parts)
+
+
+def check_tls(s: dict):
+    """--metrics-tls's files read before the port is bound, so that each failure names its own
+    cause (issue 52: a port in use blamed the TLS files)."""
+    tls = metrics_tls_of(s["metrics_tls"])
+    if tls is None:
+        return
+    try:
+        tls.context()
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--metrics-tls {s['metrics_tls']}: {getattr(e, 'strerror', None) or e}",
+                          "give readable PEM files: CERT,KEY[,CLIENT_CA]") from None
+
+
+def metrics_error(e: OSError, s: dict) -> ConfigError:
+    """Why the metrics server did not start (its TLS files were read already: check_tls)."""
+    where = f"{s['metrics_address']}:{s['metrics_port']}"
+    if e.errno == errno.EADDRINUSE:
+        return ConfigError(f"cannot serve metrics on {where}: the port is in use (`ss -ltnp 'sport = :{s['metrics_port']}'` "
+                           "says by what)", "choose a free --metrics-port")
+    return ConfigError(f"cannot serve metrics on {where}: {e.strerror or e}",
+                       "give an address of this host (--metrics-address) and a free --metrics-port")
 
 
 class Policy(str, Enum):
@@ -126,6 +150,21 @@ def map_quota(s: dict) -> MapQuota:
     return q
 
 
+def check_sizes(s: dict, limits: dict[str, int], conf: cfg.Config | None):
+    """Sizes that leave a container, or the GPU, nothing are refused before anything starts
+    (issue 52: `--default-limit 0` and `--limit a=0` were taken, every such container waiting
+    at its first CUDA call). A limit no context fits in is said once the estimates are known
+    (Runtime.warn_small_limits)."""
+    if s["gpu_memory"] == 0:
+        raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
+    zero = [("--default-limit", s["default_limit"])] + [(f"--limit {k}", v) for k, v in limits.items()]
+    zero += [(f"config rule #{i} ({r.match} {r.pattern!r})", r.limit) for i, r in enumerate(conf.rules if conf else (), 1)]
+    for what, size in zero:
+        if size == 0:
+            raise ConfigError(f"{what} is 0: a container given it can allocate nothing, and its first CUDA call "
+                              "waits until the limit is raised", "give a size, e.g. 1GiB")
+
+
 def rules_from(config: cfg.Config | None, limits: dict[str, int], default_limit: int) -> LimitRules:
     return LimitRules(dict(limits), default_limit, list(config.rules) if config else [])
 
@@ -186,8 +225,7 @@ def enforce(
            "never_swap": list(never_swap) or None}
     s = settings_from(conf, cli)
     quota = map_quota(s)
-    if s["gpu_memory"] == 0:
-        raise ConfigError("--gpu-memory 0 leaves nothing to share", "give the capacity per GPU, e.g. 5GiB")
+    check_sizes(s, limits, conf)
 
     def reload():
         new = cfg.load(path) if path else cfg.Config()
@@ -197,6 +235,14 @@ def enforce(
                 log.warning("reload: %s changed in %s; it takes effect at the next restart", key, path)
         return rules_from(new, limits, merged["default_limit"]), merged
 
+    lock = hostlock.take(s["run_dir"])   # before anything is probed: one enforcer per host (issue 52)
+    try:
+        _serve(s, conf, limits, path, reload, quota, no_bpf_cache, duration)
+    finally:
+        os.close(lock)
+
+
+def _serve(s: dict, conf, limits, path, reload, quota, no_bpf_cache: bool, duration: float):
     nvml = Nvml()
     capacity = capacity_of(s["gpu_memory"], s["reserve"], nvml)
     stopper = make_stopper(s["stall"])
@@ -216,13 +262,12 @@ def enforce(
     try:
         if s["metrics_port"]:
             from ..enforcer.metrics import JobCollector, MetricsServer   # imported only when served (start-up)
+            check_tls(s)
             try:
                 enf.metrics = MetricsServer(s["metrics_port"], s["metrics_address"], nvml=nvml,
                                             tls=metrics_tls_of(s["metrics_tls"]), extra=[JobCollector(enf.history)])
             except (OSError, ssl.SSLError) as e:
-                raise ConfigError(f"cannot serve metrics on {s['metrics_address']}:{s['metrics_port']}: "
-                                  f"{e.strerror or e}", "choose a free --metrics-port, and readable "
-                                  "PEM files for --metrics-tls") from None
+                raise metrics_error(e, s) from None
         phases.mark("setup")
         try:
             enf.start()

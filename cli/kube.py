@@ -21,7 +21,7 @@ PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 def kube(
     unit: str = typer.Option("256MiB", "--unit", help="GPU memory per unit of convgpu.io/gpu-memory (a pod asking 16 gets 16 units)."),
     gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory shared per GPU (default: NVML's total minus --reserve; give the enforcer's value)."),
-    reserve: str = typer.Option("512MiB", "--reserve", help="Kept free per GPU when the capacity comes from NVML (the enforcer's default)."),
+    reserve: str = typer.Option("512MiB", "--reserve", help="Kept free per GPU when the capacity comes from NVML (as the enforcer's --reserve)."),
     resource: str = typer.Option("convgpu.io/gpu-memory", "--resource", help="The extended resource name."),
     plugin_dir: str = typer.Option(PLUGIN_DIR, "--plugin-dir", help="The kubelet's device-plugins dir (kubelet.sock and our socket)."),
     pod_resources: str = typer.Option("/var/lib/kubelet/pod-resources/kubelet.sock", "--pod-resources", help="The kubelet's pod-resources socket."),
@@ -58,19 +58,24 @@ def kube(
     nvml = Nvml()
     node = NodeGpus(nvml, gm, res_b, recover_after)
     owner = Owner(run_dir, "dra" if dra else "device-plugin")
-    gpus = owner.filter(node.read())
-    if not gpus:
-        raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'}"
-                          f"{'; held by the other agent: ' + ', '.join(owner.refused) if owner.refused else ''})",
-                          "run on a GPU node, or give --gpu-memory for one GPU")
-    offer = offer_shim(run_dir, host_run_dir) if shim else None
-    if dra:
-        plugin, syncer = _dra(node_name, gpus, unit_b, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir,
-                              node, _sources("off" if api == "off" else "on", node_name, log_root), pod_resources)
-    else:
-        plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer, cdi_kind=cdi)
-        syncer = PodSync(os.path.join(run_dir, "control.sock"), _sources(api, node_name, log_root), unit_b,
-                         pod_resources, resource) if limits else None
+    try:   # a refusal below lets go of the GPUs at once (the owner's lock), not at the process's exit
+        gpus = owner.filter(node.read())
+        if not gpus:
+            raise ConfigError(f"no GPU to advertise ({nvml.error or 'NVML lists none'}"
+                              f"{'; held by the other agent: ' + ', '.join(owner.refused) if owner.refused else ''})",
+                              "run on a GPU node, or give --gpu-memory for one GPU")
+        offer = offer_shim(run_dir, host_run_dir) if shim else None
+        if dra:
+            plugin, syncer = _dra(node_name, gpus, unit_b, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir,
+                                  node, _sources("off" if api == "off" else "on", node_name, log_root), pod_resources)
+        else:
+            plugin = DevicePlugin(plugin_dir, gpus, unit_b, resource, shim=offer, cdi_kind=cdi)
+            syncer = PodSync(os.path.join(run_dir, "control.sock"), _sources(api, node_name, log_root), unit_b,
+                             pod_resources, resource) if limits else None
+    except BaseException:
+        owner.close()
+        nvml.close()
+        raise
     plugin.set_health(node.bad())
     common.stop_on_signals()
     agent = Agent(plugin, syncer, lambda: owner.filter(node.read()), sync, inventory_every, bad=node.bad,
@@ -102,11 +107,19 @@ def _sources(api: str, node_name: str | None, log_root: str) -> list:
             sources.append(ApiServerPods(node_name))
         except Exception as e:
             if api == "on":
-                raise ConfigError(f"cannot read pods from the API server: {e}",
-                                  "pip install 'convgpu[k8s]', give the pod a service account allowed to list pods") from None
+                raise ConfigError(f"cannot read pods from the API server: {e}", _api_fix(e)) from None
             log.warning("API server not used (%s): no annotations; container ids from %s", e, log_root)
     sources.append(KubeletLogPods(log_root))
     return sources
+
+
+def _api_fix(e: Exception) -> str:
+    """The fix for an API server that cannot be used: the extra where the client is missing,
+    else where its configuration comes from (issue 52: the extra was named when installed)."""
+    if isinstance(e, ImportError):
+        return "pip install 'convgpu[k8s]' (the kubernetes client)"
+    return ("run in the DaemonSet (its service account), or set KUBECONFIG to a kubeconfig; the service account "
+            "must be allowed what deploy/kubernetes/base/rbac.yaml allows")
 
 
 def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, cdi_dir, node, sources, pod_resources):
@@ -118,11 +131,14 @@ def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, 
     if not node_name:
         raise ConfigError("--dra needs this node's name (the pool and the ResourceSlice are named after it)",
                           "set NODE_NAME or --node-name")
+    kubelet = os.path.dirname(os.path.abspath(registry_dir))
+    if not os.path.isdir(registry_dir) and not os.path.isdir(kubelet):   # nothing made on a host that is no node
+        raise ConfigError(f"no kubelet on this host: {kubelet} is missing",
+                          "run `convgpu kube --dra` on a Kubernetes node (the DaemonSet does), or give --registry-dir")
     try:
         client = api_client()
     except Exception as e:
-        raise ConfigError(f"--dra needs the API server (claims, the ResourceSlice): {e}",
-                          "pip install 'convgpu[k8s]'; run in the DaemonSet (its service account) or set KUBECONFIG") from None
+        raise ConfigError(f"--dra needs the API server (claims, the ResourceSlice): {e}", _api_fix(e)) from None
     from kubernetes.client import ResourceV1Api
     claims = ResourceV1Api(client)
     enforcer = Enforcer(os.path.join(run_dir, "control.sock"))

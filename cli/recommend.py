@@ -83,7 +83,7 @@ def table(recs, m: rc.Method) -> Table:
 @common.handle_errors
 def recommend(
     jobs: list[str] = typer.Argument(None, help="Jobs to show: a key (run:train, podman:web, k8s:ns/Deployment/web/app) or a name only one job has. Default: every job."),
-    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help=f"Where the history is (the enforcer's --state-dir, default {DEFAULT_STATE_DIR})."),
+    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help="Where the history is (the enforcer's --state-dir)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout: the method and, per job, the recommendation and its forms."),
     margin: str = typer.Option("10%", "--margin", help="Added to the peak: a whole percentage of it (10%) or a size (512MiB)."),
     unit: str = typer.Option("256MiB", "--unit", help="The limit is a whole number of these: give `convgpu kube --unit`."),

@@ -7,9 +7,6 @@ import time
 from enum import Enum
 
 import typer
-from rich.console import Console
-from rich.live import Live
-
 from .. import phases
 from ..demo import CTX_OVERHEAD as DEMO_CTX_OVERHEAD, GROUPS, Demo
 from ..enforcer import devattrs
@@ -24,9 +21,9 @@ from ..probes.libs import system_drivers
 from ..probes.nvml import Nvml
 from ..probes.table import CUDA
 from ..probes.tracer import Tracer
-from ..units import parse_size
+from ..units import format_duration, parse_size
 from . import common
-from .view import WIDTH, render
+from .live import Keys, View
 
 log = logging.getLogger("convgpu.cli.trace")
 
@@ -66,13 +63,13 @@ def trace(
     lib: list[str] = typer.Option([], "--lib", help="Also probe this libcuda.so.1 / libcudart (repeatable)."),
     discover: bool = typer.Option(True, "--discover/--no-discover", help="Find CUDA libraries on the host and in containers."),
     demo: DemoMode = typer.Option(DemoMode.auto, "--demo", help="auto: run the bundled demo when the host has no NVIDIA driver and no --pid, --lib or --container is given."),
-    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="Context overhead per process where NVML cannot measure it (default 519MiB)."),
+    ctx_overhead: str = typer.Option(None, "--ctx-overhead", help="What a CUDA context is shown as until NVML has measured one on its GPU (then: the median measured there). Not given: 519MiB (a bare context on an H100), 64MiB in the demo; with an enforcer running, its own charges are shown."),
     events: bool = typer.Option(True, "--events/--no-events", help="With --json: also print each event."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest", help="Check that every probe of the host's own driver fires (a child calls each symbol once, before cuInit); a container's copy is only read, never loaded."),
     no_bpf_cache: bool = typer.Option(False, "--no-bpf-cache", help=common.NO_BPF_CACHE_HELP),
     run_dir: str = typer.Option(common.RUN_DIR, "--run-dir", help="Where a running enforcer answers: then trace shows its view (limits, assignments, waiters) instead of probing twice."),
     history: bool = typer.Option(True, "--history/--no-history", help="Keep each container's run in the job history (`convgpu recommend`), where no enforcer runs (it keeps them then); not for the demo or with --pid."),
-    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help=f"Where the job history is kept (default {DEFAULT_STATE_DIR}, the enforcer's)."),
+    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="CONVGPU_STATE_DIR", help="Where the job history is kept (the enforcer's --state-dir)."),
 ):
     """Watch live how much GPU memory each container and process holds."""
     phases.mark("imports")
@@ -146,36 +143,77 @@ def _enforcer_answers(run_dir: str) -> bool:
         return False
 
 
-def _remote(run_dir, pids, container, interval, duration, as_json, events):
-    """The running enforcer's probes and accounting, asked every interval over its socket."""
-    from ..probes.events import Event
-    msg = {"cmd": "snapshot", "pids": sorted(pids) or None, "container": container}
-    seen = 0
+RECONNECT_EVERY = 1.0   # s between two tries to reach an enforcer that went away
 
-    def snap():
-        nonlocal seen
-        r = common.control(run_dir, msg)
+
+class Remote:
+    """The running enforcer's probes and accounting, asked over its socket. It may stop (a
+    `systemctl restart`): then snap() returns None, `gone` says since when and why, and the
+    next snap() tries again (issue 52: trace ended with "no enforcer answers ... start one")."""
+
+    def __init__(self, run_dir, pids, container, as_json, events):
+        self.run_dir, self.pids, self.as_json, self.events = run_dir, pids, as_json, events
+        self.msg = {"cmd": "snapshot", "pids": sorted(pids) or None, "container": container}
+        self.seen = 0
+        self.last = None                  # the last snapshot it sent
+        self.gone: tuple[float, str] | None = None   # (since, why) while it does not answer
+        self.pid = None
+
+    def snap(self):
+        from ..probes.events import Event
+        try:
+            r = common.control(self.run_dir, self.msg)
+        except ConvgpuError as e:
+            if self.gone is None:
+                self.gone = (time.monotonic(), e.problem)
+                self._say({"type": "enforcer", "state": "gone", "error": e.problem, "ts": time.time()})
+            return None
         evs = [Event(**{k: e[k] for k in Event._fields}) for e in r["events"]]
-        if as_json and events:
+        pid = r["snapshot"].get("enforce", {}).get("pid")
+        if self.gone is not None or (self.pid is not None and pid != self.pid):
+            self.gone = None
+            self._say({"type": "enforcer", "state": "back", "pid": pid, "ts": time.time()})
+        self.pid = pid
+        if self.as_json and self.events:
             for e in r["events"]:
-                if e["ts_ns"] > seen and (not pids or e["pid"] in pids):
+                if e["ts_ns"] > self.seen and (not self.pids or e["pid"] in self.pids):
                     sys.stdout.write(json.dumps(e) + "\n")
-            seen = max([seen] + [e["ts_ns"] for e in r["events"]])
-        return Snapshot.from_json(r["snapshot"], evs)
+            self.seen = max([self.seen] + [e["ts_ns"] for e in r["events"]])
+        self.last = Snapshot.from_json(r["snapshot"], evs)
+        return self.last
 
+    def _say(self, obj: dict):
+        if self.as_json:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    def alert(self) -> str | None:
+        if self.gone is None:
+            return None
+        since, why = self.gone
+        return (f"enforcer gone {format_duration(time.monotonic() - since)} ago ({why}): reconnecting; "
+                "the view below is its last")
+
+
+def _remote(run_dir, pids, container, interval, duration, as_json, events):
+    remote = Remote(run_dir, pids, container, as_json, events)
     end = time.monotonic() + duration if duration else None
     if as_json:
         while True:
-            sys.stdout.write(json.dumps(snap().to_json()) + "\n")
-            sys.stdout.flush()
+            s = remote.snap()
+            if s is not None:
+                sys.stdout.write(json.dumps(s.to_json()) + "\n")
+                sys.stdout.flush()
             if end is not None and time.monotonic() >= end:
                 return
-            time.sleep(interval)
-    console = Console(width=min(WIDTH, Console().width))
-    with Live(render(snap()), console=console, refresh_per_second=4, screen=False) as live:
+            time.sleep(interval if s is not None else min(interval, RECONNECT_EVERY))
+    empty = Snapshot(time.time(), "driver", (), ())
+    with Keys() as keys, View() as view:
         while end is None or time.monotonic() < end:
-            time.sleep(interval)
-            live.update(render(snap()))
+            s = remote.snap()
+            view.update(s or remote.last or empty, remote.alert())
+            if keys.quit(interval if s is not None else min(interval, RECONNECT_EVERY)):
+                return
 
 
 def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, events, the_demo, recorder=None):
@@ -222,12 +260,13 @@ def _loop(tracer, acct, mode, pids, container, interval, duration, as_json, even
         out.write(json.dumps(snap().to_json()) + "\n")
         out.flush()
         return
-    console = Console(width=min(WIDTH, Console().width))
-    with Live(render(snap()), console=console, refresh_per_second=4, screen=False) as live:
+    with Keys() as keys, View() as view:
         next_snap = time.monotonic()
         while end is None or time.monotonic() < end:
             step()
             if time.monotonic() >= next_snap:
-                live.update(render(snap()))
+                view.update(snap())
                 next_snap += interval
             tracer.wait(tick)   # a process stopped at a driver's open wakes us
+            if keys.quit():
+                return

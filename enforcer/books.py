@@ -5,6 +5,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..errors import ConvgpuError
 from ..units import format_size
 from . import policies
 from .tenants.containers import Container
@@ -124,6 +125,17 @@ class Box:
 
     def member_pids(self, cid: str) -> list[int]:
         return sorted(p for p, m in self.of_pid.items() if m == cid)
+
+
+class Ambiguous(ConvgpuError):
+    """A name (or prefix) that several containers answer to: which one is meant is the
+    operator's to say, by an id."""
+
+    def __init__(self, name: str, ids: list[tuple[str, str]]):
+        super().__init__(f"{name!r} names {len(ids)} containers: "
+                         + ", ".join(f"id {cid} (cgroup {cg})" if cg != cid else f"id {cid}" for cid, cg in ids),
+                         "give one of their ids (`convgpu status` shows them)")
+        self.ids = [cid for cid, _ in ids]
 
 
 class Books:
@@ -292,14 +304,20 @@ class Books:
         return next((b for b in self.boxes.values() if cid in b.members), None)
 
     def find(self, container: str) -> Box:
-        """A budget by its name, id, short id or cgroup, or by one of its members'."""
-        for box in self.boxes.values():
-            for c in (box.container, *box.members.values()):
-                if container in (box.name, c.id, c.short, c.cgroup) and container:
-                    return box
-        for box in self.boxes.values():
-            if len(container) >= 6 and any(c.id.startswith(container) for c in (box.container, *box.members.values())):
-                return box
+        """The one budget a name, id, short id, cgroup or id prefix (6+ characters) names: its
+        own, or one of its containers' (a DRA claim's budget holds several). Two containers may
+        share a name (two `convgpu run --name job`): a name that matches several is an error
+        listing their ids, never the first one found (issue 52)."""
+        def answers(b: Box, exact: bool) -> bool:
+            return any(container in (b.name, c.id, c.short, c.cgroup) if exact
+                       else len(container) >= 6 and c.id.startswith(container)
+                       for c in (b.container, *b.members.values()))
+        for exact in (True, False):
+            found = [b for b in self.boxes.values() if container and answers(b, exact)]
+            if len(found) > 1:
+                raise Ambiguous(container, [(b.container.id, b.container.cgroup) for b in found])
+            if found:
+                return found[0]
         raise KeyError(container)
 
     def capped(self, name: str, limit: int) -> int:

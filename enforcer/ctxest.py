@@ -47,7 +47,7 @@ ARCH_DEFAULTS = (
     ("H100", 580, 550 * MiB, 612 * MiB,
      "H100 80GB HBM3, driver 580.159.04: 518 MiB driver API and nvcc static runtime, 611.9 MiB "
      "PyTorch with cuBLAS loaded (docs/gpu-runs/2026-11-22), 518-550 MiB CuPy and JAX, 522 MiB "
-     "PyTorch (FACTS.md, 2026-11-23)"),
+     "PyTorch (docs/gpu-runs/2026-11-23)"),
 )
 # The last fallback, where nothing was measured or is known: above every per-process context
 # measured on these machines (FACTS.md: 518-550 MiB driver API, CuPy, JAX; 612 MiB PyTorch with
@@ -153,7 +153,23 @@ def choose(dev: Device, operator: int | None = None, measured: int | None = None
     if found:
         return Estimate(found[0], "table-hint", f"nothing measured{why}: the table's {found[1]}")
     return Estimate(CONSERVATIVE, "conservative", f"nothing measured{why} or known for {dev}: above every "
-                    "context measured (an NCCL rank ~966 MiB, FACTS.md)")
+                    "context measured (an NCCL rank ~966 MiB on the H200)")
+
+
+def below_context(limit: int, estimates: dict[int, Estimate]) -> dict[int, Estimate]:
+    """The GPUs on which `limit` is below what one context is charged before NVML measures it
+    (issue 52): a process limited so cannot make its context there, and its first CUDA call
+    waits until the limit is raised. Where the estimate is the conservative 1 GiB, NVML's
+    measurement (within a second of the context) would often fit, but a process that waits at
+    its first call has made no context to measure."""
+    return {d: e for d, e in sorted(estimates.items()) if limit < e.bytes}
+
+
+def below_context_text(what: str, limit: int, below: dict[int, Estimate]) -> str:
+    """One line: the limit, and each GPU's context charge with where that figure comes from."""
+    from ..units import format_size
+    gpus = "; ".join(f"GPU{d}: {format_size(e.bytes)} ({e.source}: {e.detail})" for d, e in below.items())
+    return f"{what} ({format_size(limit)}) is below one CUDA context's charge on {gpus}"
 
 
 def ceiling(dev: Device, est: Estimate, page: int) -> Estimate:

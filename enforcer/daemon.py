@@ -115,7 +115,7 @@ class Enforcer:
         # read (and the directory locked) at start, before the first admission
         self.durable = durable.Store(state_dir)
         self.runtime = Runtime(rules, self.durable, self.books, self.decider, self.credit.revoke,
-                               self.maps.write_assign, self.admission.write, reload, gpus)
+                               self.maps.write_assign, self.admission.write, reload, gpus, self.charges.estimate)
         self.history = Recorder(HistoryFile(state_dir) if state_dir else None)   # each job's runs (history/)
         self.placement = Placement(tracer, self.books, self.maps, self.actuator, self.credit.revoke, self.quotas,
                                    self.runtime, self.history, self.charge.hold_newcomer, container_of, engines,
@@ -237,6 +237,7 @@ class Enforcer:
                       "nothing more, never killed) until it is repaired or moved aside and `convgpu "
                       "reload` reads it", self.durable.error)
         self.runtime.decided()
+        self.runtime.warn_small_limits()   # a limit no context fits in: said at once (issue 52)
         raise_nofile()   # a connection is an fd: the caps (serving/peers.py) stay below the limit
         self.servers.append(server.Server(self.control_path, ControlHandler(self.reporter, self.runtime, self.swapper), 0o600,
                                           root_only=True, sel=self.sel))
@@ -312,6 +313,7 @@ class Enforcer:
             self.swapper.off = "no host driver to make the checkpoint calls with"
             return
         self.swapper.agent = Agent(driver)
+        self.swapper.agent.submit("state", os.getpid(), 30)   # its child starts now: status says whether swap can be
         self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
         self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)
         self.swapper.load()

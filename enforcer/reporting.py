@@ -64,6 +64,8 @@ class Reporter:
                     "context_overhead": self.books.ctx_held(box, dev, 0, contexts),
                     "context_source": self._ctx_source(box, dev, contexts),
                     "reserved": reserved, "contexts": contexts, "waiting": w is not None,
+                    # what it holds and its stopped calls ask: above the limit, only a new one helps
+                    "demand": self.books.demand(box, dev),
                     "shim_credit": self.broker.unspent(box, dev),
                     "over_limit": bool(w and w.over_limit) or over["over_by"] > 0,
                     # the driver's count (NVML) against the limit, as the backstop attributed it
@@ -140,7 +142,7 @@ class Reporter:
         if self.backstop.off.get(dev, "").startswith("MIG"):
             return "off: MIG mode (the checkpoint of a MIG instance's process is not known to work)"
         why = self.swapper.why_off()
-        return f"off: {why}" if why else "on"
+        return f"off: {why}" if why else "on" if self.swapper.agent.ready else "starting"
 
     def _uuid(self, dev: int) -> str:
         g = getattr(self.tracer, "gpumap", None)

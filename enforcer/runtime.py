@@ -5,8 +5,10 @@ and fsynced) before it is applied and acknowledged; one that cannot be written i
 nothing changes."""
 import logging
 
+from ..errors import ConvgpuError
 from ..units import format_size
-from .books import Box
+from . import ctxest
+from .books import Ambiguous, Box
 from .tenants import durable
 from .tenants.decisionfile import LimitSet, Run
 from .tenants.containers import Container, container_of_path
@@ -37,16 +39,20 @@ class Runtime:
     containers, their limits), the decider (its settings; schedule() once a limit changed),
     revoke(box, dev) (the shim's credit back before a limit changes: ShimCredit), write_assign
     (BpfMaps), write_control(enforcing) (Admission: --over-limit kill is back once the decisions
-    are read), reload_config() -> (LimitRules, settings) (None: no config file), NVML's GPUs."""
+    are read), reload_config() -> (LimitRules, settings) (None: no config file), NVML's GPUs, and
+    estimate(dev) (ctxest.Charges.estimate: a limit no context fits in is refused or said)."""
 
     def __init__(self, rules, store: durable.Store, books, decider, revoke, write_assign, write_control,
-                 reload_config=None, gpus: dict | None = None):
+                 reload_config=None, gpus: dict | None = None, estimate=None):
         self.rules, self.durable, self.books, self.decider = rules, store, books, decider
+        self.estimate = estimate   # dev -> ctxest.Estimate: what a context is charged there
         self.revoke, self.write_assign, self.write_control = revoke, write_assign, write_control
         self.reload_config, self.gpus = reload_config, gpus or {}
         self.over_limit_asked = decider.over_limit   # in force unless the decisions are unreadable
         self.names: dict[str, str] = {}   # cgroup -> name given by `convgpu run --name`
         self._swept = 0.0
+        self.reload_error = ""   # why the last reload failed (`convgpu reload` prints it)
+        self.said_small: set = set()   # pod limits no context fits in, said once each
 
     def gpu_key(self, dev: int) -> str:
         return gpu_key(self.gpus, dev)
@@ -95,23 +101,20 @@ class Runtime:
         if self.durable.sweep((c.id, c.cgroup)):
             self.decided()
 
-    def set_limit(self, container: str, limit: int) -> tuple[str, int]:
+    def set_limit(self, container: str, limit: int, force: bool = False) -> tuple[str, int]:
         """`convgpu limit set`: until the container is gone, beats every other source. A job
         registered by `convgpu run` is found before its first CUDA call too (issue 39 part 4:
-        before, "no container is known" until the job had placed a process). (name, limit)."""
-        try:
-            box = self.books.find(container)
-        except KeyError:
-            cgroup = self._registered(container)
-            if cgroup is None:
-                raise
-            c, name, box = container_of_path(cgroup), self.names.get(cgroup) or cgroup, None
-        else:
-            c, name = box.container, box.name
-            if box.claims or c.kind == "claim":
-                from ..errors import ConvgpuError
-                raise ConvgpuError(f"{name} is a DRA claim's budget, shared by {len(box.members)} container(s)",
-                                   "its size is the claim's consumedCapacity: change the claim")
+        before, "no container is known" until the job had placed a process). Refused (issue
+        52): a name several containers answer to, a limit below one context on every GPU, and
+        unless `force`, a limit below what the container holds; a DRA claim's budget (issue
+        48: its size is the claim's). (name, limit)."""
+        c, name, box = self._resolve(container)
+        if box is not None and (box.claims or c.kind == "claim"):
+            raise ConvgpuError(f"{name} is a DRA claim's budget, shared by {len(box.members)} container(s)",
+                               "its size is the claim's consumedCapacity: change the claim")
+        self.check_fits(f"the limit of {name}", limit)
+        if box is not None and not force:
+            self._check_held(box, limit)
         entry = LimitSet(limit, c.cgroup, self.durable.identity(c.cgroup))
         self.durable.commit(self.durable.value.with_limit(c.id, entry), f"the limit of {name}")
         self.decided()
@@ -122,11 +125,91 @@ class Runtime:
             self.apply_limit(box, limit, "convgpu limit set")
         return name, limit
 
-    def _registered(self, container: str) -> str | None:
-        """The cgroup of a `convgpu run` job not placed yet, by its name or its cgroup."""
+    def _resolve(self, container: str) -> tuple[Container, str, Box | None]:
+        """What `container` names: a placed container, or a `convgpu run` job not placed yet;
+        KeyError if none, books.Ambiguous if several (placed or not) answer to it."""
+        try:
+            box = self.books.find(container)
+        except KeyError:
+            box = None
+        waiting = self._registered(container)
+        if len(waiting) + (box is not None) > 1:
+            ids = ([(box.container.id, box.container.cgroup)] if box else []) + [(cg, cg) for cg in waiting]
+            raise Ambiguous(container, ids)
+        if box is not None:
+            return box.container, box.name, box
+        if not waiting:
+            raise KeyError(container)
+        return container_of_path(waiting[0]), self.names.get(waiting[0]) or waiting[0], None
+
+    def _check_held(self, box: Box, limit: int):
+        """A limit below what a container holds stops it at its next call, and the driver's
+        count (the backstop) stops it at once: said, and done only when forced."""
+        for dev in sorted(box.assigned):
+            held = self.books.held(box, dev)
+            if limit < held:
+                raise ConvgpuError(f"{box.name} holds {format_size(held)} on GPU{dev}, more than {format_size(limit)}: "
+                                   "a lower limit stops it until it frees the difference",
+                                   f"give at least {format_size(held)}, or add --force")
+
+    def context_below(self, limit: int, gpu: str | None = None) -> dict:
+        """GPU -> its context estimate, where `limit` is below it (ctxest.below_context); gpu:
+        only the GPU of this key (gpu_key: a Kubernetes grant's)."""
+        if self.estimate is None:
+            return {}
+        return ctxest.below_context(limit, {d: self.estimate(d) for d in sorted(self.books.capacity)
+                                            if gpu is None or self.gpu_key(d) == gpu})
+
+    def check_fits(self, what: str, limit: int):
+        """Refuses a limit below one context's charge on every GPU (`convgpu run`, `limit set`):
+        its job's first CUDA call would wait until the limit is raised (issue 52). Below some
+        GPUs only: allowed (context_warning says it)."""
+        below = self.context_below(limit)
+        if below and len(below) == len(self.books.capacity):
+            least = min(e.bytes for e in below.values())
+            raise ConvgpuError(ctxest.below_context_text(what, limit, below)
+                               + ": its first CUDA call would wait until the limit is raised",
+                               f"give at least {format_size(least)} (the context) plus what the job allocates")
+
+    def context_warning(self, what: str, limit: int, gpu: str | None = None) -> str:
+        """'' where one context fits `limit` on every GPU (or the one of key `gpu`); else one
+        line that says where not."""
+        below = self.context_below(limit, gpu)
+        return (ctxest.below_context_text(what, limit, below) + ": a process there waits at its first "
+                "CUDA call until the limit is raised") if below else ""
+
+    def warn_small_pods(self):
+        """The Kubernetes agent's limits no context fits in, each said once in the log: the pod
+        was scheduled already, and its containers wait at their first CUDA call (issue 52)."""
+        for key, p in sorted(self.rules.pods.items()):
+            for gpu, size in p.gpus or ((None, p.bytes),):
+                if p.lower_only and not size or (key, gpu, size) in self.said_small:
+                    continue
+                text = self.context_warning(f"the pod limit of {key} ({p.source})", size, gpu)
+                if text:
+                    self.said_small.add((key, gpu, size))
+                    log.warning("%s", text)
+
+    def warn_small_limits(self):
+        """At start and at each reload: every limit of the config's and the command line's that
+        no context fits in, in the log at once (its containers would wait at their first call)."""
+        r = self.rules
+        named = [(f"--limit {k}", v) for k, v in r.explicit.items()]
+        named += [(f"config rule #{i} ({x.match} {x.pattern!r})", x.limit) for i, x in enumerate(r.rules, 1)]
+        for what, limit in named + [("--default-limit", r.default)]:
+            text = self.context_warning(what, limit)
+            if text:
+                log.warning("%s", text)
+        for dev, cap in sorted(self.books.capacity.items()):   # --gpu-memory 4B: nothing fits
+            below = self.context_below(cap, self.gpu_key(dev))
+            if below:
+                log.warning("%s: nothing can run there", ctxest.below_context_text(f"the capacity of GPU{dev}", cap, below))
+
+    def _registered(self, container: str) -> list[str]:
+        """The cgroups of `convgpu run` jobs not placed yet that answer to this name or cgroup."""
         placed = {cg for b in self.books.boxes.values() for cg in b.cgroups}
-        return next((cg for cg, run in sorted(self.durable.value.runs.items())
-                     if container in (run.name, cg) and cg not in placed), None)
+        return [cg for cg, run in sorted(self.durable.value.runs.items())
+                if container in (run.name, cg) and cg not in placed]
 
     def registered(self) -> list[dict]:
         """For status: what has a limit and no placed process yet (no CUDA call so far), each
@@ -177,9 +260,9 @@ class Runtime:
     def register_run(self, cgroup: str, limit: int, name: str | None):
         """`convgpu run`: a cgroup of its own with this limit, before its first CUDA call. The
         cgroup must be there: its id tells this container from a later one at the same path."""
+        self.check_fits(f"--limit of {name or cgroup}", limit)
         ident = self.durable.identity(cgroup)
         if ident is None:
-            from ..errors import ConvgpuError
             raise ConvgpuError(f"no cgroup {cgroup}", "make it before registering it (convgpu run does)")
         run = Run(limit, name, ident)
         self.durable.commit(self.durable.value.with_run(cgroup, run), f"the registration of {name or cgroup}")
@@ -218,18 +301,22 @@ class Runtime:
         """SIGHUP / `convgpu reload`: new rules for new containers and for running ones whose
         limit came from a rule, a label or the default. A bad file keeps the last good config.
         A decisions file that could not be read is read again first (repaired or moved aside:
-        the held containers get their limits)."""
+        the held containers get their limits). False: why is in reload_error (`convgpu reload`
+        prints it: issue 52)."""
+        self.reload_error = ""
         recovered = self._reread_decisions()
+        still = f"; the decisions are still unreadable ({self.durable.error})" if self.durable.error else ""
         if self.reload_config is None:
             if recovered:
                 self.relimit()
                 return True
-            log.warning("reload: no config file was given (--config)")
+            self.reload_error = "no config file was given (--config)" + still
+            log.warning("reload: %s", self.reload_error)
             return False
-        from ..errors import ConvgpuError
         try:
             rules, settings = self.reload_config()
         except ConvgpuError as e:
+            self.reload_error = f"{e}{still}"
             log.error("reload failed, keeping the last good config: %s", e)
             if recovered:
                 self.relimit()
@@ -244,6 +331,7 @@ class Runtime:
         self.relimit()
         log.info("config reloaded: %d rules, default limit %s", len(rules.rules),
                  format_size(rules.default))
+        self.warn_small_limits()
         self.say_unmatched("at reload")
         return True
 

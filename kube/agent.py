@@ -10,6 +10,19 @@ import time
 from .plugin import DevicePlugin
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF = 60.0   # s between two rounds of limits while they fail
+
+
+def one_line(e: Exception) -> str:
+    """An error as one line: a gRPC error's code and details (its str() is a multi-line dump)."""
+    code, details = getattr(e, "code", None), getattr(e, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{code().name}: {details()}"[:300]
+        except Exception:
+            pass
+    text = " ".join(str(e).split())
+    return (text or type(e).__name__)[:300]
 
 
 class Agent:
@@ -22,6 +35,8 @@ class Agent:
         self.sync_every, self.inventory_every = sync_every, inventory_every
         self.stop = threading.Event()
         self._wake = threading.Event()
+        self.failing: str | None = None   # why the last round of limits failed (said once)
+        self.delay = sync_every
 
     def _read(self):
         try:
@@ -51,11 +66,7 @@ class Agent:
                     self._read()
                     next_inv = now + self.inventory_every
                 if self.sync is not None and now >= next_sync:
-                    try:
-                        self.sync.round()
-                    except Exception as e:   # kubelet or enforcer restarting: next round
-                        log.warning("limits not synced: %s", str(e)[:300])
-                    next_sync = now + self.sync_every
+                    next_sync = now + self._sync_round()
                 if on_step:
                     on_step()
                 self._wake.wait(min(self.sync_every, self.inventory_every, 0.5))
@@ -63,6 +74,24 @@ class Agent:
             self.stop.set()
             for t in threads:
                 t.join(timeout=10)
+
+    def _sync_round(self) -> float:
+        """One round of the pods' limits; seconds until the next. A failure is one line, said
+        again only when its reason changes, and the rounds back off to MAX_BACKOFF until one
+        succeeds (issue 52: on a host with no kubelet, a multi-line gRPC error every 2 s)."""
+        try:
+            self.sync.round()
+        except Exception as e:   # kubelet or enforcer restarting (or absent): next round
+            why = one_line(e)
+            if why != self.failing:
+                log.warning("limits not synced: %s; trying again, less often while it fails (up to every %.0f s)",
+                            why, MAX_BACKOFF)
+            self.failing, self.delay = why, min(max(self.delay, self.sync_every) * 2, MAX_BACKOFF)
+            return self.delay
+        if self.failing is not None:
+            log.info("limits synced again")
+        self.failing, self.delay = None, self.sync_every
+        return self.sync_every
 
     def _changed(self):
         self._wake.set()

@@ -79,6 +79,16 @@ class Enforcer:
         return self._ask({"cmd": "claim-list"})["claims"]
 
 
+def make_dirs(path: str) -> list[str]:
+    """os.makedirs(path) (0750); returns the directories it made, which were not there before."""
+    made, d = [], os.path.abspath(path)
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(path, mode=0o750, exist_ok=True)
+    return made
+
+
 class DraPlugin(Serving):
     def __init__(self, node: str, gpus: list, read_claim, enforcer: Enforcer, cdi: CdiDir,
                  registry_dir: str = REGISTRY_DIR, plugins_dir: str = PLUGINS_DIR, driver: str = DRIVER,
@@ -107,6 +117,7 @@ class DraPlugin(Serving):
         self.registered = 0            # NotifyRegistrationStatus(registered) calls
         self.server = None
         self.stopping = False
+        self.made: list[str] = []      # directories serve() made: close() removes them if empty
         self.set_gpus(gpus)
 
     # --- what is published ---
@@ -328,7 +339,7 @@ class DraPlugin(Serving):
         import grpc
         self._stop_server()
         for path in (self.reg_socket, self.socket):
-            os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+            self.made += make_dirs(os.path.dirname(path))
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -357,6 +368,12 @@ class DraPlugin(Serving):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        for d in sorted(set(self.made), key=len, reverse=True):   # what we made, if left empty (issue 52)
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        self.made = []
 
 
 def _servicers(p: DraPlugin) -> list:

@@ -252,7 +252,7 @@ def _annotation(ns: str, pod: str, meta: PodMeta) -> int | None:
     if ann is None:
         return None
     try:
-        return parse_size(ann, f"annotation {ANNOTATION} of {ns}/{pod}")
+        return parse_size(ann, f"annotation {ANNOTATION} of {ns}/{pod}", bare=True)
     except SizeError as e:
         if (ns, pod, ann) not in _warned:   # once per pod and value, not every round
             _warned.add((ns, pod, ann))

@@ -1,8 +1,11 @@
 #!/bin/sh
-# One idempotent set-up for a fresh Debian 12 / Ubuntu 22.04 / 24.04 host, run as root.
-# Used by both README commands, by .ci/run and by the Vagrantfile: there is no second copy.
+# The developer's set-up: one idempotent set-up of a fresh Debian 12 / Ubuntu 22.04 / 24.04 host
+# for the tests and the demo, run as root. Used by both README commands, by .ci/run and by the
+# Vagrantfile: there is no second copy. A GPU host that only runs convgpu takes the host install
+# instead (scripts/install.sh: no podman, vagrant, tests or containers.conf; docs/OPERATOR.md).
 #   - apt packages: bcc (python3-bpfcc; PyPI's "bcc" is an unrelated package), a C compiler,
-#     podman + runc for real-container tests and the demo, kernel headers;
+#     podman + runc for real-container tests and the demo, tmux for the live view's tests
+#     (a terminal of a given size), kernel headers;
 #   - kernel headers for the running kernel, else the distro's generic headers linked in
 #     (uprobe programs use only stable uapi types, so generic headers compile them: FACTS.md);
 #   - tracefs mounted; a venv from the *system* python3 with --system-site-packages (bcc's
@@ -16,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 export DEBIAN_FRONTEND=noninteractive
 need=""
-for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static prometheus; do
+for p in python3-bpfcc python3-venv python3-pip gcc make podman runc busybox-static prometheus tmux; do
   dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
 done
 # kubectl renders the Kubernetes deployment (deploy/kubernetes) in the tests: Debian's
@@ -28,17 +31,8 @@ if ! command -v kubectl >/dev/null 2>&1; then
 fi
 # vagrant (from the distro, where it has one): the tests validate the Vagrantfile with it
 if ! dpkg -s vagrant >/dev/null 2>&1 && apt-cache show vagrant >/dev/null 2>&1; then need="$need vagrant"; fi
-kr="$(uname -r)"
-# bcc needs the full header tree: kconfig.h lives in the arch-independent part (-common), so a
-# build link alone (or a source link to the arch part) is not enough.
-headers_ok() { [ -e "/lib/modules/$kr/build/include/linux/kconfig.h" ] || [ -e "/lib/modules/$kr/source/include/linux/kconfig.h" ]; }
-if ! headers_ok; then
-  # Exact headers when the distro has them, else the generic flavour (linked in below).
-  if apt-cache show "linux-headers-$kr" >/dev/null 2>&1; then hdr="linux-headers-$kr"
-  elif grep -qi ubuntu /etc/os-release; then hdr="linux-headers-generic"
-  else hdr="linux-headers-amd64"; fi
-  dpkg -s "$hdr" >/dev/null 2>&1 || need="$need $hdr"
-fi
+. scripts/host.sh   # the kernel headers and tracefs, as the host install does them
+hdr="$(host_headers_pkg)"; [ -z "$hdr" ] || need="$need $hdr"
 if [ -n "$need" ]; then
   apt-get update -qq
   # shellcheck disable=SC2086
@@ -50,17 +44,8 @@ if [ -n "$need" ]; then
   esac
 fi
 
-if ! headers_ok; then
-  b="$(ls -d /usr/src/linux-headers-*-amd64 /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -n1)"
-  [ -n "$b" ] || { echo "setup.sh: no kernel headers under /usr/src; install linux-headers-$kr" >&2; exit 1; }
-  # Debian splits the tree (-amd64 + -common); Ubuntu's -generic is whole. (Not `ls -d A B`:
-  # ls sorts its output, and -amd64 sorts before -common.)
-  c="$b"; [ -d "${b%-*}-common" ] && c="${b%-*}-common"
-  mkdir -p "/lib/modules/$kr"
-  ln -sfn "$b" "/lib/modules/$kr/build"
-  ln -sfn "$c" "/lib/modules/$kr/source"
-fi
-mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+host_link_headers
+host_tracefs
 
 # podman: no default rlimits (setrlimit is not permitted in some sandboxes; callers pass
 # --runtime runc because crun refuses hybrid cgroups). Only written when absent.

@@ -33,6 +33,10 @@ BPF_CACHE = os.environ.setdefault("CONVGPU_BPF_CACHE", tempfile.mkdtemp(prefix="
 # of its own (CONVGPU_BUILD: build_dir(), and every CLI subprocess, inherit it).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 LOCKS = os.environ.setdefault("CONVGPU_TEST_LOCKS", tempfile.mkdtemp(prefix="convgpu-suite-"))
+# One enforcer per host (enforcer/hostlock.py): the lock's path is moved for tests only. Each
+# worker's enforcers run on a copy of the stand-in driver of their own (below), so they lock a
+# file of the worker's; other worktrees' suites have their own LOCKS
+os.environ["CONVGPU_HOST_LOCK"] = f"{LOCKS}/enforcer-{WORKER or 'main'}.lock"
 # `convgpu trace` keeps each container's run in the job history of the state dir (issue 42): the
 # session's own, never the host's /var/lib/convgpu (the enforcer's tests give --state-dir)
 STATE = os.environ.setdefault("CONVGPU_STATE_DIR", tempfile.mkdtemp(prefix="convgpu-state-"))

@@ -143,7 +143,7 @@ class Inotify:
     watcher uses (fsnotify). A socket made again at the same path is a new IN_CREATE, whatever its
     inode number (this filesystem gives a new socket the inode of the one unlinked before it)."""
 
-    IN_CREATE, IN_DELETE, IN_MOVED_FROM, IN_MOVED_TO = 0x100, 0x200, 0x40, 0x80
+    IN_CREATE, IN_DELETE, IN_MOVED_FROM, IN_MOVED_TO, IN_IGNORED = 0x100, 0x200, 0x40, 0x80, 0x8000
     _HEAD = struct.Struct("iIII")   # struct inotify_event: wd, mask, cookie, len; then the name
 
     def __init__(self):
@@ -210,22 +210,26 @@ class DraKubelet:
             ps.add_PodResourcesListerServicer_to_server(Lister(), self.server)
             self.server.add_insecure_port(api.unix(self.pod_resources))
             self.server.start()
+        os.makedirs(self.dir, mode=0o755, exist_ok=True)   # the kubelet's own dir (its plugin watcher makes it)
         threading.Thread(target=self._watch, daemon=True).start()
         return self
 
     def _watch(self):
         notify = Inotify()
         try:
-            while not notify.watch(self.dir):      # the plugin makes the dir
-                if self._stop.wait(0.02):
-                    return
-            for name in sorted(os.listdir(self.dir)):   # what was there before the watch
-                if name.endswith(".sock"):
-                    self._register(os.path.join(self.dir, name))
             while not self._stop.is_set():
-                for mask, name in notify.events(0.05):
-                    if mask & (Inotify.IN_CREATE | Inotify.IN_MOVED_TO) and name.endswith(".sock"):
+                while not notify.watch(self.dir):      # the dir was removed: watched again once made
+                    if self._stop.wait(0.02):
+                        return
+                for name in sorted(os.listdir(self.dir)):   # what was there before the watch
+                    if name.endswith(".sock"):
                         self._register(os.path.join(self.dir, name))
+                gone = False
+                while not gone and not self._stop.is_set():
+                    for mask, name in notify.events(0.05):
+                        gone |= bool(mask & Inotify.IN_IGNORED)
+                        if mask & (Inotify.IN_CREATE | Inotify.IN_MOVED_TO) and name.endswith(".sock"):
+                            self._register(os.path.join(self.dir, name))
         finally:
             notify.close()
 

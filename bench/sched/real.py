@@ -108,9 +108,9 @@ def enforcer(lib: Path, limits: dict[str, int], *args: str, capacity: int = CAPA
     # over a fresh file can wait for writeback and hold its loop for hundreds of ms
     run_dir = tempfile.mkdtemp(prefix=f"{tag}-run-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     argv = [sys.executable, "-m", "convgpu.cli.main", *(["--debug"] if debug else []), "enforce", "--no-discover", "--lib", str(lib),
-            "--run-dir", run_dir, "--state-dir", run_dir, "--gpu-memory", str(capacity), *args]   # never the host's state
+            "--run-dir", run_dir, "--state-dir", run_dir, "--gpu-memory", f"{capacity}B", *args]   # never the host's state
     for name, size in limits.items():
-        argv += ["--limit", f"{name}={size}"]
+        argv += ["--limit", f"{name}={size}B"]
     p = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log = EnforcerLog()
     threading.Thread(target=log.read, args=(p.stderr,), daemon=True).start()
@@ -202,7 +202,7 @@ def run_policy(policy: str, jobs: list[Job], overhead: int, seed: int, scale: fl
     deadlock = False
     limits = {j.name: j.size + overhead for j in jobs}
     with cgroup_dirs(f"{tag}-{os.getpid()}-{policy}", limits) as cgs, \
-            enforcer(lib, limits, "--ctx-overhead", str(overhead), "--policy", policy, "--seed", str(seed),
+            enforcer(lib, limits, "--ctx-overhead", f"{overhead}B", "--policy", policy, "--seed", str(seed),
                      "--max-wait", repr(max_wait * scale), tag=tag) as (_, log):
         try:
             t0 = time.monotonic() + 0.2

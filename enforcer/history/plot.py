@@ -15,8 +15,31 @@ MAX_PANELS = 8
 GiB_IN_MiB = 1024
 
 
+MIN_SPAN = 0.2   # s: a wait shorter than this is drawn this wide, so it shows
+
+
+def spans(waits, dev: int, min_width: float = MIN_SPAN) -> list[tuple[float, float]]:
+    """The waits on one GPU as the shading draws them: each at least min_width wide, and those
+    that overlap or touch joined into one (issue 52: drawn one by one, their translucent
+    shades added up into a solid block where waits followed each other)."""
+    out: list = []
+    for a, b in sorted((a, max(b, a + min_width)) for a, b, wd in waits if wd == dev):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def render(job: str, run: Run, recommended: int | None, path: str, method: str = "") -> tuple[int, int]:
     """Writes the PNG to path; returns its (width, height) in pixels."""
+    fig = figure(job, run, recommended, method)
+    fig.savefig(path, dpi=DPI, format="png")
+    return fig.canvas.get_width_height()
+
+
+def figure(job: str, run: Run, recommended: int | None, method: str = ""):
+    """The run's matplotlib Figure (render writes it)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -45,9 +68,8 @@ def render(job: str, run: Run, recommended: int | None, path: str, method: str =
         if recommended:
             ax.axhline(recommended / (GiB_IN_MiB << 20), color="tab:green", linestyle="--",
                        label=f"recommended {size_text(recommended)}")
-        waits = [(a, b) for a, b, wd in s.waits if wd == d]
-        for i, (a, b) in enumerate(waits):
-            ax.axvspan(a, max(b, a + 0.2), color="tab:orange", alpha=0.3, label="waiting" if i == 0 else None)
+        for i, (a, b) in enumerate(spans(s.waits, d)):
+            ax.axvspan(a, b, color="tab:orange", alpha=0.3, linewidth=0, label="waiting" if i == 0 else None)
         ax.set_ylabel(f"GPU {d} (GiB)")
         ax.grid(alpha=0.3)
     for ax in axes:
@@ -60,5 +82,4 @@ def render(job: str, run: Run, recommended: int | None, path: str, method: str =
                  f"{format_size(run.limit)}; {run.stalls} stalls, {run.stalled_s:.1f} s waiting"
                  + (f"\nrecommended: {method}" if method else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, format="png")
-    return fig.canvas.get_width_height()
+    return fig

@@ -131,7 +131,7 @@ def size_text(n: int | None) -> str:
     for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (1 << 10, "KiB")):
         if n and n % unit == 0:
             return f"{n // unit}{name}"
-    return str(n)
+    return f"{n}B"
 
 
 def quantity(n: int) -> str:

@@ -4,11 +4,15 @@ Seen per container each second (from its books), says when a process exits and w
 container's run ends, and nothing more. Nothing is added to the hot path: the figures are the
 books' and the probes' own (BPF keeps each process's peak at every allocation).
 
-Peak on a GPU (what the recommendation reads): the largest of what the books held at a sample
-(with the calls it was stopped at: its demand), and at each sample the sum, over the container's
-processes alive then, of each one's peak allocations (BPF's, exact) plus its context charge. A sum of peaks counts them as if they
-peaked together: never low, high where they peak at different times. A process that begins and
-ends between two samples is seen only by what it held when it exited (exited()).
+Peak on a GPU (what the recommendation reads): what the container held, never what it asked
+(issue 52: a request that stalled a self-test child read as a peak of 676473.8 TiB, and a sum of
+its processes' peaks showed a job at 576 MiB that held at most 448): the largest of what the
+books held at a sample (allocations and context charge, NVML's measurement where it has one),
+where one process alone is the container's on that GPU, its own peak (BPF's, exact, kept at
+every allocation) plus its context charge, and what a process held when it exited (exited():
+one that begins and ends between two samples is seen only so). A request it was stopped at
+is not a peak: it never held it; a job held at its limit is flagged, and its recommendation is
+a floor (recommend.py).
 
 Files are written by a thread of its own (a write is a read and a write of up to a few MiB,
 fsynced), at most every WRITE_GAP, never in the enforcer's loop."""
@@ -60,19 +64,21 @@ class _Live:
         for k, p in now_procs.items():
             r = self.procs.setdefault(k, [0, 0, 0, 0])
             r[0], r[1], r[2], r[3] = max(r[0], p.peak), max(r[1], p.ctx), max(r[2], p.contexts), p.allocs
+        tops = {}   # dev -> what it held at most since the last sample: the series' point
         for dev, g in seen.gpus.items():
             if not 0 <= dev < MAX_GPUS:
                 continue
-            mine = [r for k, r in self.procs.items() if k[2] == dev]
             s = self.gpus.setdefault(dev, [0, 0, 0, 0, None])
-            s[0] = max(s[0], g.held, g.demand, sum(r[0] + r[1] for r in mine))
-            s[1] = max(s[1], g.used, sum(r[0] for r in mine))
+            alone = [now_procs[k] for k in now_procs if k[2] == dev]
+            tops[dev] = max(g.held, alone[0].peak + alone[0].ctx if len(alone) == 1 else 0)
+            s[0] = max(s[0], tops[dev])
+            s[1] = max(s[1], g.used, alone[0].peak if len(alone) == 1 else 0)
             s[2], s[3], s[4] = max(s[2], g.ctx), max(s[3], g.contexts), g.limit
             if g.wait_since is not None:
                 self._waited(dev, g.wait_since, now)
                 if g.limit is not None and g.assigned is not None and g.assigned >= g.limit:
                     self.at_limit_s += dt   # it waits with its whole limit assigned: on itself
-        self._point(now, seen.gpus)
+        self._point(now, seen.gpus, tops)
 
     def _fold(self, k):
         r = self.procs.pop(k)
@@ -81,11 +87,12 @@ class _Live:
 
     def exited(self, pid: int, held: dict):
         """pid exited holding held[dev] (allocations and contexts, as the exit counted them):
-        a floor for the peak beside the others alive (its last sample may be a second old)."""
+        a floor for the peak (its last sample may be a second old)."""
         for dev, n in held.items():
             if dev in self.gpus:
-                others = sum(r[0] + r[1] for k, r in self.procs.items() if k[2] == dev and k[0] != pid)
-                self.gpus[dev][0] = max(self.gpus[dev][0], n + others)
+                self.gpus[dev][0] = max(self.gpus[dev][0], n)
+                if self.points.get(dev) and self.points[dev][0]:   # the plot's line shows it too
+                    self.points[dev][0][-1] = max(self.points[dev][0][-1], _mib(n))
         for k in [k for k in self.procs if k[0] == pid]:
             self._fold(k)
 
@@ -99,7 +106,7 @@ class _Live:
             return
         self.waits.append([max(0.0, since - self.started), now - self.started, dev, since])
 
-    def _point(self, now: float, gpus: dict):
+    def _point(self, now: float, gpus: dict, tops: dict):
         n = len(self.t)
         self.t.append(round(now - self.started, 3))
         for dev in gpus:
@@ -107,7 +114,7 @@ class _Live:
                 self.points[dev] = ([0] * n, [0] * n, [0] * n)
         for dev, (held, ctx, limit) in self.points.items():
             g = gpus.get(dev)
-            held.append(_mib(g.held) if g else 0)
+            held.append(_mib(tops.get(dev, g.held)) if g else 0)
             ctx.append(_mib(g.ctx) if g else 0)
             limit.append(_mib(g.limit) if g else 0)
         if len(self.t) >= 2 * POINTS:

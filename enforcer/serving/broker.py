@@ -183,6 +183,31 @@ class ShimBroker:
         return memview.view(min(books.limit(box, dev), self.capacity.get(dev, 0)), allocated, procs, pid,
                             self.ceiling(dev).bytes)
 
+    def own_status(self, ident) -> dict:
+        """`convgpu status --mine` from inside a container (docs/TENANT.md): the container of
+        the process the kernel names (its cgroup, read while its pid is proven its own), its
+        limit and, per GPU, what it uses, was assigned and waits for. Nothing of another
+        container: no names, no card-wide figures (docs/SECURITY.md, row 19)."""
+        c = self.placement.container_of(ident.pid)
+        if ident.exited():   # what we read may be of a process that took its pid since
+            raise ProcessLookupError(ident.pid)
+        box = self.books.boxes.get(c.id)
+        if box is None:
+            limit, source = self.placement.runtime.rules.limit_for(c, self.placement.runtime.name_of(c.cgroup, c.short),
+                                                                   None)
+            return {"container": c.short, "limit": limit, "source": source, "gpus": {},
+                    "note": "no CUDA call from this container yet: its limit applies from its first"}
+        now, books = time.monotonic(), self.books
+        gpus = {}
+        for dev in sorted(box.assigned):
+            w = box.waiting.get(dev)
+            gpus[str(dev)] = {"limit": books.limit(box, dev), "assigned": box.assigned[dev],
+                              "used": books.held(box, dev), "needs": books.demand(box, dev),
+                              "context": self.charges.ctx(dev), "waiting": w is not None,
+                              "waiting_s": round(now - w.since, 1) if w else 0.0,
+                              "over_limit": bool(w and w.over_limit)}
+        return {"container": box.name, "limit": box.limit, "source": box.source, "gpus": gpus}
+
     def ceiling(self, dev: int) -> ctxest.Estimate:
         """What a context not yet measured on dev counts in a reported total (ctxest.ceiling)."""
         est = self.charges.estimate(dev)

@@ -9,8 +9,9 @@
 
 Each is idempotent (a repeat changes nothing and writes nothing), and one claim's refusal leaves
 every other decision as it was. Prepare refuses a claim that would put a GPU's claims past the
-GPU's capacity as the enforcer counts it, a GPU the enforcer does not know, and a GPU whose
-memory the device plugin's pod limits share out (a node runs one or the other on a GPU:
+GPU's capacity as the enforcer counts it, a share below one CUDA context's charge there (its
+pod's first call would wait for good: issue 52), a GPU the enforcer does not know, and a GPU
+whose memory the device plugin's pod limits share out (a node runs one or the other on a GPU:
 kube/owner.py keeps the agents apart, this keeps the books apart).
 
 The deadline (CLOCK_MONOTONIC, which every process of the host shares) is when the plugin stops
@@ -22,6 +23,7 @@ import time
 
 from ...errors import ConvgpuError
 from ...units import format_size
+from ..ctxest import below_context_text
 from ..tenants.claims import on_gpu, parse
 from .podlimits import relimit
 
@@ -69,7 +71,7 @@ def prepare_all(rt, raw, deadline=None) -> dict:
             if old == claim:
                 out[uid] = {"changed": False}
                 continue
-            _fits(claim, old, gpus, plugin, totals)
+            _fits(rt, claim, old, gpus, plugin, totals)
             for key, size in old.gpus if old else ():
                 totals[key] = totals.get(key, 0) - size
             for key, size in claim.gpus:
@@ -93,7 +95,7 @@ def prepare_all(rt, raw, deadline=None) -> dict:
     return {"claims": out}
 
 
-def _fits(claim, old, gpus: dict, plugin: set, totals: dict):
+def _fits(rt, claim, old, gpus: dict, plugin: set, totals: dict):
     for key, size in claim.gpus:
         if key not in gpus:
             raise ConvgpuError(f"claim {claim.ref}: GPU {key} is not one of the enforcer's GPUs "
@@ -101,6 +103,11 @@ def _fits(claim, old, gpus: dict, plugin: set, totals: dict):
         if key in plugin:
             raise ConvgpuError(f"claim {claim.ref}: GPU {key} is shared out by the device plugin's pod limits",
                                "a node runs the device plugin or DRA on a GPU, never both: see docs/KUBERNETES.md")
+        small = rt.context_below(size, key)
+        if small:   # refused at once: else its pod's first CUDA call waits for good (issue 52)
+            raise ConvgpuError(below_context_text(f"claim {claim.ref}: its share", size, small),
+                               "ask for the context plus what the job allocates (`convgpu status` shows the "
+                               "context per GPU)")
         total = totals[key] - (dict(old.gpus).get(key, 0) if old else 0) + size   # its old entry replaced
         if total > gpus[key]:
             raise ConvgpuError(f"claim {claim.ref}: {format_size(size)} on GPU {key} would put its claims at "

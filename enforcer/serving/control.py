@@ -43,16 +43,22 @@ class ControlHandler(Handler):
     def cmd_limit_set(self, msg):
         name = msg.get("container")
         size = parse_size(msg.get("size"), "limit")
+        if size == 0:
+            raise ConvgpuError("a limit of 0 B lets the container allocate nothing, and its first CUDA call waits",
+                               "give a size, e.g. 4GiB")
         try:
-            name, limit = self.runtime.set_limit(str(name), size)
+            name, limit = self.runtime.set_limit(str(name), size, force=msg.get("force") is True)
         except KeyError:
             raise ConvgpuError(f"no container {name!r} is known to the enforcer",
                                "see `convgpu status` for names and ids") from None
-        return {"container": name, "limit": limit, "message": f"limit of {name} set to {format_size(limit)}"}
+        warning = self.runtime.context_warning(f"the limit of {name}", limit)
+        return {"container": name, "limit": limit, "message": f"limit of {name} set to {format_size(limit)}",
+                **({"warning": warning} if warning else {})}
 
     def cmd_reload(self, msg):
         if not self.runtime.reload():
-            raise ConvgpuError("reload failed; the last good config stays", "see the enforcer's log")
+            raise ConvgpuError(f"reload failed, the last good config stays: {self.runtime.reload_error}",
+                               "fix it and run `convgpu reload` again")
         return {}
 
     def cmd_register(self, msg):
@@ -65,8 +71,10 @@ class ControlHandler(Handler):
             raise ConvgpuError(f"invalid name {str(name)[:80]!r}", "give a name of 1 to 64 characters")
         if len(cgroup) > 4096:
             raise ConvgpuError("invalid cgroup (longer than a path)", "give a cgroup path")
-        self.runtime.register_run(cgroup, self.runtime.books.capped(name or cgroup, limit), name or None)
-        return {}
+        capped = self.runtime.books.capped(name or cgroup, limit)
+        self.runtime.register_run(cgroup, capped, name or None)
+        warning = self.runtime.context_warning(f"--limit of {name or cgroup}", capped)
+        return {"warning": warning} if warning else {}
 
     def cmd_pod_limits(self, msg):
         """The Kubernetes agent's limits (kube/pods.py): {container id or pod uid: [bytes, source]}."""

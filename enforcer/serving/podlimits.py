@@ -51,6 +51,7 @@ def apply(rt, raw) -> dict:
     rt.durable.commit(rt.durable.value.with_pods(limits), "the pod limits")
     changed = relimit(rt)
     log.info("pod limits: %d keys, %d running container(s) changed", len(limits), changed)
+    rt.warn_small_pods()
     return {"keys": len(limits), "changed": changed}
 
 

@@ -30,6 +30,8 @@ class ShimHandler(Handler):
 
     def handle(self, peer: Peer, msg: dict):
         op = msg.get("op")
+        if op == "status":   # the caller's own container and nothing of anyone else's (docs/TENANT.md)
+            return {"ok": True, "status": self.broker.own_status(peer.ident)}
         if op == "hello":
             if not peer.state.get("hello"):
                 proc = self._proc(peer)

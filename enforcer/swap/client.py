@@ -39,6 +39,7 @@ class Agent:
         self.env.pop("LD_PRELOAD", None)     # the preload shim would ask the enforcer
         self.child: subprocess.Popen | None = None
         self.off = ""                        # why the driver cannot checkpoint ("": it can, or not tried)
+        self.ready = False                   # the child started and found the checkpoint API
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._r, self._w = os.pipe()
@@ -122,7 +123,7 @@ class Agent:
             self.off = ready.get("why", "the agent failed")
             self._kill()
             return False
-        self.off = ""
+        self.off, self.ready = "", True
         return True
 
     def _line(self, timeout: float) -> str:

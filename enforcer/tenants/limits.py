@@ -158,7 +158,7 @@ class LimitRules:
         raw = (labels or {}).get(LABEL)
         if raw is not None:
             try:
-                return parse_size(raw, f"label {LABEL}"), f"label {LABEL}"
+                return parse_size(raw, f"label {LABEL}", bare=True), f"label {LABEL}"
             except SizeError as e:
                 log.warning("container %s: %s; using the default limit %s", name or c.short, e,
                             format_size(self.default))

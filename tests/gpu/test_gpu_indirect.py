@@ -229,7 +229,7 @@ def test_each_context_is_charged_its_own_limit(setup):
     est, stack = 600 * MiB, resident * (16 - 1) * 1024   # the operator's context figure: none measured
     limit = 5 * est + stack * 3 // 2                      # five contexts and one stack, not two
     enf = Enforcer(tmp, str(tmp / "state-ctx"), "--ctx-overhead", "600MiB", "--default-limit", "1GiB",
-                   "--limit", "ctxheap=16GiB", "--limit", f"ctxstack={limit}")
+                   "--limit", "ctxheap=16GiB", "--limit", f"ctxstack={limit}B")
     nv, procs = Nvml(), []
     result = {"scenario": "issue 47: a limit per context (heap x4, stack x4 held at the second)",
               "resident": resident, "stack_mib": stack / MiB, "limit_mib": limit / MiB}

@@ -312,7 +312,9 @@ def test_pinned_map_of_another_layout_is_refused(pin_dir):
 
 
 def _doctor_line(out: str, check: str) -> str:
-    return next(line for line in out.splitlines() if line.strip().startswith(check))
+    """The check's line, its mark padded as a column: "ok   NAME  detail" (cli/doctor.py report)."""
+    line = next(line for line in out.splitlines() if line[5:].startswith(check + " "))
+    return f" {line[:4].strip()} {line[5:]}"
 
 
 def test_doctor_says_whether_the_cache_is_warm_and_fills_it(root, tmp_path):

@@ -119,11 +119,13 @@ def test_doctor_reports_and_exits_by_verdict(root):
     r = subprocess.run([sys.executable, "-m", "convgpu.cli.main", "doctor"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     for check in ("root", "uprobes", "kernel headers", "bcc", "BPF compile+load", "cgroups", "freezer"):
-        line = next(line for line in r.stdout.splitlines() if line.strip().startswith(check))
-        assert " ok " in line, line
+        line = next(line for line in r.stdout.splitlines() if line[5:].startswith(check + " "))
+        # a generic kernel's headers linked in (scripts/setup.sh) are said, and work
+        assert line.startswith("ok ") or check == "kernel headers" and "another kernel's headers" in line, line
+    assert r.stdout.splitlines()[-1].startswith("verdict: ready")
     bad = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-m", "convgpu.cli.main", "doctor"],
                          capture_output=True, text=True, timeout=120, cwd="/")
-    assert bad.returncode == 1 and "tracing cannot work here: root" in bad.stderr
+    assert bad.returncode == 1 and "verdict: NOT READY: root failed" in bad.stderr
 
 
 # Allocates at its first instruction: the driver is loaded and called at once, no pause in which

@@ -345,7 +345,9 @@ def test_two_enforcers_on_one_state_dir(build, env5, tmp_path):
     jobs = []
     try:
         # shim only: two enforcers probing one driver stop each other's self-test children
-        enf2 = enforcing(build, *ARGS, state_dir=str(tmp_path), no_bpf=True)
+        # and a host lock of its own: one enforcer per host is the rule (enforcer/hostlock.py)
+        enf2 = enforcing(build, *ARGS, state_dir=str(tmp_path), no_bpf=True,
+                         env=dict(os.environ, CONVGPU_HOST_LOCK=str(tmp_path / "second.lock")))
         assert any(f"another enforcer keeps its decisions in {tmp_path}" in x for x in enf2.log), enf2.log
         jobs.append(run_job(enf2, env5, "second", "1GiB", "/bin/true"))
         out, err = jobs[-1].communicate(timeout=30)

@@ -93,11 +93,13 @@ def test_status_limit_set_and_metrics(cgroups, build, env5):
         enf.wait_for("needs 2.0 GiB, above its limit 1.0 GiB: stalled until the limit is raised")
         wait_state(p.pid, "T")
         st = enf.ctl(cmd="status")["status"]
+        assert st["gpus"]["0"]["swap"] in ("on", "starting"), st["gpus"]["0"]   # the stand-in has the checkpoint API
         assert st["policy"] == "fifo" and st["gpus"]["0"] == {"uuid": "", "capacity": 5 * GiB, "assigned": GiB,
                                                               "unassigned": 4 * GiB, "committed": GiB, "physical": 5 * GiB,
                                                               "tearing_down": 0, "ctx_measuring": False,
                                                               "backstop": "off: no NVML", "unattributed": 0,
                                                               "left_by_exited": [],
+                                                              "swap": st["gpus"]["0"]["swap"],
                                                               "ctx_estimate": {
                                                                   "bytes": 0, "source": "operator",
                                                                   "detail": "--ctx-overhead (the operator's figure on GPU0)"}}
@@ -168,7 +170,9 @@ def test_config_rules_reload_and_a_bad_reload(cgroups, build, env5, tmp_path):
         enf.wait_for("above its limit 1.0 GiB")
         conf.write_text('[enforce]\nstall = "sideways"\n')
         r = enf.cli("reload", check=False)
-        assert r.returncode == 1 and "reload failed" in r.stderr
+        # the reason, not "see the enforcer's log" (issue 52)
+        assert r.returncode == 1 and "reload failed" in r.stderr and "'sideways'" in r.stderr, r.stderr
+        assert "see the enforcer's log" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         enf.wait_for("reload failed, keeping the last good config: invalid config file")
         conf.write_text('[enforce]\ngpu_memory = "5GiB"\npolicy = "bf"\n'
                         '[[rule]]\nmatch = "cgroup"\npattern = "*/ruled"\nlimit = "3GiB"\n')

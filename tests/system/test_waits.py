@@ -30,7 +30,7 @@ def env(caller_env):
 
 
 def enforcer(build, *args):
-    return Enforcing(build, "--gpu-memory", "20GiB", "--ctx-overhead", str(CTX), *args)
+    return Enforcing(build, "--gpu-memory", "20GiB", "--ctx-overhead", f"{CTX}B", *args)
 
 
 def turns(build, cg, env, *args):
@@ -124,7 +124,7 @@ def test_a_call_stopped_again_at_its_recheck_never_holds_its_thread_later(cgroup
     context in `held`, the holder took it for a thread stopped at a call, nobody released it,
     and the process never finished (the four-worker test's hang, 1 run in 4)."""
     limit = CTX + 256 * MiB + 128 * MiB   # one context and 256 MiB, not two; one 256 MiB at a time beside it
-    enf = enforcer(build, "--limit", f"rst={limit}")
+    enf = enforcer(build, "--limit", f"rst={limit}B")
     cg, procs = cgroups("rst"), []
     try:
         first = turns(build, cg, env, "-t", 1, "-r", 1, "-s", "256M", "-h", 2500)
@@ -176,7 +176,7 @@ def test_a_server_and_its_workers(cgroups, build, env):
     and the container waited on itself for good, said as a circular wait."""
     env = dict(env, CONVGPU_STANDIN_EXIT_MB="128")
     limit = CTX + 512 * MiB + 2 * (CTX + 512 * MiB)
-    enf = enforcer(build, "--limit", f"srv={limit}")
+    enf = enforcer(build, "--limit", f"srv={limit}B")
     cg, procs = cgroups("srv"), []
     try:
         sampler = Sampler(env)
@@ -204,7 +204,7 @@ def test_twelve_short_lived_processes_in_a_row(cgroups, build, env):
     """One after another, each a context and 256 MiB, in a container that fits one: all 12 run."""
     env = dict(env, CONVGPU_STANDIN_EXIT_MB="64")
     limit = CTX + 256 * MiB
-    enf = enforcer(build, "--limit", f"loop={limit}")
+    enf = enforcer(build, "--limit", f"loop={limit}B")
     cg = cgroups("loop")
     p = popen_in(cg, "/bin/sh", "-c", f'for i in 1 2 3 4 5 6 7 8 9 10 11 12; do "{build}/turns" -t 1 -r 1 '
                  f'-s 256M -h 20 || exit 1; done', env=env)
@@ -229,7 +229,7 @@ def test_a_stopped_thread_does_not_stop_its_siblings(cgroups, build, env):
     resumed into that room had all eight blocks live at once (2,592 MiB exact against 1,638)."""
     env = dict(env, CONVGPU_STANDIN_FREE_MS="20")
     limit = 1638 * MiB
-    enf = enforcer(build, "--limit", f"thr={limit}")
+    enf = enforcer(build, "--limit", f"thr={limit}B")
     cg = cgroups("thr")
     sampler = Sampler(env)
     p = turns(build, cg, env, "-t", 8, "-r", 3, "-s", "256M", "-h", 500)

@@ -3,6 +3,8 @@ container gets from its pod's claims (enforcer/tenants/claims.py), their place i
 file, and the control commands (enforcer/serving/claimlimits.py) on an enforcer over the ledger
 (no BPF): idempotent, one claim at a time, refused past a GPU's capacity, on a GPU the enforcer
 does not know, and on a GPU whose memory the device plugin shares out."""
+import logging
+
 import pytest
 
 from convgpu.enforcer.daemon import Enforcer
@@ -140,9 +142,9 @@ def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
     rt, books, place = e.runtime, e.books, e.placement
     try:
         got = claimlimits.prepare_all(rt, {"x": wire("ml/x", {"GPU-0": GiB}), "y": wire("ml/y", {"GPU-1": 2 * GiB}),
-                                           "z": wire("ml/z", {"GPU-0": 512 * MiB}, pods=(Q,)),
-                                           "w": wire("ml/w", {"GPU-1": 256 * MiB}, pods=(Q,)),
-                                           "t": wire("ml/t", {"GPU-1": 512 * MiB}, pods=("1e1e1e1e-0000-0000-0000-0000000000aa",))})
+                                           "z": wire("ml/z", {"GPU-0": GiB}, pods=(Q,)),
+                                           "w": wire("ml/w", {"GPU-1": 768 * MiB}, pods=(Q,)),
+                                           "t": wire("ml/t", {"GPU-1": GiB}, pods=("1e1e1e1e-0000-0000-0000-0000000000aa",))})
         assert got == {"claims": {u: {"changed": True} for u in "xyzwt"}}
         # two containers of P, not matched yet: bound by both its claims, one budget
         a, b = place.box_for(10), place.box_for(20)
@@ -154,7 +156,7 @@ def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
         # Q's container: its claims' budget, 0 on a GPU they do not name
         c = place.box_for(30)
         place.join(c, 30)
-        assert (c.claims, c.limit, books.limit(c, 0), books.limit(c, 1)) == ({"z", "w"}, 768 * MiB, 512 * MiB, 256 * MiB)
+        assert (c.claims, c.limit, books.limit(c, 0), books.limit(c, 1)) == ({"z", "w"}, 1792 * MiB, GiB, 768 * MiB)
         # S's containers were placed before the agent told that S uses z and w: budgets of their own
         d, f = place.box_for(40), place.box_for(50)
         place.join(d, 40), place.join(f, 50)
@@ -164,8 +166,8 @@ def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
         # it takes t, which no budget holds yet
         claimlimits.containers(rt, {"z": {"containers": ["d" * 64], "users": [S]}, "t": {"users": [S]}})
         assert (d.claims, d.limit) == (set(), 0) and d.source.startswith("DRA claim ml/z (held by another budget")
-        assert (f.claims, f.limit, f.source, books.limit(f, 0)) == ({"t"}, 512 * MiB, "DRA claim ml/t", 0)
-        assert (c.claims, books.limit(c, 0)) == ({"z", "w"}, 512 * MiB)   # Q's budget as it was
+        assert (f.claims, f.limit, f.source, books.limit(f, 0)) == ({"t"}, GiB, "DRA claim ml/t", 0)
+        assert (c.claims, books.limit(c, 0)) == ({"z", "w"}, GiB)   # Q's budget as it was
         # an unprepared claim leaves its budget: P's holds y alone, and a new claim of P's goes to it
         assert claimlimits.unprepare(rt, ["x"]) == {"changed": True}
         assert (a.claims, a.limit, books.limit(a, 0), books.limit(a, 1)) == ({"y"}, 2 * GiB, 0, 2 * GiB)
@@ -178,3 +180,26 @@ def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
             rt.set_limit("b" * 64, GiB)
     finally:
         e.durable.close()
+
+
+def test_a_claim_or_pod_limit_no_context_fits_in_is_refused_or_said_at_once(enf, caplog):
+    """Issue 52: a limit below one context's charge made every CUDA call of its pod wait for
+    good, and only a log line about the stalled call said why. A DRA claim is refused at its
+    prepare (the kubelet reports it on the pod); the device plugin's pods were scheduled
+    already, so their limit is said in the log, once."""
+    caplog.set_level(logging.WARNING, logger="convgpu")
+    with pytest.raises(ConvgpuError) as e:   # an H100 on driver 580: its context is charged 550 MiB
+        claimlimits.prepare(enf, "u1", wire("ml/tiny", {"GPU-0": 256 * MiB}))
+    msg = str(e.value)
+    assert msg.startswith("claim ml/tiny: its share (256.0 MiB) is below one CUDA context's charge on GPU0: "
+                          "550.0 MiB (table-hint: nothing measured: the table's H100 80GB HBM3, driver 580") and \
+        msg.endswith("); ask for the context plus what the job allocates (`convgpu status` shows the context per "
+                     "GPU)") and "\n" not in msg, msg
+    assert enf.rules.claims == {}
+    for _ in range(2):   # the agent sends its set every round: said once
+        podlimits.apply(enf, {A: [256 * MiB, "pod ml/p: 1 unit", {"lower_only": False, "gpus": {"GPU-1": 256 * MiB}}]})
+    said = [r.getMessage() for r in caplog.records if "below one CUDA context" in r.getMessage()]
+    assert said == [f"the pod limit of {A} (pod ml/p: 1 unit) (256.0 MiB) is below one CUDA context's charge on "
+                    f"GPU1: 550.0 MiB (table-hint: {said[0].split('(table-hint: ', 1)[1]}"] and \
+        said[0].endswith("a process there waits at its first CUDA call until the limit is raised")
+    assert enf.rules.pods[A].bytes == 256 * MiB    # kept all the same: the scheduler placed it

@@ -14,7 +14,7 @@ H100 = Device(0, "NVIDIA H100 80GB HBM3", "GPU-5e1d", "580.159.04")
 def test_table_hint_where_nothing_is_measured():
     e = choose(H100, why="no NVML")
     assert (e.bytes, e.source) == (550 * MiB, "table-hint")
-    assert "580.159.04" in e.detail and "FACTS.md" in e.detail and "(no NVML)" in e.detail
+    assert "580.159.04" in e.detail and "docs/gpu-runs/2026-11-23" in e.detail and "(no NVML)" in e.detail
 
 
 def test_a_context_measured_at_start_comes_before_the_table():

@@ -252,19 +252,24 @@ def test_runs_waiting_for_a_file_are_bounded(tmp_path, monkeypatch):
 
 # ---- the recorder ----
 
-def test_the_peak_sums_the_peaks_of_processes_alive_together_with_their_contexts():
+def test_the_peak_is_what_was_held_never_what_was_asked_nor_a_sum_of_peaks():
+    """Issue 52: a request that stalled a self-test child read as a peak of 676473.8 TiB (the
+    demand of a stopped call counted), and trainB read 576 MiB where it held at most 448 (the
+    peaks of processes that peaked at different times were summed). The peak is what the
+    container held: the books' samples, one process's own exact peak where it is alone on the
+    GPU, and what a process held as it exited."""
     r = Recorder()
-    r.sample([seen(held=100 * MiB, procs=[proc(1, 300 * MiB, allocs=3), proc(2, 200 * MiB, allocs=2)])], now=0.0)
-    assert r.live["c1"].gpus[0][:2] == [628 * MiB, 500 * MiB]     # 300 + 64 + 200 + 64; allocations 500
-    r.sample([seen(held=100 * MiB, procs=[proc(2, 200 * MiB, allocs=4), proc(3, 100 * MiB, allocs=1)])], now=1.0)
-    assert r.live["c1"].gpus[0][0] == 628 * MiB                   # 1 gone: 3 is not summed with it
-    r.exited("c1", 2, {0: 900 * MiB})                             # 2 took more after its last sample
-    assert r.live["c1"].gpus[0][0] == 900 * MiB + 164 * MiB       # with 3 beside it
-    r.sample([seen(held=50 * MiB, demand=1200 * MiB, procs=[proc(3, 100 * MiB, allocs=1)])], now=2.0)
-    r.ended("c1", now=3.0)
+    r.sample([seen(held=100 * MiB, procs=[proc(1, 300 * MiB, allocs=3)])], now=0.0)
+    assert r.live["c1"].gpus[0][:2] == [364 * MiB, 300 * MiB]     # alone: its peak 300 and its context 64
+    r.sample([seen(held=448 * MiB, procs=[proc(1, 300 * MiB, allocs=3), proc(2, 200 * MiB, allocs=2)])], now=1.0)
+    assert r.live["c1"].gpus[0][0] == 448 * MiB                   # two: what they held together, not 300+200+128
+    r.exited("c1", 2, {0: 500 * MiB})                             # 2 took more after its last sample
+    assert r.live["c1"].gpus[0][0] == 500 * MiB
+    r.sample([seen(held=50 * MiB, demand=1 << 60, procs=[proc(3, 0, allocs=0), proc(4, 0, allocs=0)])], now=2.0)
+    r.ended("c1", now=3.0)                                         # stopped at a 1 EiB request: never held
     (job, got), = r.pending
-    assert (job, got.peak, got.gpus[0].used, got.allocs, got.contexts) == (RUN, 1200 * MiB, 500 * MiB, 3 + 4 + 1, 3)
-    assert (got.started, got.ended, got.end, got.by) == (0.0, 3.0, "exit", "enforce")
+    assert (job, got.peak, got.gpus[0].peak, got.allocs) == (RUN, 500 * MiB, 500 * MiB, 3 + 2)
+    assert max(got.series.held[0]) * MiB == got.peak               # the plot's line and its title agree
 
 
 def test_waits_and_the_time_waited_with_the_whole_limit_assigned():

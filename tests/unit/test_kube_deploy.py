@@ -226,7 +226,7 @@ configMapGenerator:
 
 def test_the_image_recipe_installs_bcc_and_the_agent():
     text = (DEPLOY.parent / "Containerfile").read_text()
-    assert "FROM ubuntu:24.04" in text and "python3-bpfcc" in text and "--system-site-packages" in text
+    assert "ARG BASE=ubuntu:24.04\nFROM ${BASE}" in text and "python3-bpfcc" in text and "--system-site-packages" in text
     assert "pip install --no-cache-dir '/src[k8s]'" in text
 
 

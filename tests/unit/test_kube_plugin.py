@@ -304,3 +304,68 @@ def test_a_refused_registration_is_retried(tmp_path):
         k.stop()
     finally:
         plugin.close()
+
+
+def test_a_failing_sync_is_one_line_said_once_and_backs_off(tmp_path, caplog):
+    """Issue 52: plain `convgpu kube` on a host with no kubelet logged a raw multi-line
+    _InactiveRpcError every 2 s. One line (its code and details), said once while the reason is
+    the same, the rounds spaced out while it fails."""
+    import logging
+    from convgpu.kube.agent import Agent
+    caplog.set_level(logging.INFO, logger="convgpu")
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses"
+
+        def __str__(self):
+            return "<_InactiveRpcError of RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE\n\tdetails = ..."
+
+    class Sync:
+        rounds = 0
+
+        def round(self):
+            Sync.rounds += 1
+            raise Unavailable()
+
+    d = tmp_path / "device-plugins"
+    d.mkdir()
+    Agent(DevicePlugin(str(d), GPUS, UNIT), Sync(), lambda: GPUS, sync_every=0.05, inventory_every=10).run(duration=1.0)
+    said = [r.getMessage() for r in caplog.records if "limits not synced" in r.getMessage()]
+    assert said == ["limits not synced: UNAVAILABLE: failed to connect to all addresses; trying again, less often "
+                    "while it fails (up to every 60 s)"]
+    assert 2 <= Sync.rounds <= 5     # 0, 0.1, 0.3, 0.7 s: not every 0.05 s (20 rounds)
+
+
+def test_kube_dra_on_a_host_that_is_no_node_makes_nothing_and_names_no_extra_it_has(short_tmp, monkeypatch):
+    """Issue 52: `kube --dra` left /var/lib/kubelet/plugins* behind on a host that is not a node,
+    and suggested `pip install 'convgpu[k8s]'` where it was installed. Without a kubelet's dir it
+    refuses and makes nothing; with one but no API server, the fix is the configuration; and the
+    plugin removes at its close the directories it made."""
+    from typer.testing import CliRunner
+    from convgpu.cli.main import app
+    from convgpu.kube.dra import CdiDir, DraPlugin, Enforcer
+    tmp_path = short_tmp     # the plugin's sockets: a UNIX socket's path holds 107 bytes
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    base = ["kube", "--dra", "--gpu-memory", "4GiB", "--node-name", "n1", "--api", "off", "--no-shim",
+            "--run-dir", str(tmp_path / "run"), "--cdi-dir", str(tmp_path / "cdi")]
+    kubelet = tmp_path / "kubelet"
+    r = CliRunner().invoke(app, base + ["--registry-dir", str(kubelet / "plugins_registry"),
+                                        "--plugins-dir", str(kubelet / "plugins")])
+    assert r.exit_code == 1 and r.output.strip() == (
+        f"convgpu: no kubelet on this host: {kubelet} is missing; run `convgpu kube --dra` on a Kubernetes node (the "
+        "DaemonSet does), or give --registry-dir"), r.output
+    assert not kubelet.exists()
+    kubelet.mkdir()
+    r = CliRunner().invoke(app, base + ["--registry-dir", str(kubelet / "plugins_registry"),
+                                        "--plugins-dir", str(kubelet / "plugins")])
+    assert r.exit_code == 1 and "--dra needs the API server" in r.output and "pip install" not in r.output, r.output
+    p = DraPlugin("n1", GPUS, None, Enforcer(str(tmp_path / "none.sock")), CdiDir(str(tmp_path / "cdi")),
+                  str(kubelet / "plugins_registry"), str(kubelet / "plugins"))
+    p.serve()
+    assert (kubelet / "plugins" / "gpu-memory.convgpu.io").is_dir() and (kubelet / "plugins_registry").is_dir()
+    p.close()
+    assert sorted(os.listdir(kubelet)) == []

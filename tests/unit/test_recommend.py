@@ -102,7 +102,7 @@ spec:
     assert rc.forms(k8s, rc.Method())["run"].endswith("--name NAME -- COMMAND")
     assert rc.dns_name("k8s:ml/Deployment/Web%20App/main") == "ml-deployment-web-20app-main-gpu-memory"
     assert rc.dns_name("podman:%5B%5D") == "5b-5d-gpu-memory" and rc.dns_name("run:%2D") == "2d-gpu-memory"
-    assert [rc.size_text(n) for n in (3 * GiB, 2560 * MiB, 1536, 1001, None)] == ["3GiB", "2560MiB", "1536", "1001", "-"]
+    assert [rc.size_text(n) for n in (3 * GiB, 2560 * MiB, 1536, 1001, None)] == ["3GiB", "2560MiB", "1536B", "1001B", "-"]
     assert rc.quantity(2560 * MiB) == "2560Mi" and rc.quantity(3 * GiB) == "3Gi"
 
 
@@ -230,3 +230,17 @@ def test_job_metrics_and_a_hostile_name():
                    ("convgpu_job_misasked", (("job", k), ("way", "under")), 0),
                    ("convgpu_job_misasked", (("job", "run:tight"), ("way", "over")), 0),
                    ("convgpu_job_misasked", (("job", "run:tight"), ("way", "under")), 1)}
+
+
+def test_waits_that_follow_each_other_are_shaded_once():
+    """Issue 52: the plot drew each wait as its own translucent span, and where waits followed
+    each other their shades added up into a solid block. Overlapping and touching waits are
+    joined, and each span is drawn once at the one shade."""
+    pytest.importorskip("matplotlib", reason="the plot extra: scripts/setup.sh installs it")
+    from convgpu.enforcer.history.plot import figure, spans
+    waits = tuple((1.0 + i * 0.1, 1.15 + i * 0.1, 0) for i in range(50)) + ((8.0, 8.05, 0), (2.0, 3.0, 1))
+    assert [pytest.approx(x) for x in spans(waits, 0)] == [(1.0, 6.1), (8.0, 8.2)] and spans(waits, 1) == [(2.0, 3.0)]
+    series = Series(tuple(float(t) for t in range(10)), {0: (100,) * 10}, {0: (64,) * 10}, {0: (1024,) * 10}, waits)
+    fig = figure("run:train", run("r", 100 * MiB, limit=GiB, ended=20.0, series=series), GiB)
+    orange = [p for p in fig.axes[0].patches if p.get_facecolor()[:3] == pytest.approx((1.0, 0.498, 0.055), abs=0.01)]
+    assert len(orange) == 2 and {round(p.get_alpha(), 2) for p in orange} == {0.3}

@@ -130,3 +130,62 @@ def test_a_reload_changes_the_rules_in_place_and_the_containers_whose_limit_came
     assert (a.limit, a.source) == (GiB, "convgpu limit set")
     assert (b.limit, b.source) == (GiB, new.rules[0].source) and written == [(b, 0)]
     assert rt.relimit() == 0                             # worked out again: nothing changes
+
+
+def test_a_name_two_containers_share_is_an_error_listing_their_ids(tmp_path):
+    """Issue 52: two `convgpu run --name same` jobs, and `limit set same` changed the first
+    found, saying nothing of the other. Placed, registered or one of each: an error naming
+    every id; an id (or its short form) picks one."""
+    from convgpu.enforcer.books import Ambiguous
+    CGROUPS.update({"/convgpu.run/same-1": 301, "/convgpu.run/same-2": 302, "/convgpu.run/same-3": 303})
+    rt, books, *_ = part(tmp_path)
+    box(books, 1, "same", "/convgpu.run/same-1", 2 * GiB, "convgpu run --limit")
+    box(books, 2, "same", "/convgpu.run/same-2", 2 * GiB, "convgpu run --limit")
+    with pytest.raises(Ambiguous) as e:
+        rt.set_limit("same", 3 * GiB)
+    assert str(e.value) == ("'same' names 2 containers: id /convgpu.run/same-1, id /convgpu.run/same-2; give one "
+                            "of their ids (`convgpu status` shows them)")
+    assert rt.set_limit("same-2", 3 * GiB) == ("same", 3 * GiB)      # its short id
+    assert [b.limit for b in books.boxes.values()] == [2 * GiB, 3 * GiB]
+    del books.boxes["/convgpu.run/same-2"]
+    rt.register_run("/convgpu.run/same-3", GiB, "same")             # one placed, one not yet
+    with pytest.raises(Ambiguous) as e:
+        rt.set_limit("same", 3 * GiB)
+    assert e.value.ids == ["/convgpu.run/same-1", "/convgpu.run/same-3"]
+
+
+def test_a_limit_below_one_context_or_below_what_a_container_holds_is_refused(tmp_path):
+    """A context charged 512 MiB: `convgpu run` and `limit set` below it are refused at once
+    (its first CUDA call would wait for good), naming the estimate and where it comes from; a
+    limit below what the container holds needs force (it would stop it at once)."""
+    from convgpu.enforcer.ctxest import Estimate
+    rt, books, *_ = part(tmp_path)
+    rt.estimate = lambda dev: Estimate(512 * MiB, "operator", "--ctx-overhead")
+    books.ctx_of = lambda dev: 512 * MiB
+    with pytest.raises(ConvgpuError) as e:
+        rt.register_run("/jobs/run", 256 * MiB, "trainer")
+    assert str(e.value) == ("--limit of trainer (256.0 MiB) is below one CUDA context's charge on GPU0: 512.0 MiB "
+                            "(operator: --ctx-overhead): its first CUDA call would wait until the limit is raised; "
+                            "give at least 512.0 MiB (the context) plus what the job allocates")
+    assert rt.durable.value.runs == {}                               # nothing kept
+    a = box(books, 1, "a", "/jobs/a", 2 * GiB, "default")
+    books.state_of = lambda b, dev: type("S", (), {"used": GiB, "contexts": 1, "reserved": 0, "tearing": 0})()
+    with pytest.raises(ConvgpuError, match="below one CUDA context's charge"):
+        rt.set_limit("a", 511 * MiB)
+    with pytest.raises(ConvgpuError) as e:                          # it holds 1 GiB and a context
+        rt.set_limit("a", GiB)
+    assert str(e.value) == ("a holds 1.5 GiB on GPU0, more than 1.0 GiB: a lower limit stops it until it frees the "
+                            "difference; give at least 1.5 GiB, or add --force")
+    assert a.limit == 2 * GiB
+    assert rt.set_limit("a", GiB, force=True) == ("a", GiB) and a.limit == GiB
+
+
+def test_a_failed_reload_says_why(tmp_path):
+    """`convgpu reload` said `see the enforcer's log`: the reason is kept for the reply."""
+    def bad():
+        raise ConvgpuError("invalid config file /etc/convgpu/config.toml: unknown key [enforce] turbo", "fix it")
+    rt, *_ = part(tmp_path, reload=bad)
+    assert not rt.reload()
+    assert rt.reload_error == ("invalid config file /etc/convgpu/config.toml: unknown key [enforce] turbo; fix it")
+    rt, *_ = part(tmp_path / "2")
+    assert not rt.reload() and rt.reload_error == "no config file was given (--config)"

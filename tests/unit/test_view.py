@@ -32,8 +32,9 @@ def snapshot(mode="driver"):
 
 
 def text_of(s, width=100):
+    """A snapshot rendered for a terminal of `width` (or a renderable as it is)."""
     c = Console(width=width, record=True, color_system=None)
-    c.print(render(s))
+    c.print(render(s, width=min(width, 100)) if isinstance(s, Snapshot) else s)
     return c.export_text()
 
 
@@ -45,13 +46,13 @@ def test_render_figures_and_width():
     row = next(line for line in lines if "trainer" in line)
     # container: live 384 MiB, overhead 2 x 519 MiB = 1038 MiB, total 1422 MiB, peak 512 MiB
     assert "384.0 MiB" in row and "1.0 GiB" in row and "1.4 GiB" in row and "512.0 MiB" in row
-    assert row.startswith(" trainer-with-a-very") and "5.0" in row  # 2 x 2.5 allocs/s
+    assert row.startswith("trainer-with-a-very") and "5.0" in row  # 2 x 2.5 allocs/s
     assert "beta" in out and " 101 python3" in out and " 102 python3" in out
     est = next(line for line in lines if " 201 " in line)
     assert "64.0 MiB ~" in est
     ev = next(line for line in lines if "cuMemAlloc_v2 (cudaMalloc)" in line)
     assert "128.0 MiB" in ev and "256.0 MiB" in ev
-    assert "Ctrl-C to end" in out and "events 7" in out and "dropped 0" in out
+    assert "q or Ctrl-C to end" in out and "events 7" in out and "dropped 0" in out
 
 
 def test_render_modes():
@@ -91,9 +92,10 @@ def test_snapshot_json_round_trip_and_enforce_table():
     back = Snapshot.from_json(s.to_json(), s.events)
     assert back == s
     text = text_of(back)
-    assert "enforce (pid 4242): policy bf, stall signal; assigned GPU0 3.0 GiB of 5.0 GiB" in text
+    assert "enforcer (pid 4242): policy bf, stall signal; assigned GPU0 3.0 GiB of 5.0 GiB" in text
     row = next(line for line in text.splitlines() if line.lstrip().startswith("trainer "))
-    assert row.split() == ["trainer", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting", "1.5s", "3.2s", "2"]
+    assert row.split() == ["trainer", "aaaaaaaaaaaa", "0", "2.0", "GiB", "1.0", "GiB", "832.0", "MiB", "waiting",
+                           "1.5s", "3.2s", "2"]
     assert max(len(line) for line in text.splitlines()) <= 100
 
 
@@ -129,3 +131,58 @@ def test_names_from_processes_and_containers_are_text_never_markup():
     assert "registered" in lines["trainer"] and "1.0 GiB" in lines["ml/[/c]"]
     out = text_of(dataclasses.replace(s, enforce=dict(enforce, registered=pending)))
     assert "ml/Job/[/p]/main" in out and "claim, no call" in out
+
+
+def test_one_vocabulary_in_trace_and_status():
+    """Issue 52: `used` was 704 MiB in trace's enforcer table and 640 MiB in `status` (one added
+    the contexts, the other did not); the same container was `trainA-1073` in one table and
+    `trainA` in the other; a context retain read as event `unknown`; three hours read
+    `10800.0s`; the header claimed an NVIDIA driver on the stand-in; "no CUDA process yet"
+    stood beside a stalled job. One name (the enforcer's) and an id, `used` = allocated +
+    contexts everywhere, events in words, durations as people read them."""
+    import dataclasses
+    from convgpu.cli.status import table
+    cg = "/convgpu.run/trainA-1073"
+    tr = ContainerRow(id=cg, name="trainA-1073", kind="cgroup", cgroup=cg,
+                      processes=(proc(1074, 640 * MiB, 64 * MiB),), peak=640 * MiB)
+    g = {"assigned": GiB, "used": 640 * MiB, "context_overhead": 64 * MiB, "context_source": "operator",
+         "over_limit": False, "waiting": True, "waiting_s": 10800.0}
+    enforce = dict(ENFORCE, containers=[dict(ENFORCE["containers"][0], id=cg, name="trainA", kind="cgroup",
+                                             cgroup=cg, stalled_s=10800.0, gpus={"0": g})])
+    evs = tuple(dataclasses.replace(snapshot().events[0], op=op, api="cuDevicePrimaryCtxRetain", rt_api=None, size=0)
+                if dataclasses.is_dataclass(snapshot().events[0]) else
+                snapshot().events[0]._replace(op=op, api="cuDevicePrimaryCtxRetain", rt_api=None, size=0)
+                for op in ("unknown", "ctx_create"))
+    s = dataclasses.replace(snapshot(), containers=(tr,), enforce=enforce, events=evs)
+    for width in (80, 100):
+        out = text_of(s, width)
+        rows = [line.split() for line in out.splitlines() if line.startswith("trainA")]
+        assert len(rows) == 2 and all(r[:2] == ["trainA", "trainA-1073"] for r in rows), out
+        assert "704.0 MiB" in " ".join(rows[0]) and "704.0 MiB" in " ".join(rows[1]), out   # used, both tables
+        assert "waiting 3h00m" in out and "10800" not in out and "NVIDIA driver" not in out.splitlines()[0]
+        assert [line.split()[3:5] for line in out.splitlines() if "cuDevicePrimaryCtxRetain" in line] == \
+            [["first", "call"], ["context", "cuDevicePrimaryCtxRetain"]], out
+    c = Console(width=200, record=True, color_system=None)
+    c.print(table(dict(enforce, stall="signal", registered=[])))
+    cells = [[x.strip() for x in line.split("│")[1:-1]] for line in c.export_text().splitlines() if "trainA" in line]
+    assert cells == [["trainA", "trainA-1073", "0", "2.0 GiB", "1.0 GiB", "704.0 MiB", "64.0 MiB", "operator",
+                      "waiting 3h00m", "3h00m", "2"]]
+    waiting = text_of(dataclasses.replace(s, containers=()), 80)
+    assert "no CUDA process yet" not in waiting and "no allocation yet; 1 waiting (below)" in waiting
+
+
+def test_the_view_fits_the_terminal_processes_and_events_giving_way_first():
+    """At 80x24 the whole view fits: process rows go first (their containers stay), then events
+    down to three; at 160x45 everything shows. Before, at 80x24 columns were cut and the
+    events table was pushed off the screen."""
+    from convgpu.cli.view import lines
+    s = snapshot()
+    s = Snapshot(**{**s.__dict__, "enforce": ENFORCE, "events": s.events * 8, "notes": ("a note",)})
+    small = render(s, width=80, height=23)
+    assert lines(small, 80) <= 23
+    out = text_of(small, 80)
+    assert "recent events" in out and "trainer-with-a" in out
+    assert not any(line.startswith("  101 python3") for line in out.splitlines()), out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    big = text_of(render(s, width=100, height=44), 160)
+    assert any(line.startswith("  101 python3") for line in big.splitlines()) and big.count("cuMemAlloc_v2 (cudaMalloc)") == 8 and "a note" in big
