@@ -20,7 +20,7 @@ STANDIN_LDFLAGS := -shared -pthread -Wl,--no-undefined
 CALLER_CFLAGS := -std=gnu11 -O2 -g -pthread $(WARN)
 
 LIBCUDA_SRCS := $(SI)/libcuda.c $(SI)/libcuda_mem.c $(SI)/libcuda_limits.c $(SI)/libcuda_graph.c \
-	$(SI)/libcuda_module.c $(SI)/standin_shm.c $(SI)/visible.c
+	$(SI)/libcuda_module.c $(SI)/libcuda_cp.c $(SI)/libcuda_cp_api.c $(SI)/libcuda_copy.c $(SI)/standin_shm.c $(SI)/visible.c
 LIBCUDA_HDRS := $(SI)/cuda_min.h $(SI)/libcuda_int.h $(SI)/standin_shm.h
 
 # Symbols the stand-in driver must export (check-prologue verifies).
@@ -45,14 +45,19 @@ LIBCUDA_SYMS := cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount \
 	cuGraphInstantiateWithParams_ptsz cuGraphInstantiate cuGraphInstantiate_v2 \
 	cuGraphLaunch cuGraphLaunch_ptsz cuGraphExecDestroy cuGraphDestroy \
 	cuDeviceGraphMemTrim cuDeviceGetGraphMemAttribute cuModuleLoad cuModuleLoadData \
-	cuModuleLoadDataEx cuModuleUnload cuLibraryLoadData cuLibraryLoadFromFile cuLibraryUnload
+	cuModuleLoadDataEx cuModuleUnload cuLibraryLoadData cuLibraryLoadFromFile cuLibraryUnload \
+	cuModuleGetFunction cuMemcpyHtoD_v2 cuMemcpyDtoH_v2 cuMemcpyDtoD_v2 cuLaunchKernel \
+	cuLaunchKernel_ptsz cuCheckpointProcessGetState cuCheckpointProcessLock \
+	cuCheckpointProcessCheckpoint cuCheckpointProcessRestore cuCheckpointProcessUnlock \
+	cuCheckpointProcessGetRestoreThreadId
 LIBCUDART_SYMS := cudaMalloc cudaMallocManaged cudaMallocPitch cudaMalloc3D \
 	cudaFree cudaMemGetInfo cudaSetDevice cudaDeviceSynchronize
 
 NVML_OUT := $(BUILD)/standin-nvml
 TARGETS := $(OUT)/libcuda.so.1 $(OUT)/libcuda.so $(NVML_OUT)/libnvidia-ml.so.1 \
 	$(OUT)/libcudart.so.13 $(OUT)/libcudart.so \
-	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/turns $(BUILD)/alloc_bench $(BUILD)/reenter
+	$(OUT)/standin-usage $(BUILD)/cgcaller $(BUILD)/turns $(BUILD)/alloc_bench $(BUILD)/reenter \
+	$(BUILD)/holder $(BUILD)/cpctl
 
 .PHONY: all standin check-prologue clean
 all: standin check-prologue
@@ -89,6 +94,14 @@ $(OUT)/standin-usage: $(SI)/standin-usage.c $(SI)/standin_shm.c $(SI)/standin_sh
 # (build/standin) or the real driver at run time.
 $(BUILD)/cgcaller: $(SI)/cgcaller.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/cgcaller.c -L$(OUT) -l:libcuda.so.1 -ldl
+
+# holder (a process that holds memory and works) and cpctl (a checkpointing process): by
+# SONAME too, so that both run on the real driver of a GPU host unchanged.
+$(BUILD)/holder: $(SI)/holder.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/holder.c -L$(OUT) -l:libcuda.so.1
+
+$(BUILD)/cpctl: $(SI)/cpctl.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
+	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/cpctl.c -L$(OUT) -l:libcuda.so.1
 
 $(BUILD)/turns: $(SI)/turns.c $(SI)/cuda_min.h $(OUT)/libcuda.so.1
 	$(CC) $(CALLER_CFLAGS) -o $@ $(SI)/turns.c -L$(OUT) -l:libcuda.so.1

@@ -280,8 +280,8 @@ class Decider:
 
     def _drop_dead_asks(self, box: Box, dev: int, w):
         """A thread killed while stopped (its process lives on): its call went with it."""
-        for tid, a in list(w.asks.items()):
-            if a.tid != a.pid and not os.path.exists(f"/proc/{a.pid}/task/{a.tid}"):
+        for tid, a in list(w.asks.items()):   # a swapped process's footprint holds no thread
+            if a.tid != a.pid and not a.swapin and not os.path.exists(f"/proc/{a.pid}/task/{a.tid}"):
                 del w.asks[tid]
 
     def _circular(self, box: Box, dev: int, w, now: float):

@@ -38,6 +38,7 @@ uint64_t g_free_return_ms;
  * exactly 270,336 x (65,536 - 1,024) bytes there (driver 580.159.04, issue 39). */
 uint64_t g_resident_threads = 270336;
 int g_graph_at_instantiate;
+int g_backed;
 static uint64_t g_ctx_overhead;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -47,7 +48,7 @@ static struct si_handle g_shm = {-1, NULL};
 static int g_slot = -1; /* our slot in the shared table, -1 = none yet */
 static uint32_t g_slot_flags; /* SI_GRAPHICS: NVML lists us as a graphics client */
 
-static uint64_t env_u64(const char *name, uint64_t dflt)
+uint64_t env_u64(const char *name, uint64_t dflt)
 {
     const char *v = getenv(name);
     if (!v || !*v)
@@ -69,11 +70,13 @@ static void atfork_child(void)
             g_shm.seg = NULL;
     }
     g_slot = -1;
+    cp_atfork_child();
 }
 
 /* Normal exit: give the slot back now rather than waiting for a reaper. */
 static void at_exit(void)
 {
+    cp_exiting();   /* its driver thread answers no more: the slot may be someone else's next */
     if (g_shm.seg && g_slot >= 0 && si_lock(&g_shm) == 0) {
         si_unregister(&g_shm, g_slot);
         g_slot = -1;
@@ -86,10 +89,70 @@ static int ensure_slot(void)
 {
     if (g_slot < 0) {
         g_slot = si_register(&g_shm);
-        if (g_slot >= 0)
+        if (g_slot >= 0) {
             g_shm.seg->slots[g_slot].pad = g_slot_flags;
+            cp_slot_taken(g_slot);  /* its driver thread: checkpoint requests come to the slot */
+        }
     }
     return g_slot;
+}
+
+void driver_thread_due(void)
+{
+    if (cp_context() && g_shm.seg && si_lock(&g_shm) == 0) {
+        if (ensure_slot() >= 0)
+            cp_slot_taken(g_slot);
+        si_unlock(&g_shm);
+    }
+}
+
+struct si_handle *acct_shm(void) { return &g_shm; }
+int acct_slot(void) { return g_slot; }
+
+/* Where a peak rose: who held what (under the segment's lock). */
+static void note_peak(int dev, uint64_t used)
+{
+    struct si_seg *s = g_shm.seg;
+    if (used > s->peak[dev]) {
+        __atomic_store_n(&s->peak[dev], used, __ATOMIC_RELAXED);
+        memcpy(s->at_peak, s->slots, s->slot_hiwater * sizeof s->slots[0]);
+    }
+}
+
+CUresult acct_take_all(uint64_t saved[SI_MAX_DEV])
+{
+    if (!g_shm.seg || g_slot < 0 || si_lock(&g_shm) != 0)
+        return CUDA_ERROR_UNKNOWN;
+    uint64_t *used = g_shm.seg->slots[g_slot].used;
+    for (int d = 0; d < SI_MAX_DEV; d++) {
+        saved[d] = used[d];
+        used[d] = 0;
+    }
+    si_reap(&g_shm, g_slot);    /* recounts the devices' used[] without them */
+    si_unlock(&g_shm);
+    return CUDA_SUCCESS;
+}
+
+CUresult acct_give_back(const uint64_t saved[SI_MAX_DEV])
+{
+    if (!g_shm.seg || g_slot < 0 || si_lock(&g_shm) != 0)
+        return CUDA_ERROR_UNKNOWN;
+    struct si_seg *s = g_shm.seg;
+    si_reap(&g_shm, g_slot);
+    for (int d = 0; d < SI_MAX_DEV; d++)
+        if (saved[d] > g_capacity || s->used[d] > g_capacity - saved[d]) {
+            si_unlock(&g_shm);
+            return CUDA_ERROR_OUT_OF_MEMORY;    /* on any device: nothing changed */
+        }
+    for (int d = 0; d < SI_MAX_DEV; d++) {
+        if (!saved[d])
+            continue;
+        s->slots[g_slot].used[d] += saved[d];
+        __atomic_store_n(&s->used[d], s->used[d] + saved[d], __ATOMIC_RELAXED);
+        note_peak(d, s->used[d]);
+    }
+    si_unlock(&g_shm);
+    return CUDA_SUCCESS;
 }
 
 CUresult acct_charge(int ordinal, uint64_t bytes)
@@ -115,10 +178,7 @@ CUresult acct_charge(int ordinal, uint64_t bytes)
     s->slots[g_slot].used[dev] += bytes;
     used += bytes;
     __atomic_store_n(&s->used[dev], used, __ATOMIC_RELAXED);
-    if (used > s->peak[dev]) {
-        __atomic_store_n(&s->peak[dev], used, __ATOMIC_RELAXED);
-        memcpy(s->at_peak, s->slots, s->slot_hiwater * sizeof s->slots[0]);
-    }
+    note_peak(dev, used);
     si_unlock(&g_shm);
     return CUDA_SUCCESS;
 }
@@ -169,11 +229,35 @@ struct obj *tab_find(uintptr_t key, int kind)
     return NULL;
 }
 
+static struct obj *g_mems; /* K_MEM, K_MAP, K_HANDLE, chained by mprev/mnext */
+
+static int is_mem(int kind) { return kind == K_MEM || kind == K_MAP || kind == K_HANDLE; }
+
 void tab_insert(struct obj *o)
 {
     size_t h = tab_hash(o->key);
     o->next = g_tab[h];
     g_tab[h] = o;
+    if (is_mem(o->kind)) {
+        o->mprev = NULL;
+        o->mnext = g_mems;
+        if (g_mems)
+            g_mems->mprev = o;
+        g_mems = o;
+    }
+}
+
+struct obj *tab_mems(void) { return g_mems; }
+
+struct obj *tab_span(uintptr_t addr, uint64_t n)
+{
+    uint64_t end;
+    if (__builtin_add_overflow((uint64_t)addr, n, &end))
+        return NULL;
+    for (struct obj *o = g_mems; o; o = o->mnext)
+        if ((o->kind == K_MEM || o->kind == K_MAP) && addr >= o->key && end <= o->key + o->size)
+            return o;
+    return NULL;
 }
 
 struct obj *tab_remove(uintptr_t key, int kind)
@@ -183,6 +267,15 @@ struct obj *tab_remove(uintptr_t key, int kind)
         if (o->key == key && o->kind == kind) {
             *pp = o->next;
             o->next = NULL;
+            if (is_mem(kind)) {
+                if (o->mprev)
+                    o->mprev->mnext = o->mnext;
+                else
+                    g_mems = o->mnext;
+                if (o->mnext)
+                    o->mnext->mprev = o->mprev;
+                o->mprev = o->mnext = NULL;
+            }
             return o;
         }
     }
@@ -196,8 +289,11 @@ API CUresult cuInit(unsigned int Flags)
     SAVES_R12();                    /* the driver's prologue (no CHECK_INIT here) */
     if (Flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))
+    if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE)) {
+        int in = gate_enter();  /* a call like any other: it waits while the process is locked */
+        gate_leave(&in);
         return CUDA_SUCCESS;
+    }
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_init_mu);
     if (!g_inited) {
@@ -212,6 +308,8 @@ API CUresult cuInit(unsigned int Flags)
         g_resident_threads = env_u64("CONVGPU_STANDIN_RESIDENT_THREADS", 270336);
         const char *at = getenv("CONVGPU_STANDIN_GRAPH_AT");
         g_graph_at_instantiate = at && strcmp(at, "instantiate") == 0;
+        g_backed = env_u64("CONVGPU_STANDIN_BACKED", 0) == 1;
+        cp_init();
         /* Teardown: the real driver frees a process's memory when its files close, ~55 ms
          * after the exit tracepoint on the H100 (exit_mm comes in between). Here the slot is
          * freed when the shm file closes; host memory touched now makes exit_mm, and so the
@@ -268,7 +366,7 @@ API CUresult cuInit(unsigned int Flags)
 
 API CUresult cuDriverGetVersion(int *driverVersion)
 {
-    CHECK_INIT();
+    CHECK_INIT_UNGATED();   /* answers while the process is locked (libcuda_cp.c) */
     if (!driverVersion)
         return CUDA_ERROR_INVALID_VALUE;
     *driverVersion = 13000;
@@ -444,6 +542,7 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
+    driver_thread_due();    /* the real driver's threads come with its contexts */
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_ctx_mu);
     if (g_primary_ref[dev] == 0) {
@@ -490,6 +589,7 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_DEVICE;
     if (t_depth == CTX_STACK)
         return CUDA_ERROR_INVALID_VALUE;
+    driver_thread_due();
     struct obj *o = calloc(1, sizeof *o);
     if (!o)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -642,6 +742,8 @@ static const struct {
     {CUDA_ERROR_INVALID_CONTEXT, "invalid device context"},
     {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_NOT_READY, "device not ready"},
     {CUDA_ERROR_NOT_FOUND, "named symbol not found"},
     {CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed"},
     {CUDA_ERROR_NOT_SUPPORTED, "operation not supported"},
@@ -650,7 +752,7 @@ static const struct {
 
 API CUresult cuGetErrorString(CUresult error, const char **pStr)
 {
-    CHECK_INIT();
+    CHECK_INIT_UNGATED();
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < sizeof g_errs / sizeof g_errs[0]; i++)

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "cuda_min.h"
+#include "standin_shm.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -25,12 +26,23 @@
 /* Like the real driver, nothing works before cuInit(0).  This check comes
  * first in every API so a pre-init call has no side effects at all. */
 extern int g_inited;
-#define CHECK_INIT()                                                  \
+#define CHECK_INIT_UNGATED()                                          \
     do {                                                              \
         SAVES_R12();                                                  \
         if (!__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))            \
             return CUDA_ERROR_NOT_INITIALIZED;                        \
     } while (0)
+
+/* libcuda_cp.c: the gate of a locked process (cuCheckpointProcessLock). Every exported call
+ * but the checkpoint calls, cuGetErrorString and cuDriverGetVersion passes it: it waits there
+ * while the process is locked, checkpointed or beyond saving, and counts as in flight from
+ * then to its return (the cleanup variable leaves at every return), which a lock waits for.
+ * A call made from inside another (a signal handler's) passes straight through. */
+int gate_enter(void);
+void gate_leave(int *entered);
+#define CHECK_INIT()                                                  \
+    CHECK_INIT_UNGATED();                                             \
+    int cp_gate_ __attribute__((cleanup(gate_leave), unused)) = gate_enter()
 
 extern int g_ndev;          /* GPUs this process sees: CONVGPU_STANDIN_DEVICES, CUDA_VISIBLE_DEVICES */
 extern int g_host[];        /* its ordinal -> host GPU */
@@ -44,6 +56,7 @@ extern uint64_t g_free_ms;  /* CONVGPU_STANDIN_FREE_MS: how long cuMemFree_v2 ke
 extern uint64_t g_free_return_ms;   /* CONVGPU_STANDIN_FREE_RETURN_MS: how long it runs on after */
 extern uint64_t g_resident_threads; /* CONVGPU_STANDIN_RESIDENT_THREADS: what a stack byte is multiplied by */
 extern int g_graph_at_instantiate;  /* CONVGPU_STANDIN_GRAPH_AT=instantiate: graph memory taken there */
+extern int g_backed;                /* CONVGPU_STANDIN_BACKED=1: device memory is readable host memory */
 
 #define VMM_GRANULARITY (2ull << 20)
 
@@ -51,6 +64,30 @@ extern int g_graph_at_instantiate;  /* CONVGPU_STANDIN_GRAPH_AT=instantiate: gra
 CUresult acct_charge(int ordinal, uint64_t bytes); /* OOM if over capacity; counted on its host GPU */
 void acct_uncharge(int ordinal, uint64_t bytes);
 uint64_t acct_used(int ordinal);
+/* The checkpoint (libcuda_cp.c): everything this process's slot holds, per host GPU, taken out
+ * of the shared capacity into saved[] / put back if it all fits (else OOM, nothing changed). */
+CUresult acct_take_all(uint64_t saved[SI_MAX_DEV]);
+CUresult acct_give_back(const uint64_t saved[SI_MAX_DEV]);
+/* The shared segment and this process's slot in it (-1: none yet), for libcuda_cp.c. */
+struct si_handle *acct_shm(void);
+int acct_slot(void);
+/* libcuda_cp.c: this process's driver thread, which serves its slot's mailbox, starts once
+ * per process, under the segment's lock, when both have come: the slot (cp_slot_taken, at
+ * cuInit; a forked child's at its first charge) and, by default, a context (cp_context,
+ * with CONVGPU_STANDIN_CP_THREAD=context; =init: at the slot; =off: never). A forked child
+ * starts anew (nothing locked, no thread until it has a slot). */
+void cp_init(void);
+void cp_slot_taken(int slot);
+int cp_context(void);  /* 1: this process wants its driver thread now */
+void cp_atfork_child(void);
+void cp_exiting(void);
+/* libcuda.c: the driver thread started if it is due (a context was made) */
+void driver_thread_due(void);
+/* libcuda_cp.c: futex(2) on a word of the shared segment (not private: the processes share it) */
+struct timespec;
+long cp_futex(uint32_t *word, int op, uint32_t val, const struct timespec *rel);
+/* libcuda.c: a number from the environment (strtoull base 0), else dflt */
+uint64_t env_u64(const char *name, uint64_t dflt);
 
 /* Device of the calling thread's current context. */
 CUresult cur_dev(int *dev);
@@ -81,6 +118,13 @@ struct obj {
      * limit_set set (else the default), under ctx_lock() */
     uint64_t limit[3];
     unsigned limit_set;
+    /* K_MEM, K_MAP, K_HANDLE: the list of memory objects (tab lock), for copies' bounds and
+     * the checkpoint */
+    struct obj *mprev, *mnext;
+    /* backed mode: K_HANDLE's memfd (-1: none); K_MEM, K_HANDLE: the contents while
+     * checkpointed */
+    int memfd;
+    void *aside;
 };
 
 void tab_lock(void);
@@ -88,6 +132,10 @@ void tab_unlock(void);
 struct obj *tab_find(uintptr_t key, int kind);
 void tab_insert(struct obj *o);
 struct obj *tab_remove(uintptr_t key, int kind);
+/* Under tab_lock(): the memory objects (K_MEM, K_MAP, K_HANDLE), newest first. */
+struct obj *tab_mems(void);
+/* Under tab_lock(): the K_MEM or K_MAP object that holds all of [addr, addr+n), or NULL. */
+struct obj *tab_span(uintptr_t addr, uint64_t n);
 
 /* libcuda_mem.c: an object of its own address that holds `bytes` of device `dev` (an ordinal)
  * until obj_release (arrays, modules, libraries). */

@@ -2,8 +2,11 @@
  * libcuda_mem.c - test-only stand-in for the CUDA driver, part 2: every API
  * that takes or gives back "device memory".  Linear allocations are
  * PROT_NONE, MAP_NORESERVE mappings, so addresses are real and unique but
- * no page is ever touched; capacity is enforced by acct_charge() across all
- * processes sharing the segment (see standin_shm.h).
+ * no page is ever touched (CONVGPU_STANDIN_BACKED=1: readable and writable
+ * host memory at the device address, VMM handles memfds mapped there, so
+ * that copies and a checkpoint's restore can be checked byte for byte);
+ * capacity is enforced by acct_charge() across all processes sharing the
+ * segment (see standin_shm.h).
  *
  * Same build rule as libcuda.c: -O0 so each exported function begins with
  * `push %rbp` (checked by `make check-prologue`).
@@ -11,7 +14,9 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "libcuda_int.h"
@@ -36,7 +41,8 @@ static CUresult do_alloc(CUdeviceptr *dptr, uint64_t bytes, int dev)
     if (rc != CUDA_SUCCESS)
         return rc;
     struct obj *o = calloc(1, sizeof *o);
-    void *p = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    int prot = g_backed ? PROT_READ | PROT_WRITE : PROT_NONE;
+    void *p = mmap(NULL, bytes, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (!o || p == MAP_FAILED) {
         free(o);
         if (p != MAP_FAILED)
@@ -143,22 +149,22 @@ API CUresult cuMemFree_v2(CUdeviceptr dptr)
     return rc ? rc : do_free(dptr);
 }
 
-/* CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N): no page is
- * touched; the range must start an allocation (linear or a live graph allocation) and fit
- * in it. */
+/* CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N): the range must
+ * lie in one allocation or mapping (or start a live graph allocation); backed mode writes
+ * it, else no page is touched. */
 API CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
 {
     CHECK_INIT();
-    (void)uc;
     int dev;
     CUresult rc = cur_dev(&dev);
     if (rc)
         return rc;
     tab_lock();
-    struct obj *o = tab_find((uintptr_t)dstDevice, K_MEM);
-    int ok = o && N <= o->size;
+    struct obj *o = tab_span((uintptr_t)dstDevice, N);
+    if (o && g_backed)
+        memset((void *)(uintptr_t)dstDevice, uc, N);
     tab_unlock();
-    return ok || graph_mem_live((uintptr_t)dstDevice, N) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return o || graph_mem_live((uintptr_t)dstDevice, N) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
@@ -321,10 +327,15 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if (rc)
         return rc;
     struct obj *o = calloc(1, sizeof *o);
-    if (!o) {
+    int fd = g_backed ? memfd_create("convgpu-standin-vmm", MFD_CLOEXEC) : -1;
+    if (!o || (g_backed && (fd < 0 || ftruncate(fd, (off_t)size) != 0))) {
+        free(o);
+        if (fd >= 0)
+            close(fd);
         acct_uncharge(dev, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    o->memfd = fd;      /* backed: the physical memory, mapped by cuMemMap */
     o->kind = K_HANDLE;
     o->dev = dev;
     o->size = size;
@@ -356,6 +367,8 @@ API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
         g_reused_handle = dead->key;
     tab_unlock();
     if (dead) {
+        if (g_backed)
+            close(dead->memfd);
         acct_uncharge(dead->dev, dead->size);
         free(dead);
         free_returning();   /* the value is free to come back before this call returns */
@@ -455,7 +468,9 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     tab_lock();
     struct obj *h = tab_find((uintptr_t)handle, K_HANDLE);
     if (!h || h->released || offset + size > h->size || !reserved(ptr, size) ||
-        tab_find(ptr, K_MAP)) {
+        tab_find(ptr, K_MAP) ||
+        (g_backed && mmap((void *)ptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, h->memfd,
+                          (off_t)offset) == MAP_FAILED)) {
         tab_unlock();
         free(m);
         return CUDA_ERROR_INVALID_VALUE;
@@ -481,6 +496,8 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         return CUDA_ERROR_INVALID_VALUE;
     }
     uintptr_t cur = ptr, end = ptr + size;
+    if (g_backed)   /* back to reserved address space */
+        mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     while (cur < end) {
         struct obj *m = tab_remove(cur, K_MAP);
         struct obj *h = m->link;
@@ -495,6 +512,8 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     tab_unlock();
     while (dead) {
         struct obj *n = dead->next;
+        if (g_backed)
+            close(dead->memfd);
         acct_uncharge(dead->dev, dead->size);
         free(dead);
         dead = n;

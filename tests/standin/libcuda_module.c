@@ -97,6 +97,23 @@ API CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned in
     return module_from(module, image, NULL);
 }
 
+/* CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name): any name
+ * is a function of a loaded module here; its handle is the module's (cuLaunchKernel checks
+ * that the module is still loaded). */
+API CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+    CHECK_INIT();
+    if (!hfunc || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    tab_lock();
+    int ok = hmod && tab_find((uintptr_t)hmod, K_MODULE);
+    tab_unlock();
+    if (!ok)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *hfunc = (CUfunction)hmod;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuModuleUnload(CUmodule hmod)
 {
     CHECK_INIT();

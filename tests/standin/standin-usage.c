@@ -4,17 +4,19 @@
  * processes' slots first; see standin_shm.h).
  *
  * usage: standin-usage [--json] [--reset-peak] [--unlink] [--devices N]
- *   segment: $CONVGPU_STANDIN_SHM (default /convgpu-standin-v2)
+ *   segment: $CONVGPU_STANDIN_SHM (default /convgpu-standin-v3)
  *   devices: --devices, else $CONVGPU_STANDIN_DEVICES (default 1)
  *   capacity shown: $CONVGPU_STANDIN_CAPACITY (default 80 GiB)
  *
  * Text output, one line per device then one per live process:
  *   dev=0 used=BYTES peak=BYTES capacity=BYTES
- *   proc pid=PID used=BYTES_DEV0,BYTES_DEV1,...
+ *   proc pid=PID used=BYTES_DEV0,BYTES_DEV1,... [cp_state=1]   (1: locked by a checkpointer)
+ *   checkpointed pid=PID state=S saved=BYTES_DEV0,...   (S 2 checkpointed, 3 failed: nothing
+ *                                on a device, the bytes a restore needs)
  *   at_peak pid=PID used=...    (who held what when a peak last rose)
  * --json: {"shm":..., "exists":true, "capacity":C,
  *          "devices":[{"dev":0,"used":U,"peak":P}],
- *          "procs":[{"pid":PID,"start_time":T,"used":[...]}],
+ *          "procs":[{"pid":PID,"start_time":T,"used":[...],"cp_state":S,"saved":[...]}],
  *          "at_peak":[{"pid":PID,"start_time":T,"used":[...]}]}
  * --reset-peak: after reaping, peak := used on every device.
  * --unlink: remove the segment (the next cuInit creates a fresh one).
@@ -39,9 +41,10 @@ static uint64_t env_u64(const char *name, uint64_t dflt)
     return *end ? dflt : (uint64_t)x;
 }
 
-/* The non-empty slots of `slots`, as the JSON member `key` or text lines `word pid=...`. */
-static void print_slots(const struct si_slot *slots, const char *key, const char *word, int json,
-                        int ndev)
+/* The non-empty slots of `slots`, as the JSON member `key` or text lines `word pid=...`; with
+ * their checkpoint mailboxes `cp` (procs only): state and bytes saved. */
+static void print_slots(const struct si_slot *slots, const struct si_cp *cp, const char *key,
+                        const char *word, int json, int ndev)
 {
     if (json)
         printf(",\"%s\":[", key);
@@ -50,13 +53,25 @@ static void print_slots(const struct si_slot *slots, const char *key, const char
         const struct si_slot *s = &slots[i];
         if (s->pid == 0)
             continue;
+        /* text: a process checkpointed (or failed there) holds nothing on a device, and NVML lists
+         * it no more: a line of its own, not a proc line */
+        int out = cp && cp[i].state >= 2;
         if (json)
             printf("%s{\"pid\":%d,\"start_time\":%llu,\"used\":[", first ? "" : ",", s->pid,
                    (unsigned long long)s->start_time);
+        else if (out)
+            printf("checkpointed pid=%d state=%u saved=", s->pid, cp[i].state);
         else
             printf("%s pid=%d used=", word, s->pid);
         for (int d = 0; d < ndev; d++)
-            printf("%s%llu", d ? "," : "", (unsigned long long)s->used[d]);
+            printf("%s%llu", d ? "," : "", (unsigned long long)(out && !json ? cp[i].saved[d] : s->used[d]));
+        if (cp && json) {
+            printf("],\"cp_state\":%u,\"saved\":[", cp[i].state);
+            for (int d = 0; d < ndev; d++)
+                printf("%s%llu", d ? "," : "", (unsigned long long)cp[i].saved[d]);
+        } else if (cp && cp[i].state == 1) {   /* locked: still on the device */
+            printf(" cp_state=1");
+        }
         printf(json ? "]}" : "\n");
         first = 0;
     }
@@ -130,8 +145,8 @@ int main(int argc, char **argv)
     }
     if (json)
         printf("]");
-    print_slots(snap.slots, "procs", "proc", json, ndev);
-    print_slots(snap.at_peak, "at_peak", "at_peak", json, ndev);
+    print_slots(snap.slots, snap.cp, "procs", "proc", json, ndev);
+    print_slots(snap.at_peak, NULL, "at_peak", "at_peak", json, ndev);
     if (json)
         printf("}\n");
     return 0;

@@ -21,6 +21,8 @@ _Static_assert(offsetof(struct si_seg, peak) == 160, "layout");
 _Static_assert(offsetof(struct si_seg, lock) == 288, "layout");
 _Static_assert(offsetof(struct si_seg, slots) == 352, "layout");
 _Static_assert(sizeof(struct si_slot) == 144, "layout");
+_Static_assert(offsetof(struct si_seg, cp) == 295264, "layout");
+_Static_assert(sizeof(struct si_cp) == 160, "layout");
 
 const char *si_name(void)
 {
@@ -167,6 +169,7 @@ void si_reap(struct si_handle *h, int self)
             continue;
         if ((int)i != self && !slot_locked(h->fd, (int)i)) {
             memset(sl, 0, sizeof *sl); /* owner is dead */
+            memset(&s->cp[i], 0, sizeof s->cp[i]);
             continue;
         }
         for (int d = 0; d < SI_MAX_DEV; d++)
@@ -215,6 +218,7 @@ int si_register(struct si_handle *h)
         if (fcntl(h->fd, F_OFD_SETLK, &fl) != 0)
             continue; /* someone still holds it (should not happen) */
         memset(&s->slots[i], 0, sizeof s->slots[i]);
+        memset(&s->cp[i], 0, sizeof s->cp[i]);
         s->slots[i].pid = (int32_t)getpid();
         s->slots[i].start_time = my_start_time();
         if ((uint32_t)i + 1 > s->slot_hiwater)
@@ -229,6 +233,7 @@ void si_unregister(struct si_handle *h, int idx)
     if (idx < 0 || idx >= SI_NSLOTS)
         return;
     memset(&h->seg->slots[idx], 0, sizeof h->seg->slots[idx]);
+    memset(&h->seg->cp[idx], 0, sizeof h->seg->cp[idx]);
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = F_UNLCK;

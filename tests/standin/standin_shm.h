@@ -16,7 +16,7 @@
  *
  * Layout (x86_64, little endian; all integers naturally aligned), also
  * documented in README.md for readers that are not C:
- *   off   0 u32 magic (0x49534743 "CGSI")      off   4 u32 version (1)
+ *   off   0 u32 magic (0x49534743 "CGSI")      off   4 u32 version (3)
  *   off   8 u32 max_devices (16)               off  12 u32 nslots (1024)
  *   off  16 u32 init_done (1 when usable)      off  20 u32 slot_hiwater
  *   off  24 u64 capacity_hint (last cuInit's CONVGPU_STANDIN_CAPACITY)
@@ -29,6 +29,13 @@
  *   then    at_peak[1024], the same slots as they were when a peak[] last
  *           rose: who held what at the peak (a test that finds the peak too
  *           high can say which processes made it)
+ *   off 295264 cp[1024], 160 bytes each: slot i's checkpoint mailbox (libcuda_cp.c), cleared
+ *           with its slot:
+ *           u32 req (futex: seq << 4 | SI_CP_TAKEN | op, posted by a checkpointing process)
+ *           u32 ack (futex: seq of the last request the slot's process answered)
+ *           i32 result (its CUresult)   u32 state (CUprocessState, as the process set it)
+ *           i32 tid (the process's stand-in driver thread)   u32 arg (a lock's timeout, ms)
+ *           u64 pad   u64 saved[16] (bytes it had on each host GPU when checkpointed)
  */
 #ifndef CONVGPU_STANDIN_SHM_H
 #define CONVGPU_STANDIN_SHM_H
@@ -39,10 +46,10 @@
 #define SI_MAX_DEV 16
 #define SI_NSLOTS 1024
 #define SI_MAGIC 0x49534743u
-#define SI_VERSION 2u
+#define SI_VERSION 3u
 /* Named after SI_VERSION (keep the two in step): a segment an older build left in /dev/shm
  * is then never opened, where it would fail the version check. */
-#define SI_DEFAULT_NAME "/convgpu-standin-v2"
+#define SI_DEFAULT_NAME "/convgpu-standin-v3"
 #define SI_DEFAULT_CAPACITY 85899345920ull /* 80 GiB */
 
 #define SI_GRAPHICS 1u /* si_slot.pad: a graphics client (CONVGPU_STANDIN_GRAPHICS=1 at cuInit) */
@@ -52,6 +59,22 @@ struct si_slot {
     uint32_t pad; /* flags: SI_GRAPHICS */
     uint64_t start_time;
     uint64_t used[SI_MAX_DEV];
+};
+
+/* A checkpoint request (libcuda_cp.c): the op in req's low bits. */
+enum { SI_CP_NONE = 0, SI_CP_LOCK, SI_CP_CHECKPOINT, SI_CP_RESTORE, SI_CP_UNLOCK };
+#define SI_CP_OP 7u
+#define SI_CP_TAKEN 8u  /* the target's driver thread has taken it: no longer cancellable */
+
+struct si_cp {
+    uint32_t req;
+    uint32_t ack;
+    int32_t result;
+    uint32_t state;
+    int32_t tid;
+    uint32_t arg;
+    uint64_t pad;
+    uint64_t saved[SI_MAX_DEV];
 };
 
 struct si_seg {
@@ -70,6 +93,7 @@ struct si_seg {
     } lock;
     struct si_slot slots[SI_NSLOTS];
     struct si_slot at_peak[SI_NSLOTS];
+    struct si_cp cp[SI_NSLOTS];
 };
 
 struct si_handle {

@@ -595,6 +595,11 @@ LAYOUT = [(t, m) for t, ms in {
     "CUlimit": [""], "CUjit_option": [""], "CUlibraryOption": [""], "CUgraphMem_attribute": [""],
     "CUstreamCaptureStatus": [""], "CUstreamCaptureMode": [""], "CUgraphNodeType": [""],
     "CUdeviceptr": [""], "CUmemGenericAllocationHandle": [""],
+    "CUcheckpointLockArgs": ["timeoutMs", "reserved0", "reserved1", ""],
+    "CUcheckpointCheckpointArgs": ["reserved", ""],
+    "CUcheckpointGpuPair": ["oldUuid", "newUuid", ""],
+    "CUcheckpointRestoreArgs": ["gpuPairs", "gpuPairsCount", "reserved", "reserved1", ""],
+    "CUcheckpointUnlockArgs": ["reserved", ""], "CUprocessState": [""],
 }.items() for m in ms]
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import GiB, MiB, Enforcing, _lines, popen_in, proc_state, run_dir_for, stop_all, until
-from shim_attack import NOBODY
+NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")   # as tests/security
 
 pytestmark = pytest.mark.system
 
@@ -26,11 +26,17 @@ def envs(build, env5, capacity):
             dict(base, CONVGPU_STANDIN_BACKED="1"))
 
 
+def plain(env: dict) -> dict:
+    """A holder whose contents nobody checks: unbacked (the stand-in touches no host memory)."""
+    return {k: v for k, v in env.items() if k != "CONVGPU_STANDIN_BACKED"}
+
+
 class Holder:
     """build/holder -s SIZE as nobody in cgroup cg: its pid and pattern CRC from `ready`."""
 
-    def __init__(self, cg, build, env, size: str, timeout: float = 30):
-        self.p = popen_in(cg, *NOBODY, build / "holder", "-s", size, env=env)
+    def __init__(self, cg, build, env, size: str, timeout: float = 30, fill: bool = True):
+        """fill False (-z): ready once allocated (its contents are nobody's concern)."""
+        self.p = popen_in(cg, *NOBODY, build / "holder", "-s", size, *(() if fill else ("-z",)), env=env)
         line = self.answer(timeout)
         assert line and line.startswith("ready"), (line, self.p.stderr.read() if self.p.poll() is not None else "")
         f = dict(kv.split("=") for kv in line.split()[1:])
@@ -57,7 +63,9 @@ def row(enf, name: str) -> dict:
 
 
 def args(*more):
-    return ("--gpu-memory", "4GiB", "--limit", "a=4GiB", "--limit", "b=4GiB", "--swap-idle", "1", *more)
+    """A 4 GiB GPU; A's limit what it holds, B's what it asks: every grant stays safe (the banker's
+    check: docs/SCHEDULING.md), so B's wait is the full GPU's alone, which the swap ends."""
+    return ("--gpu-memory", "4GiB", "--limit", "a=3GiB", "--limit", "b=2GiB", "--swap-idle", "1", *more)
 
 
 def test_an_idle_holder_goes_out_for_a_waiter_and_comes_back_at_its_next_call(cgroups, build, env5):
@@ -69,7 +77,7 @@ def test_an_idle_holder_goes_out_for_a_waiter_and_comes_back_at_its_next_call(cg
     try:
         a = Holder(cgroups("a"), build, caller, "3G")
         t0 = time.monotonic()
-        b = Holder(cgroups("b"), build, caller, "2G", timeout=20)
+        b = Holder(cgroups("b"), build, plain(caller), "2G", timeout=20, fill=False)
         took = time.monotonic() - t0
         assert took < 10, took
         g = row(enf, "a")
@@ -118,7 +126,7 @@ def test_a_kill_9_while_out_leaves_it_to_the_successor(cgroups, build, env5):
     nxt = a = b = None
     try:
         a = Holder(cgroups("a"), build, caller, "3G")
-        b = Holder(cgroups("b"), build, caller, "2G", timeout=20)
+        b = Holder(cgroups("b"), build, plain(caller), "2G", timeout=20, fill=False)
         assert row(enf, "a")["swapped"] == 3 * GiB
         enf.p.kill()
         enf.p.wait()
