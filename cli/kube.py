@@ -146,4 +146,4 @@ def _dra(node_name, gpus, unit, run_dir, offer, cdi, registry_dir, plugins_dir, 
                        lambda ns, name: claims.read_namespaced_resource_claim(name, ns, _request_timeout=10),
                        enforcer, CdiDir(cdi_dir), registry_dir, plugins_dir, slices=Slices(client, node_name, unit),
                        shim=offer, cdi_kind=cdi, facts=lambda: node.facts)
-    return plugin, ClaimSync(enforcer, sources, pod_resources)
+    return plugin, ClaimSync(enforcer, sources, pod_resources, settle=plugin.settle)

@@ -201,6 +201,10 @@ def enforce_table(s: Snapshot, narrow: bool = False) -> Table:
             cells += [format_size(used_of(g)), state_of(g), format_duration(c["stalled_s"])]
             cells += [] if narrow else [str(c["stalls"])]
             row(t, text(c["name"], "bold"), short_id(c.get("kind", ""), c.get("id", "")), dev, *cells)
+        if c.get("kind") == "claim":   # a DRA claim's budget: the containers that share it, under it
+            for m in c.get("consumers", []):
+                row(t, text(f"  + {len(m['pids'])} proc", "dim"), short_id(m.get("kind", ""), m["id"]), "",
+                    *[""] * len(cols))
     for r in e.get("registered", []):   # run jobs, pods and claims with no CUDA call yet
         cells = [format_size(r["limit"])] + ([] if narrow else [""]) + ["", Text(not_placed(r), style="dim"), ""]
         cells += [] if narrow else [""]

@@ -80,10 +80,12 @@ class Actuator:
             if ask is not None and self.holds.holder is not None:
                 self.holds.holder.hold(pid, ask.tid)   # only that thread waits, where ptrace allows
             return
-        # freezer mode: hold the whole container in its cgroup, then drop the signal stop,
-        # so that no SIGCONT from inside the container can undo the stall
+        # freezer mode: hold the whole container in its cgroup (a claim's budget: every
+        # container that uses it, issue 48), then drop the signal stop, so that no SIGCONT from
+        # inside a container can undo the stall
         try:
-            self.stopper.stall(Target(tuple(box.pids), box.container.cgroup))
+            for cg in box.cgroups:
+                self.stopper.stall(Target(tuple(box.pids), cg))
             for p in box.pids:
                 os.kill(p, signal.SIGCONT) if alive(p) else None
         except Exception as e:
@@ -180,21 +182,24 @@ class Actuator:
         once none of its devices waits: a container frozen on two GPUs has both grants settled
         first (schedule() grants per device, and a thaw at the first grant let the process
         waiting on the other GPU into its call before that GPU's grant)."""
-        self.stopper.resume(Target(tuple(box.pids), box.container.cgroup))
+        for cg in box.cgroups:
+            self.stopper.resume(Target(tuple(box.pids), cg))
         self.signal(box.pids, signal.SIGCONT)
 
-    def thaw_emptied(self, box: Box, frozen: bool):
+    def thaw_emptied(self, box: Box, frozen: bool, cgroups=None):
         """Freezer: the container's last CUDA process left (killed while it waited, say), and the
-        box goes. Its cgroup is thawed with it: dropped frozen, the next process to join it froze
-        with nobody to thaw it (issue 33, attack 6), and so did what else ran there."""
-        try:   # whether it waited, frozen, not cgroup.events: an exiting task may show it unfrozen
-            self.stopper.resume(Target((), box.container.cgroup))   # idempotent
-            if frozen:
-                log.info("container %s: its last process left while its cgroup %s was frozen: thawed",
-                         box.name, box.container.cgroup)
-        except Exception as e:   # StallError, or an OSError reading its state: one line, the loop goes on
-            log.warning("container %s: its last process left, and its cgroup %s could not be thawed (%s): "
-                        "thaw it by hand", box.name, box.container.cgroup, e)
+        box goes (or, of a claim's budget, that member). Its cgroup is thawed with it: dropped
+        frozen, the next process to join it froze with nobody to thaw it (issue 33, attack 6),
+        and so did what else ran there."""
+        for cg in cgroups if cgroups is not None else box.cgroups:
+            try:   # whether it waited, frozen, not cgroup.events: an exiting task may show it unfrozen
+                self.stopper.resume(Target((), cg))   # idempotent
+                if frozen:
+                    log.info("container %s: its last process left while its cgroup %s was frozen: thawed",
+                             box.name, cg)
+            except Exception as e:   # StallError, or an OSError reading its state: one line, the loop goes on
+                log.warning("container %s: its last process left, and its cgroup %s could not be thawed (%s): "
+                            "thaw it by hand", box.name, cg, e)
 
     @staticmethod
     def signal(pids, sig):

@@ -43,6 +43,7 @@ class Departed:
     limits: dict[int, int]   # its container's limit per GPU when it left
     at: float                # when it left (monotonic)
     settled: float = 0.0     # when the driver could have freed its memory (its pidfd fired); 0: not yet
+    cgroups: tuple = ()      # its container's cgroups (a DRA claim's budget: every member's)
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Attribution:
 def remember(books, pid: int, box) -> None:
     """Exits: a member left; its container keeps what NVML may still list under its pid."""
     books.departed[pid] = Departed(box.container, box.name, {d: books.limit(box, d) for d in box.assigned},
-                                   time.monotonic())
+                                   time.monotonic(), cgroups=box.cgroups)
     if len(books.departed) > DEPARTED_MAX:   # the oldest settled first (a flood of exits is bounded)
         order = sorted(books.departed, key=lambda p: (not books.departed[p].settled, books.departed[p].at))
         for p in order[:len(books.departed) - DEPARTED_MAX]:

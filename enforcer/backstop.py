@@ -65,10 +65,10 @@ class Over:
     nvml: int
     limit: int
     name: str
-    cgroup: str
+    cgroups: tuple                                          # its cgroups (a DRA claim's budget: its members')
     stopped: dict[int, int] = field(default_factory=dict)   # pid -> its start time, stopped by us
     killed: list[int] = field(default_factory=list)
-    frozen: str = ""                                        # its cgroup, where the freezer holds it
+    frozen: tuple = ()                                      # its cgroups, where the freezer holds them
 
     @property
     def gap(self) -> int:
@@ -127,7 +127,7 @@ class Backstop:
                 box = boxes.get(k[0])
                 gone = self._gone(k[0])
                 o = self.over[k] = Over(now, nvml, cap, box.name if box else gone.name,
-                                        box.container.cgroup if box else gone.container.cgroup)
+                                        box.cgroups if box else gone.cgroups or (gone.container.cgroup,))
                 self._say(box, k, o, raw, found)
             o.nvml, o.limit = nvml, cap
             changed |= self._act(boxes.get(k[0]), k, o, raw, found, extra.get(k[0], set()))
@@ -165,13 +165,14 @@ class Backstop:
                 box = self.place(pid, dev)
                 if box is None:
                     self._unplaceable[pid] = st[1]
-            if why or (box is None and c.id not in self.books.boxes):
+            owner = None if why else box or self.books.member_box(c.id) or self.books.boxes.get(c.id)
+            if owner is None:
                 found.add(found.unattributed, dev, n)
                 found.why[(pid, dev)] = why or "no container could take it"
                 continue
-            found.add(found.held, (c.id, dev), n)
+            found.add(found.held, (owner.container.id, dev), n)   # its budget's (a claim's: shared)
             if box is None:
-                unplaced.setdefault(c.id, set()).add(pid)
+                unplaced.setdefault(owner.container.id, set()).add(pid)
         if len(self._unplaceable) > 4096:   # pids of processes long gone
             self._unplaceable = {p: s for p, s in self._unplaceable.items() if _stat(p, "/proc") is not None}
         return unplaced
@@ -212,9 +213,10 @@ class Backstop:
         pids = set(box.pids) if box is not None else set()
         if found.left.get(cid, {}).get(dev) or box is None:
             gone = self._gone(cid)
-            cg = box.container.cgroup if box is not None else gone.container.cgroup if gone else None
-            if cg is not None and cg != "/":   # never the host's every process
-                pids |= self.procs(cg)
+            cgs = box.cgroups if box is not None else gone.cgroups or (gone.container.cgroup,) if gone else ()
+            for cg in cgs:
+                if cg and cg != "/":   # never the host's every process
+                    pids |= self.procs(cg)
         return (pids | unplaced) - self.exempt() - {os.getpid()}
 
     def _act(self, box, k, o: Over, raw, found, unplaced: set[int]) -> bool:
@@ -234,11 +236,12 @@ class Backstop:
                 o.stopped[p] = st[1]
         freezer = not isinstance(self.stopper, SignalStopper)
         if freezer:
-            o.frozen = self.stopper.root.rstrip("/") + o.cgroup
+            o.frozen = tuple(self.stopper.root.rstrip("/") + cg for cg in o.cgroups)
         self.saved()   # the watchdog resumes them if we die from here on (before the stop: issue 47)
         if freezer:
             try:
-                self.stopper.stall(Target(tuple(running), o.cgroup))
+                for cg in o.cgroups:
+                    self.stopper.stall(Target(tuple(running), cg))
                 return True
             except Exception as e:   # a freezer that fails: signal-stopped, said once per pass
                 log.warning("container %s: freezer failed (%s); it stays signal-stopped", o.name, e)
@@ -284,7 +287,8 @@ class Backstop:
                 if st is not None and st[1] == start and not (box is not None and self.waits_whole(box, p)):
                     _signal(p, signal.SIGCONT)
         elif box is None or not box.waiting:   # a wait of its own keeps it frozen (the freezer holds it whole)
-            self.stopper.resume(Target(tuple(o.stopped), o.cgroup))
+            for cg in o.cgroups:
+                self.stopper.resume(Target(tuple(o.stopped), cg))
             for p, start in o.stopped.items():
                 st = _stat(p, "/proc")
                 if st is not None and st[1] == start:
@@ -304,7 +308,7 @@ class Backstop:
     def held(self) -> tuple[set[int], set[str]]:
         """What the watchdog must resume if the enforcer dies: the pids stopped here (the
         successor's first sample stops them again while they are over)."""
-        return {p for o in self.over.values() for p in o.stopped}, {o.frozen for o in self.over.values() if o.frozen}
+        return {p for o in self.over.values() for p in o.stopped}, {cg for o in self.over.values() for cg in o.frozen}
 
     def status(self, cid: str, dev: int, now: float) -> dict:
         o = self.over.get((cid, dev))

@@ -67,7 +67,10 @@ class Exit:
 
 @dataclass
 class Box:
-    """A container under enforcement."""
+    """A budget under enforcement: a container's own, or a DRA claim's, which every container
+    that uses the claim shares (issue 48: one entry in the books, one key in BPF's maps, stalled
+    together, one row in `status`). `container` names it (a claim's: kind "claim", no cgroup of
+    its own); `members` are the containers whose processes it holds, each with its cgroup."""
     key: int
     container: Container
     name: str
@@ -95,6 +98,33 @@ class Box:
     # BPF reserves its size again): counted as taken meanwhile, so a second resume cannot
     # count on the same room (decisions._serve; dropped once BPF's `held` forgets that stop)
     going: dict[int, dict] = field(default_factory=dict)
+    members: dict[str, Container] = field(default_factory=dict)   # container id -> the container
+    of_pid: dict[int, str] = field(default_factory=dict)           # pid -> its member's id
+    claims: set = field(default_factory=set)   # uids of the DRA claims whose budget this is (tenants/claims.py)
+
+    @property
+    def cgroups(self) -> tuple[str, ...]:
+        """The cgroups of its members (what a freezer stall freezes), its own where none is known."""
+        got = sorted({m.cgroup for m in self.members.values() if m.cgroup})
+        return tuple(got) if got or not self.container.cgroup else (self.container.cgroup,)
+
+    def add(self, pid: int, c: Container | None):
+        """pid is one of its processes, in container c (None: not known, its own)."""
+        c = c or self.container
+        self.pids.add(pid)
+        self.members.setdefault(c.id, c)
+        self.of_pid[pid] = c.id
+
+    def drop(self, pid: int) -> Container | None:
+        """pid left; the member it was in if that was its last process (the member goes)."""
+        self.pids.discard(pid)
+        cid = self.of_pid.pop(pid, None)
+        if cid is None or cid in self.of_pid.values():
+            return None
+        return self.members.pop(cid, None)
+
+    def member_pids(self, cid: str) -> list[int]:
+        return sorted(p for p, m in self.of_pid.items() if m == cid)
 
 
 class Ambiguous(ConvgpuError):
@@ -269,14 +299,21 @@ class Books:
         asking = {a.pid for a in w.asks.values()}
         return box.pids <= asking and all(self.whole(p) for p in box.pids)
 
+    def member_box(self, cid: str) -> Box | None:
+        """The budget a container's processes are charged to, if any of them is placed."""
+        return next((b for b in self.boxes.values() if cid in b.members), None)
+
     def find(self, container: str) -> Box:
-        """The one container a name, id, short id, cgroup or id prefix (6+ characters) names.
-        Two containers may share a name (two `convgpu run --name job`): a name that matches
-        several is an error listing their ids, never the first one found (issue 52)."""
+        """The one budget a name, id, short id, cgroup or id prefix (6+ characters) names: its
+        own, or one of its containers' (a DRA claim's budget holds several). Two containers may
+        share a name (two `convgpu run --name job`): a name that matches several is an error
+        listing their ids, never the first one found (issue 52)."""
+        def answers(b: Box, exact: bool) -> bool:
+            return any(container in (b.name, c.id, c.short, c.cgroup) if exact
+                       else len(container) >= 6 and c.id.startswith(container)
+                       for c in (b.container, *b.members.values()))
         for exact in (True, False):
-            found = [b for b in self.boxes.values()
-                     if (container in (b.name, b.container.id, b.container.short, b.container.cgroup) if exact
-                         else len(container) >= 6 and b.container.id.startswith(container))]
+            found = [b for b in self.boxes.values() if container and answers(b, exact)]
             if len(found) > 1:
                 raise Ambiguous(container, [(b.container.id, b.container.cgroup) for b in found])
             if found:

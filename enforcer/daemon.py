@@ -332,7 +332,7 @@ class Enforcer:
         for pid in pids if holder is not None else ():
             holder.refused[pid] = "taken over stopped from the enforcer before: held whole"
         self._take(events, time.monotonic())
-        ours = {self.stopper.root.rstrip("/") + b.container.cgroup for b in self.books.boxes.values() if b.waiting} \
+        ours = {self.stopper.root.rstrip("/") + cg for b in self.books.boxes.values() if b.waiting for cg in b.cgroups} \
             if not isinstance(self.stopper, SignalStopper) else set()
         for st in prev if handed else ():
             self.actuator.signal(set(st.get("pids", [])) - pids, signal.SIGCONT)

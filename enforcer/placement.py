@@ -67,38 +67,49 @@ class Placement:
                                                               reserved=bool(e.flags & EF_RESERVED)))
 
     def box_for(self, pid: int, keep: bool = True) -> Box | None:
-        """pid's container's record, made where there is none. keep=False: a record made here is
-        not kept (a shim's message from a process that has opened no GPU, issue 39 attack 1:
-        each such message used to leave a record with an assignment and no process, for good)."""
+        """pid's budget's record, made where there is none (Runtime.budget: its container's own,
+        or the budget of the DRA claims that bind it, shared by every container that uses them).
+        keep=False: a record made here is not kept (a shim's message from a process that has
+        opened no GPU, issue 39 attack 1: each such message used to leave a record with an
+        assignment and no process, for good)."""
         try:
             c = self.container_of(pid)
         except Exception:
             return None
-        books, rules = self.books, self.runtime.rules
-        box = books.boxes.get(c.id)
-        if box is None and not keep:
-            meta = self.engines.lookup_sync(c) if self.engines is not None else None
-            name = meta.name if meta and meta.name else self.runtime.name_of(c.cgroup, c.short)
-            limit, source = rules.limit_for(c, name, meta.labels if meta else None)
-            return Box(0, c, name, time.monotonic(), books.capped(name, limit), source)
-        if box is None:
-            self.runtime.new_container(c)   # a new cgroup where a gone one was decided for
-            meta = self.engines.lookup_sync(c) if self.engines is not None else None
-            name = meta.name if meta and meta.name else self.runtime.name_of(c.cgroup, c.short)
-            labels = meta.labels if meta else None
-            limit, source = self.runtime.rules.limit_for(c, name, labels)
-            box = Box(books.new_key(), c, name, time.monotonic(), books.capped(name, limit), source,
-                      labels=labels)
-            books.boxes[c.id] = box
-            books.by_key[box.key] = box
-            log.info("container %s (%s): limit %s from %s", name, c.kind, format_size(limit), source)
-            usage = self.tracer.usage()   # its other processes that already use the GPU join too
-            for u in {u.pid for u in usage} - set(books.pid_box) - {pid}:
-                try:
-                    if self.container_of(u).id == c.id:
-                        self.join(box, u, usage=usage)
-                except Exception:
-                    pass
+        books, runtime = self.books, self.runtime
+        box = books.member_box(c.id)
+        if box is not None:
+            return box
+        if keep:
+            runtime.new_container(c)   # a new cgroup where a gone one was decided for
+        ident, bound = runtime.budget(c)
+        box = books.boxes.get(ident.id)
+        if box is not None:   # a claim's budget: c is one more of its containers
+            runtime.take_claims(box, bound)
+            return box
+        meta = self.engines.lookup_sync(c) if self.engines is not None and ident is c else None
+        name = (meta.name if meta and meta.name else runtime.name_of(c.cgroup, c.short)) if ident is c \
+            else runtime.budget_name(bound)
+        box = Box(books.new_key() if keep else 0, ident, name, time.monotonic(), 0, "",
+                  labels=meta.labels if meta else None)
+        box.members[c.id] = c
+        runtime.take_claims(box, bound)
+        limit, box.source = runtime.limit_of(box)
+        box.limit = books.capped(name, limit)
+        if not keep:
+            return box
+        books.boxes[ident.id] = box
+        books.by_key[box.key] = box
+        log.info("container %s (%s): limit %s from %s", name, ident.kind, format_size(box.limit), box.source)
+        usage = self.tracer.usage()   # its other processes that already use the GPU join too
+        for u in {u.pid for u in usage} - set(books.pid_box) - {pid}:
+            try:
+                other = self.container_of(u)
+                if other.id == c.id or (bound and books.member_box(other.id) is None
+                                        and runtime.budget(other)[0].id == ident.id):
+                    self.join(box, u, usage=usage, c=other)
+            except Exception:
+                pass
         return box
 
     def place(self, pid: int, dev: int, request: int, tid: int = 0, seq: int = 0, also=()):
@@ -123,18 +134,23 @@ class Placement:
             log.info("stall %s pid %d on GPU%d: placed with %s assigned, needs %s", box.name, pid,
                      dev, format_size(box.assigned[dev]), format_size(self.books.demand(box, dev)))
 
-    def join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None):
-        """pid is in box from now on. What it allocated before (while no enforcer admitted, or
-        in calls that are not admitted) was charged to no container: adopt it. Read before the
-        membership is written, so a racing free can only make this an over-count. A member
-        placed again (its first context on another GPU) adopts nothing on the GPUs the box has:
-        BPF charged its bytes there already."""
+    def join(self, box: Box, pid: int, dev: int | None = None, request: int = 0, usage=None, c=None):
+        """pid (of container c, looked up where not given) is in box from now on. What it
+        allocated before (while no enforcer admitted, or in calls that are not admitted) was
+        charged to no container: adopt it. Read before the membership is written, so a racing
+        free can only make this an over-count. A member placed again (its first context on
+        another GPU) adopts nothing on the GPUs the box has: BPF charged its bytes there already."""
         charged = set(box.assigned) if self.books.pid_box.get(pid) is box else set()
         held = {u.dev: (u.live, max(u.contexts, 0)) for u in (usage or self.tracer.usage())
                 if u.pid == pid and u.dev not in charged and (u.live or u.contexts > 0)}
         self.quotas.ensure(box)
+        if c is None:
+            try:
+                c = self.container_of(pid)
+            except Exception:
+                c = None   # gone meanwhile: its exit takes it out again
         self.maps.set_member(pid, box.key)
-        box.pids.add(pid)
+        box.add(pid, c)
         self.books.pid_box[pid] = box
         for d in sorted(set(held) | ({dev} if dev is not None else set())):
             if d not in box.assigned:
@@ -209,7 +225,8 @@ class Placement:
         if box is None:
             return
         frozen = bool(box.waiting) and self.freezer   # a wait froze it whole
-        box.pids.discard(pid)
+        cgroups = box.cgroups
+        left = box.drop(pid)
         box.placed.pop(pid, None)
         box.settling.discard(pid)
         settled = False
@@ -225,6 +242,8 @@ class Placement:
                 settled = True
         if settled and box.pids and not box.waiting and self.freezer:
             self.actuator.thaw(box)   # its last wait went with the process: the others run again
+        if left is not None and box.pids and self.freezer:   # a member of a shared budget left
+            self.actuator.thaw_emptied(box, frozen, (left.cgroup,))   # (the next process there must not freeze)
         if not box.pids:     # the container's last process: its assignment returns to the pool
             self.maps.drop_container(box)
             self.quotas.drop(box)
@@ -234,7 +253,7 @@ class Placement:
             log.info("container %s exited: %s back to the pool", box.name,
                      format_size(sum(box.assigned.values())))
             if self.freezer:
-                self.actuator.thaw_emptied(box, frozen)
+                self.actuator.thaw_emptied(box, frozen, cgroups)
 
     def group_of(self, ident) -> str:
         """A shim peer's container, for the caps per container (serving/peers.py)."""

@@ -90,6 +90,12 @@ class Reporter:
             stalled = box.stalled_s + sum(now - w.since for w in box.waiting.values())
             rows.append({"id": box.container.id, "name": box.name, "kind": box.container.kind,
                          "cgroup": box.container.cgroup, "limit": box.limit, "source": box.source,
+                         # the containers it holds, each with its processes (a DRA claim's budget:
+                         # every container and pod that uses the claim, issue 48)
+                         "consumers": [{"id": m.id, "kind": m.kind, "cgroup": m.cgroup, "pod": m.pod,
+                                        "pids": box.member_pids(m.id)} for m in sorted(
+                                            box.members.values(), key=lambda m: (m.pod or "", m.cgroup))],
+                         "claims": sorted(box.claims),
                          "pids": sorted(box.pids), "gpus": per, "stalled_s": round(stalled, 3),
                          "stalls": box.stalls, "grants": box.grants,
                          "over_limit_events": box.over_limits, "circular_waits": box.circulars, "restalls": box.restalls,
@@ -203,7 +209,7 @@ class Reporter:
                 pids |= w.pids
                 if not isinstance(self.stopper, SignalStopper):
                     pids |= box.pids
-                    cgroups.add(self.stopper.root.rstrip("/") + box.container.cgroup)
+                    cgroups |= {self.stopper.root.rstrip("/") + cg for cg in box.cgroups}
         stopped, frozen = self.backstop.held()   # over a limit by the driver's count
         pids |= stopped
         cgroups |= frozen

@@ -27,8 +27,10 @@ def gpu_key(gpus: dict, dev: int) -> str:
 
 def share_of(rules, gpus: dict):
     """(box, dev) -> its limit on one GPU: its own, or where its pod's grant spans GPUs, the
-    pod's share on this one (the Kubernetes agent's split, docs/KUBERNETES.md): Books.share_of."""
-    return lambda box, dev: rules.share(box.container, gpu_key(gpus, dev), box.limit, box.source)
+    pod's share on this one (the Kubernetes agent's split, docs/KUBERNETES.md), or a DRA claim
+    budget's share there (0 on a GPU its claims do not name): Books.share_of."""
+    return lambda box, dev: rules.share(box.container, gpu_key(gpus, dev), box.limit, box.source,
+                                        rules.budget(box.claims))
 
 
 class Runtime:
@@ -58,6 +60,42 @@ class Runtime:
     def name_of(self, cgroup: str, default: str) -> str:
         return self.names.get(cgroup, default)
 
+    # ---- budgets (issue 48): a DRA claim's is shared by every container that uses it ----
+    def budget(self, c: Container) -> tuple[Container, frozenset]:
+        """What c's processes are charged to: (the Container that names the budget, the uids of
+        the claims that bind c). Its own where no claim binds it; else the budget that holds
+        one of those claims (the first, by uid), else a new one named after the first claim.
+        A container already placed stays in its budget (Books.member_box): memory is never
+        moved between budgets."""
+        bound = frozenset(self.rules.binding(c))
+        if not bound:
+            return c, bound
+        holder = {u: b for b in self.books.boxes.values() for u in b.claims}
+        got = next((holder[u] for u in sorted(bound) if u in holder), None)
+        if got is not None:
+            return got.container, bound
+        first = min(bound)
+        return Container("claim", f"claim:{first}", "", None), bound
+
+    def budget_name(self, bound) -> str:
+        return " + ".join(self.rules.claims[u].ref for u in sorted(bound) if u in self.rules.claims)
+
+    def take_claims(self, box: Box, bound) -> None:
+        """box holds the claims of `bound` that no other budget holds (and none unprepared)."""
+        others = {u for b in self.books.boxes.values() if b is not box for u in b.claims}
+        box.claims = {u for u in box.claims | set(bound) if u in self.rules.claims and u not in others}
+
+    def limit_of(self, box: Box) -> tuple[int, str]:
+        """(bytes, source) of a budget: its claims' sum (0 where its containers are bound by
+        claims another budget holds), else the rules for the container that names it."""
+        claims = self.rules.budget(box.claims)
+        if claims is None:
+            bound = {u for m in box.members.values() for u in self.rules.binding(m)}
+            if bound:
+                from .tenants.claims import held_elsewhere
+                claims = held_elsewhere(self.rules.claims, bound)
+        return self.rules.limit_for(box.container, box.name, box.labels, claims)
+
     def new_container(self, c: Container):
         """A container seen for the first time: a decision left by a gone one at its cgroup goes."""
         if self.durable.sweep((c.id, c.cgroup)):
@@ -68,8 +106,12 @@ class Runtime:
         registered by `convgpu run` is found before its first CUDA call too (issue 39 part 4:
         before, "no container is known" until the job had placed a process). Refused (issue
         52): a name several containers answer to, a limit below one context on every GPU, and
-        unless `force`, a limit below what the container holds. (name, limit)."""
+        unless `force`, a limit below what the container holds; a DRA claim's budget (issue
+        48: its size is the claim's). (name, limit)."""
         c, name, box = self._resolve(container)
+        if box is not None and (box.claims or c.kind == "claim"):
+            raise ConvgpuError(f"{name} is a DRA claim's budget, shared by {len(box.members)} container(s)",
+                               "its size is the claim's consumedCapacity: change the claim")
         self.check_fits(f"the limit of {name}", limit)
         if box is not None and not force:
             self._check_held(box, limit)
@@ -165,7 +207,7 @@ class Runtime:
 
     def _registered(self, container: str) -> list[str]:
         """The cgroups of `convgpu run` jobs not placed yet that answer to this name or cgroup."""
-        placed = {b.container.cgroup for b in self.books.boxes.values()}
+        placed = {cg for b in self.books.boxes.values() for cg in b.cgroups}
         return [cg for cg, run in sorted(self.durable.value.runs.items())
                 if container in (run.name, cg) and cg not in placed]
 
@@ -175,8 +217,9 @@ class Runtime:
         pods ("pod"), DRA claims ("claim"). Names come from tenants (a job's owner, a claim's
         name): the views show them as text, never markup."""
         boxes = self.books.boxes.values()
-        placed = {b.container.cgroup for b in boxes}
-        ids = {b.container.id for b in boxes} | {b.container.pod for b in boxes if b.container.pod}
+        members = [m for b in boxes for m in (b.container, *b.members.values())]
+        placed = {m.cgroup for m in members}
+        ids = {m.id for m in members} | {m.pod for m in members if m.pod}
         out = []
         v = self.durable.value
         for cg, run in sorted(v.runs.items()):
@@ -191,7 +234,7 @@ class Runtime:
                 out.append({"id": key, "name": pod.job or key, "cgroup": "", "limit": pod.bytes,
                             "source": pod.source, "what": "pod"})
         for uid, claim in sorted(v.claims.items()):
-            if not ids & {*claim.pods, *claim.containers}:
+            if not ids & {*claim.pods, *claim.users, *claim.containers}:
                 out.append({"id": uid, "name": claim.ref, "cgroup": "", "limit": claim.bytes,
                             "source": "DRA claim", "what": "claim"})
         return out
@@ -318,8 +361,13 @@ class Runtime:
         """Every running container's limit worked out again (a waiter that now fits resumes).
         Returns how many changed."""
         changed = 0
-        for box in list(self.books.boxes.values()):
-            limit, source = self.rules.limit_for(box.container, box.name, box.labels)
+        boxes = sorted(self.books.boxes.values(), key=lambda b: (b.created, b.key))
+        for box in boxes:   # unprepared claims go first: the oldest budget takes what is free
+            box.claims &= set(self.rules.claims)
+        for box in boxes:   # a container the agent matched since binds the claims it uses
+            self.take_claims(box, {u for m in box.members.values() for u in self.rules.binding(m)})
+        for box in boxes:
+            limit, source = self.limit_of(box)
             capped = self.books.capped(box.name, limit)
             if (capped, source) != (box.limit, box.source):
                 self.apply_limit(box, capped, source)

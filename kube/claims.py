@@ -7,7 +7,11 @@ the kubelet asked for, an allocation by this driver in this node's pool, devices
 publishes (a GPU lost since is refused), a `consumedCapacity.memory` in every result (the
 scheduler writes it when DRAConsumableCapacity is on and the device allows multiple
 allocations), a size that is a Kubernetes quantity, above 0 and within the GPU, and at least
-one pod it is reserved for. Caps: MAX_RESULTS results, MAX_QUANTITY characters a quantity."""
+one pod it is reserved for. Caps: MAX_RESULTS results, MAX_QUANTITY characters a quantity.
+A result with adminAccess (a monitoring pod's: DRAAdminAccess, only in namespaces an admin
+labelled) is not a share of the GPU: the scheduler allocates it beside the others without
+counting it, so it holds nothing and limits nothing (issue 48: it was counted as a share, and
+refused on a busy GPU)."""
 import math
 import re
 from dataclasses import dataclass
@@ -16,7 +20,6 @@ from . import devices as dv
 
 DRIVER = "gpu-memory.convgpu.io"   # the DRA driver's name, the DeviceClass's too
 CAPACITY = "memory"                # the consumable capacity each GPU publishes
-CDI_KIND = "convgpu.io/claim"      # the CDI kind of the per-claim specs (vendor/class)
 MAX_RESULTS = 32                   # AllocationResultsMaxSize
 MAX_QUANTITY = 32                  # "137438953472", "1.5Gi", "128e9": a size is short
 _UID = re.compile(r"[0-9A-Za-z][0-9A-Za-z-]{0,63}")
@@ -36,6 +39,7 @@ class Result:
     gpu: dv.Gpu
     bytes: int
     share_id: str | None
+    admin: bool = False      # adminAccess: no share (bytes 0)
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,11 @@ class Claim:
         return f"{self.namespace}/{self.name}"
 
     def gpus(self) -> dict[str, int]:
-        """{GPU key: bytes}: several results on one GPU add up."""
+        """{GPU key: bytes}: several results on one GPU add up; adminAccess results hold none."""
         out: dict[str, int] = {}
         for r in self.results:
-            out[r.gpu.key] = out.get(r.gpu.key, 0) + r.bytes
+            if not r.admin:
+                out[r.gpu.key] = out.get(r.gpu.key, 0) + r.bytes
         return out
 
     def wire(self) -> dict:
@@ -121,6 +126,11 @@ def _result(r, what: str, pool: str, devices: dict) -> Result:
     if gpu is None:
         raise ClaimError(f"{what}: device {str(r.device)[:80]!r} is not a GPU this node has now (lost?); "
                          f"it has {', '.join(sorted(devices)) or 'none'}")
+    share = r.share_id
+    if share is not None and not (isinstance(share, str) and _SHARE.fullmatch(share)):
+        raise ClaimError(f"{what}: shareID {str(share)[:80]!r} is not one")
+    if r.admin_access is True:   # beside the shares, counted by no one: nothing to hold it to
+        return Result(str(r.request), r.device, gpu, 0, share, admin=True)
     consumed = r.consumed_capacity or {}
     if CAPACITY not in consumed:
         raise ClaimError(f"{what}: no consumedCapacity.{CAPACITY} (the DRAConsumableCapacity feature gate "
@@ -129,9 +139,6 @@ def _result(r, what: str, pool: str, devices: dict) -> Result:
     if size > gpu.capacity:
         raise ClaimError(f"{what}: consumedCapacity.{CAPACITY} {consumed[CAPACITY]} is past GPU {gpu.key}'s "
                          f"{gpu.capacity} bytes")
-    share = r.share_id
-    if share is not None and not (isinstance(share, str) and _SHARE.fullmatch(share)):
-        raise ClaimError(f"{what}: shareID {str(share)[:80]!r} is not one")
     return Result(str(r.request), r.device, gpu, size, share)
 
 
@@ -143,34 +150,3 @@ def check_request(uid: str, namespace: str, name: str) -> None:
     for v, what in ((namespace, "namespace"), (name, "name")):
         if not (isinstance(v, str) and _NAME.fullmatch(v) and len(v) <= (63 if what == "namespace" else 253)):
             raise ClaimError(f"claim {what} {str(v)[:80]!r} is not one")
-
-
-def cdi_name(claim: Claim, r: Result) -> str:
-    return f"{claim.uid}-{r.device}"
-
-
-def cdi_spec(claim: Claim, dev_root: str = "/dev", shim: dv.ShimOffer | None = None) -> dict:
-    """The claim's CDI spec (cdiVersion 0.6.0): per device its GPU's device nodes, and for any of
-    them the shim's library and socket dir (read-only) and its environment, so that
-    cudaMemGetInfo in the container reports the claim's size on the GPU (docs/SHIM.md). The
-    limit itself is the enforcer's; the env only says it."""
-    import os
-    gpus = claim.gpus()
-    env = {"CONVGPU_DRA_CLAIM": claim.ref,
-           "CONVGPU_GPU_MEMORY_LIMIT": str(sum(gpus.values()))}
-    mounts = []
-    if shim is not None:
-        env.update(shim.envs())
-        mounts = [{"hostPath": h, "containerPath": c, "options": ["ro", "nosuid", "nodev", "bind"]}
-                  for c, h in shim.mounts()]
-    devices, seen = [], set()
-    for r in claim.results:
-        if r.device in seen:   # two results on one GPU: one CDI device
-            continue
-        seen.add(r.device)
-        nodes = [f"/dev/nvidia{r.gpu.index if r.gpu.minor is None else r.gpu.minor}", *dv.CONTROL_NODES]
-        devices.append({"name": cdi_name(claim, r), "containerEdits": {"deviceNodes": [
-            {"path": n, "hostPath": os.path.join(dev_root, os.path.basename(n))} for n in nodes
-            if os.path.exists(os.path.join(dev_root, os.path.basename(n)))]}})
-    return {"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices,
-            "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(env.items())], "mounts": mounts}}

@@ -6,93 +6,77 @@ them held to its share by the enforcer.
   (GetInfo: type DRAPlugin, our endpoint, the services v1.DRAPlugin and v1beta1.DRAPlugin; the
   kubelet takes the first it speaks). A restarted kubelet finds the socket again and asks anew.
 - NodePrepareResources (v1 and v1beta1): per claim, read it from the API server, check it
-  (kube/claims.py), write its CDI spec (the GPU's nodes, the shim and its environment), and hand
-  its shares to the enforcer (`claim-prepare`), which keeps them in its state dir before it
-  answers: the pod's containers are limited from their first CUDA call, through a kill -9 of this
-  plugin or of the enforcer. Each claim gets its own error; a refused claim leaves nothing behind
-  and nothing else changes. Preparing a claim again is a no-op that answers the same.
-- NodeUnprepareResources: the enforcer drops the claim's entry; the CDI spec goes.
+  (kube/claims.py), write its CDI spec (kube/cdi.py: the GPU's nodes, the shim and its
+  environment, checked as a runtime checks it); then the request's claims go to the enforcer in
+  one call (`claim-prepare`), which decides them together and keeps them in its state dir before
+  it answers: the pod's containers are limited from their first CUDA call, through a kill -9 of
+  this plugin or of the enforcer. Each claim gets its own answer, every claim of the request one
+  (issue 48: past 1,024 claims, some got none); a refused claim leaves nothing behind and
+  nothing else changes. Preparing a claim again is a no-op that answers the same. An
+  adminAccess claim holds no share: it is not sent.
+- One deadline per request (TIMEOUT, or the kubelet's own if sooner), not per claim (issue 48:
+  a stalled enforcer cost 10 s a claim). The enforcer keeps nothing it reads after the
+  deadline; claims whose reply never came are taken back at the next contact (settle()) unless
+  the kubelet has prepared them since, so nothing the kubelet was told had failed stays held.
+- NodeUnprepareResources: the enforcer drops the claims' entries (one call); the CDI specs go.
 - DRAResourceHealth v1alpha1 (the kubelet asks when its ResourceHealthStatus gate is on): every
   GPU's health, again at each change. A lost or unhealthy GPU also leaves the ResourceSlice.
 Which container uses which claim comes from the kubelet's pod-resources API (DynamicResources per
 container: kube/drasync.py)."""
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from concurrent import futures
 
-from . import api, devices as dv
-from .claims import CDI_KIND, DRIVER, Claim, ClaimError, cdi_name, cdi_spec, check_request, device_name, read
+from . import api, cdi, devices as dv
+from .cdi import DIR as CDI_DIR, CdiDir  # noqa: F401  (the CLI and the tests import them from here)
+from .claims import DRIVER, Claim, ClaimError, check_request, device_name, read
 from .plugin import Serving
 
 log = logging.getLogger(__name__)
 REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 PLUGINS_DIR = "/var/lib/kubelet/plugins"
-CDI_DIR = "/var/run/cdi"
 SOCKET = "dra.sock"
+TIMEOUT = 10.0      # s one Prepare or Unprepare may take, all its claims together
+GRACE = 2.0         # s of it kept for the enforcer's reply after the deadline it is given
+MAX_CLAIMS = 4096   # claims of one request handled (a pod names at most a few); the rest: an error each
+
+
+class Unanswered(ClaimError):
+    """The enforcer gave no reply (it may have kept the claims or not)."""
 
 
 class Enforcer:
     """The enforcer's control socket, as the DRA plugin uses it."""
 
-    def __init__(self, control: str, timeout: float = 10.0):
+    def __init__(self, control: str, timeout: float = TIMEOUT):
         self.control, self.timeout = control, timeout
 
-    def _ask(self, msg: dict) -> dict:
+    def _ask(self, msg: dict, timeout: float | None = None) -> dict:
         from ..enforcer.serving.server import request
         try:
-            r = request(self.control, msg, self.timeout)
+            r = request(self.control, msg, self.timeout if timeout is None else max(0.05, timeout))
         except (OSError, ValueError) as e:
-            raise ClaimError(f"the enforcer does not answer on {self.control} ({e}); the kubelet asks "
+            raise Unanswered(f"the enforcer does not answer on {self.control} ({e}); the kubelet asks "
                              "again") from None
         if not r.get("ok"):
             raise ClaimError(str(r.get("error"))[:500])
         return r
 
-    def prepare(self, uid: str, wire: dict) -> bool:
-        return self._ask({"cmd": "claim-prepare", "uid": uid, "claim": wire})["changed"]
+    def prepare(self, wires: dict, deadline: float, wait: float) -> dict:
+        """{uid: {"changed": bool} or {"error": line}} for the claims of one request; the
+        enforcer keeps none it reads after `deadline` (time.monotonic()); waits `wait` s."""
+        return self._ask({"cmd": "claim-prepare", "claims": wires, "deadline": deadline}, wait)["claims"]
 
-    def unprepare(self, uid: str) -> bool:
-        return self._ask({"cmd": "claim-unprepare", "uid": uid})["changed"]
+    def unprepare(self, uids: list, wait: float | None = None) -> bool:
+        return self._ask({"cmd": "claim-unprepare", "uids": list(uids)}, wait)["changed"]
 
     def containers(self, mapping: dict) -> bool:
         return self._ask({"cmd": "claim-containers", "containers": mapping})["changed"]
 
     def claims(self) -> dict:
         return self._ask({"cmd": "claim-list"})["claims"]
-
-
-class CdiDir:
-    """One spec per claim, <dir>/convgpu-claim-<uid>.json, written whole (temporary file and
-    rename: the runtime reads the old spec or the new one, never half)."""
-
-    def __init__(self, path: str = CDI_DIR):
-        self.dir = path
-
-    def path(self, uid: str) -> str:
-        return os.path.join(self.dir, f"convgpu-claim-{uid}.json")   # uid checked (claims.check_request)
-
-    def write(self, uid: str, spec: dict):
-        os.makedirs(self.dir, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".convgpu-claim-", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(spec, f, indent=1, sort_keys=True)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path(uid))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-
-    def remove(self, uid: str):
-        try:
-            os.unlink(self.path(uid))
-        except FileNotFoundError:
-            pass
 
 
 def make_dirs(path: str) -> list[str]:
@@ -127,7 +111,9 @@ class DraPlugin(Serving):
         self.version = 0               # changes of what is published (health stream)
         self.changed = threading.Condition()
         self.lock = threading.Lock()   # one Prepare or Unprepare at a time
+        self.timeout = getattr(enforcer, "timeout", TIMEOUT)   # one Prepare's or Unprepare's, all its claims
         self.prepared: dict[str, Claim] = {}   # uid -> the claim as prepared by this process
+        self.abandoned: set[str] = set()       # told failed, the enforcer's reply never came: taken back
         self.registered = 0            # NotifyRegistrationStatus(registered) calls
         self.server = None
         self.stopping = False
@@ -168,7 +154,8 @@ class DraPlugin(Serving):
             log.warning("ResourceSlice not published: %s", str(e)[:300])
 
     # --- the kubelet's calls ---
-    def prepare_one(self, uid: str, namespace: str, name: str) -> Claim:
+    def read_one(self, uid: str, namespace: str, name: str) -> Claim:
+        """The claim read, checked, and its CDI spec written (checked as a runtime checks it)."""
         check_request(uid, namespace, name)
         from kubernetes.client.exceptions import ApiException
         try:
@@ -180,54 +167,156 @@ class DraPlugin(Serving):
         except Exception as e:   # a malformed object the client cannot read, the network
             raise ClaimError(f"claim {namespace}/{name} cannot be read: {str(e).splitlines()[0][:300]}") from None
         claim = read(obj, uid, namespace, name, self.node, self.devices(), self.driver)
-        self.cdi.write(uid, cdi_spec(claim, self.dev_root, self.shim))
+        spec = cdi.spec(claim, self.dev_root, self.shim)
         try:
-            new = self.enforcer.prepare(uid, claim.wire())
-        except ClaimError:
-            if uid not in self.prepared:
-                self.cdi.remove(uid)   # refused: nothing of it stays
-            raise
-        self.prepared[uid] = claim
-        log.info("claim %s (%s) prepared%s: %s", claim.ref, uid, "" if new else " again",
-                 ", ".join(f"{r.bytes >> 20} MiB on {r.gpu.key}" for r in claim.results))
+            cdi.validate(spec)
+        except cdi.CdiError as e:
+            raise ClaimError(f"claim {claim.ref}: its CDI spec would be refused by the runtime: {e}") from None
+        if claim.gpus() and not self.cdi_kind and not all(d["containerEdits"].get("deviceNodes") for d in spec["devices"]):
+            raise ClaimError(f"claim {claim.ref}: no device node of its GPU under {self.dev_root}, and no CDI kind "
+                             "(--cdi) names NVIDIA's spec: its containers would get no GPU")
+        self.cdi.write(uid, spec)
         return claim
 
     def answer(self, claim: Claim, version: str) -> list:
         m, _ = api.dra(version)
         out = []
         for r in claim.results:
-            ids = [f"{CDI_KIND}={cdi_name(claim, r)}"] + ([f"{self.cdi_kind}={r.gpu.visible}"] if self.cdi_kind else [])
+            ids = [f"{cdi.KIND}={cdi.name(claim, r)}"] + ([f"{self.cdi_kind}={r.gpu.visible}"] if self.cdi_kind else [])
             extra = {"share_id": r.share_id} if version == "v1" and r.share_id else {}
             out.append(m.Device(request_names=[r.request], pool_name=self.node, device_name=r.device,
                                 cdi_device_ids=ids, **extra))
         return out
 
-    def prepare(self, request, version: str):
+    def _deadline(self, context) -> float:
+        left = self.timeout
+        remaining = getattr(context, "time_remaining", lambda: None)() if context is not None else None
+        if remaining is not None:
+            left = min(left, max(0.5, remaining - 0.5))
+        return time.monotonic() + left
+
+    def _requests(self, request) -> tuple[list, dict]:
+        """The request's claims, each once, at most MAX_CLAIMS of them; the others' errors."""
+        seen, out, past = set(), [], {}
+        for c in request.claims:
+            if c.uid in seen:
+                continue
+            seen.add(c.uid)
+            if len(out) < MAX_CLAIMS:
+                out.append(c)
+            else:
+                past[c.uid] = f"claim {c.namespace}/{c.name}: more than {MAX_CLAIMS} claims in one request"
+        return out, past
+
+    def prepare(self, request, version: str, context=None):
         m, _ = api.dra(version)
-        out = {}
-        with self.lock:
-            for c in list(request.claims)[:1024]:
+        end = self._deadline(context)
+        claims, errors = self._requests(request)
+        ok: dict[str, Claim] = {}
+        locked = self.lock.acquire(timeout=max(0.0, end - time.monotonic()))
+        if not locked:
+            errors.update({c.uid: "another Prepare or Unprepare of this plugin still waits for the enforcer; the "
+                           "kubelet asks again" for c in claims})
+            claims = []
+        try:
+            if locked:
+                self._settle(end)
+            for c in claims:
                 try:
-                    out[c.uid] = m.NodePrepareResourceResponse(devices=self.answer(self.prepare_one(c.uid, c.namespace, c.name), version))
+                    if time.monotonic() > end - GRACE:
+                        raise ClaimError(f"claim {c.namespace}/{c.name}: not read before this request's deadline")
+                    ok[c.uid] = self.read_one(c.uid, c.namespace, c.name)
                 except (ClaimError, OSError) as e:
-                    log.warning("claim %s/%s (%s) not prepared: %s", c.namespace, c.name, c.uid, e)
-                    out[c.uid] = m.NodePrepareResourceResponse(error=str(e))
+                    errors[c.uid] = str(e)
+            errors.update(self._commit(ok, end))
+            for uid, e in errors.items():
+                if uid in ok and uid not in self.prepared:
+                    self.cdi.remove(uid)   # refused: nothing of it stays
+                ok.pop(uid, None)
+            self.prepared.update(ok)
+        finally:
+            if locked:
+                self.lock.release()
+        for uid, claim in ok.items():
+            log.info("claim %s (%s) prepared: %s", claim.ref, uid, ", ".join(
+                "adminAccess" if r.admin else f"{r.bytes >> 20} MiB on {r.gpu.key}" for r in claim.results))
+        for uid, e in errors.items():
+            log.warning("claim %s not prepared: %s", uid, e)
+        out = {uid: m.NodePrepareResourceResponse(devices=self.answer(c, version)) for uid, c in ok.items()}
+        out.update({uid: m.NodePrepareResourceResponse(error=str(e)) for uid, e in errors.items()})
         return m.NodePrepareResourcesResponse(claims=out)
 
-    def unprepare(self, request, version: str):
+    def _commit(self, ok: dict, end: float) -> dict:
+        """The enforcer's decision on the claims that hold memory, in one call: {uid: error}.
+        Where it gave no reply, those not prepared before are taken back later (settle)."""
+        wires = {uid: c.wire() for uid, c in ok.items() if c.gpus()}
+        if not wires:
+            return {}
+        try:
+            got = self.enforcer.prepare(wires, end - GRACE, end - time.monotonic())
+        except ClaimError as e:
+            if isinstance(e, Unanswered):
+                self.abandoned |= set(wires) - set(self.prepared)
+            return {uid: str(e) for uid in wires}
+        self.abandoned -= set(wires)
+        return {uid: str(a.get("error") if isinstance(a, dict) else a)[:500]
+                for uid, a in ((u, got.get(u, {"error": "the enforcer did not answer for it"})) for u in wires)
+                if not (isinstance(a, dict) and "changed" in a)}
+
+    def _settle(self, end: float | None = None):
+        """Claims the kubelet was told had failed, whose reply never came: the enforcer may have
+        kept them, so they are ended, unless prepared since. Under the lock."""
+        gone = sorted(self.abandoned - set(self.prepared))
+        if not gone:
+            self.abandoned.clear()
+            return
+        try:
+            self.enforcer.unprepare(gone, None if end is None else min(self.timeout, end - time.monotonic()) - GRACE)
+        except ClaimError as e:
+            log.warning("claims told failed not taken back yet (%s): %s", ", ".join(gone[:8]), e)
+            return
+        for uid in gone:
+            self.cdi.remove(uid)
+        self.abandoned.clear()
+        log.info("claims the kubelet was told had failed, taken back: %s", ", ".join(gone[:8]))
+
+    def settle(self):
+        """The agent's round (kube/drasync.py): abandoned claims taken back without a request."""
+        if self.abandoned and self.lock.acquire(timeout=0):
+            try:
+                self._settle()
+            finally:
+                self.lock.release()
+
+    def unprepare(self, request, version: str, context=None):
         m, _ = api.dra(version)
-        out = {}
-        with self.lock:
-            for c in list(request.claims)[:1024]:
-                try:
-                    check_request(c.uid, c.namespace, c.name)
-                    self.enforcer.unprepare(c.uid)
-                    self.cdi.remove(c.uid)
-                    self.prepared.pop(c.uid, None)
-                    log.info("claim %s/%s (%s) unprepared", c.namespace, c.name, c.uid)
-                    out[c.uid] = m.NodeUnprepareResourceResponse()
-                except (ClaimError, OSError) as e:
-                    out[c.uid] = m.NodeUnprepareResourceResponse(error=str(e))
+        end = self._deadline(context)
+        claims, errors = self._requests(request)
+        uids = []
+        for c in claims:
+            try:
+                check_request(c.uid, c.namespace, c.name)
+                uids.append(c.uid)
+            except ClaimError as e:
+                errors[c.uid] = str(e)
+        if uids and not self.lock.acquire(timeout=max(0.0, end - time.monotonic())):
+            errors.update({u: "another Prepare or Unprepare of this plugin still waits for the enforcer" for u in uids})
+            uids = []
+        elif uids:
+            try:
+                self.enforcer.unprepare(uids, end - time.monotonic())
+                for uid in uids:
+                    self.cdi.remove(uid)
+                    self.prepared.pop(uid, None)
+                    self.abandoned.discard(uid)
+                log.info("claims unprepared: %s", ", ".join(uids[:8]) + (" ..." if len(uids) > 8 else ""))
+            except (ClaimError, OSError) as e:
+                errors.update({uid: str(e) for uid in uids})
+                uids = []
+            finally:
+                self.lock.release()
+        out = {uid: m.NodeUnprepareResourceResponse() for uid in uids}
+        out.update({uid: m.NodeUnprepareResourceResponse(error=str(e)) for uid, e in errors.items()})
         return m.NodeUnprepareResourcesResponse(claims=out)
 
     def health(self, context):
@@ -314,7 +403,7 @@ def _servicers(p: DraPlugin) -> list:
     for v in api.DRA_VERSIONS:
         _, ds = api.dra(v)
         servicer = type(f"DRAPlugin_{v}", (ds.DRAPluginServicer,), {
-            "NodePrepareResources": lambda self, request, context, v=v: p.prepare(request, v),
-            "NodeUnprepareResources": lambda self, request, context, v=v: p.unprepare(request, v)})()
+            "NodePrepareResources": lambda self, request, context, v=v: p.prepare(request, v, context),
+            "NodeUnprepareResources": lambda self, request, context, v=v: p.unprepare(request, v, context)})()
         out.append(lambda s, ds=ds, servicer=servicer: ds.add_DRAPluginServicer_to_server(servicer, s))
     return out

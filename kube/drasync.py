@@ -1,9 +1,11 @@
-"""Which containers use which DRA claim, for the enforcer (`claim-containers`): the kubelet's
-pod-resources API lists, per container, the claims it was given (DynamicResources: the claim's
-namespace and name, and the driver of each device), and the pods' container ids come from the
-same sources as the device plugin's (kube/pods.py: the API server's watch, the kubelet's log
-links). Until a container is matched its pod's claims bound it (enforcer/tenants/claims.py), so
-a round that fails or comes late never leaves a container unlimited."""
+"""Which containers and pods use which DRA claim, for the enforcer (`claim-containers`): the
+kubelet's pod-resources API lists, per container, the claims it was given (DynamicResources: the
+claim's namespace and name, and the driver of each device), and the pods' uids and container ids
+come from the same sources as the device plugin's (kube/pods.py: the API server's watch, the
+kubelet's log links). A claim's second pod is known only from here (issue 48: the kubelet
+prepares a shared claim once, for the pods reserved then), so its uid goes to the enforcer too,
+and its containers are charged to the claim's budget. Until a container is matched its pod's
+claims bind it (enforcer/tenants/claims.py)."""
 import logging
 
 from .claims import DRIVER
@@ -28,27 +30,36 @@ class ClaimSync(PodSync):
     """One round (the agent's sync): list, match, tell the enforcer what changed. The pods'
     metadata is PodSync's (its sources and their refresh while a container id is unknown)."""
 
-    def __init__(self, enforcer, sources: list, socket: str = POD_RESOURCES, driver: str = DRIVER):
+    def __init__(self, enforcer, sources: list, socket: str = POD_RESOURCES, driver: str = DRIVER, settle=None):
+        """settle(): the plugin's (kube/dra.py DraPlugin.settle), claims told failed taken back."""
         super().__init__("", sources, socket=socket)
-        self.enforcer, self.driver = enforcer, driver
+        self.enforcer, self.driver, self.settle = enforcer, driver, settle
         self.last: dict = {}
 
     def round(self) -> dict:
+        """{claim uid: {"containers": [ids], "users": [pod uids]}} as sent (what changed is)."""
+        if self.settle is not None:
+            self.settle()
         self.assigned = list_claims(self.socket, self.driver)
         metas = self._metas()
         held = self.enforcer.claims()
         uid_of = {w["claim"]: uid for uid, w in held.items()}
-        want: dict[str, set] = {uid: set() for uid in held}
+        want = {uid: {"containers": set(), "users": set()} for uid in held}
         for a in self.assigned:
             meta = metas.get((a.namespace, a.pod))
-            ids = meta.containers.get(a.container, set()) if meta else set()
             for ref in a.devices:
-                if ref in uid_of:
-                    want[uid_of[ref]] |= ids
-        changed = {uid: sorted(ids) for uid, ids in want.items() if sorted(ids) != sorted(held[uid].get("containers", []))}
+                if ref in uid_of and meta is not None:
+                    want[uid_of[ref]]["containers"] |= meta.containers.get(a.container, set())
+                    if meta.uid:
+                        want[uid_of[ref]]["users"].add(meta.uid)
+        got = {uid: {"containers": sorted(w["containers"]), "users": sorted(w["users"] - set(held[uid]["pods"]))}
+               for uid, w in want.items()}
+        changed = {uid: w for uid, w in got.items()
+                   if (w["containers"], w["users"]) != (sorted(held[uid].get("containers", [])),
+                                                        sorted(held[uid].get("users", [])))}
         if changed:
             self.enforcer.containers(changed)
-            log.info("claims matched to containers: %s",
-                     ", ".join(f"{held[u]['claim']} {len(ids)}" for u, ids in sorted(changed.items())))
-        self.last = {uid: sorted(ids) for uid, ids in want.items()}
-        return self.last
+            log.info("claims matched: %s", ", ".join(f"{held[u]['claim']} {len(w['containers'])} container(s), "
+                                                     f"{len(w['users'])} more pod(s)" for u, w in sorted(changed.items())))
+        self.last = got
+        return got

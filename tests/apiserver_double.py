@@ -135,21 +135,23 @@ class ApiServer:
         return Handler
 
 
-def claim(namespace, name, uid, pods, results, driver="gpu-memory.convgpu.io", pool="node-a"):
+def claim(namespace, name, uid, pods, results, driver="gpu-memory.convgpu.io", pool="node-a", admin=False):
     """A ResourceClaim allocated by the scheduler, built from the client's models.
-    pods: [(name, uid)]; results: [(request, device, memory quantity or None, share id)]."""
+    pods: [(name, uid)]; results: [(request, device, memory quantity or None, share id)];
+    admin: its requests ask adminAccess (DRAAdminAccess), and its results have it."""
     from kubernetes import client as k
     return k.ResourceV1ResourceClaim(
         api_version="resource.k8s.io/v1", kind="ResourceClaim",
         metadata=k.V1ObjectMeta(namespace=namespace, name=name, uid=uid),
         spec=k.V1ResourceClaimSpec(devices=k.V1DeviceClaim(requests=[
             k.V1DeviceRequest(name=r[0], exactly=k.V1ExactDeviceRequest(
-                device_class_name="gpu-memory.convgpu.io",
+                device_class_name="gpu-memory.convgpu.io", admin_access=admin or None,
                 capacity=k.V1CapacityRequirements(requests={"memory": r[2]}) if r[2] else None))
             for r in results])),
         status=k.V1ResourceClaimStatus(
             allocation=k.V1AllocationResult(devices=k.V1DeviceAllocationResult(results=[
                 k.V1DeviceRequestAllocationResult(request=r[0], driver=driver, pool=pool, device=r[1], share_id=r[3],
-                                                  consumed_capacity={"memory": r[2]} if r[2] else None)
+                                                  consumed_capacity={"memory": r[2]} if r[2] else None,
+                                                  admin_access=admin or None)
                 for r in results])),
             reserved_for=[k.V1ResourceClaimConsumerReference(resource="pods", name=n, uid=u) for n, u in pods]))

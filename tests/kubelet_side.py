@@ -5,9 +5,13 @@ on its own socket. Written from the same .proto files as the agent, speaking the
 protocol over UNIX sockets. `restart()` does what a kubelet restart does to the plugin dir: its
 socket goes away with every plugin's socket in the dir, and a new kubelet.sock appears.
 DraKubelet is the DRA side: plugin registration and the DRAPlugin services (v1, v1beta1)."""
+import ctypes
 import os
 import queue
+import select
+import struct
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -128,13 +132,60 @@ class Node:
         os.replace(self.faults + ".new", self.faults)
 
 
+# Each DRA call dials anew, as the kubelet's gRPC client does after a plugin restart: gRPC Python
+# shares connections to one address between channels, and one that failed while the plugin was
+# away (the health stream's reconnect) failed the next call at once with its cached error.
+FRESH = [("grpc.use_local_subchannel_pool", 1)]
+
+
+class Inotify:
+    """The kernel's inotify on one directory (inotify(7), through libc): what the kubelet's plugin
+    watcher uses (fsnotify). A socket made again at the same path is a new IN_CREATE, whatever its
+    inode number (this filesystem gives a new socket the inode of the one unlinked before it)."""
+
+    IN_CREATE, IN_DELETE, IN_MOVED_FROM, IN_MOVED_TO, IN_IGNORED = 0x100, 0x200, 0x40, 0x80, 0x8000
+    _HEAD = struct.Struct("iIII")   # struct inotify_event: wd, mask, cookie, len; then the name
+
+    def __init__(self):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+
+    def watch(self, path: str) -> bool:
+        mask = self.IN_CREATE | self.IN_DELETE | self.IN_MOVED_FROM | self.IN_MOVED_TO
+        return self.libc.inotify_add_watch(self.fd, os.fsencode(path), mask) >= 0
+
+    def events(self, timeout: float) -> list:
+        """[(mask, name)] that came within timeout seconds."""
+        if not select.select([self.fd], [], [], timeout)[0]:
+            return []
+        try:
+            buf = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        out, at = [], 0
+        while at + self._HEAD.size <= len(buf):
+            _, mask, _, n = self._HEAD.unpack_from(buf, at)
+            name = buf[at + self._HEAD.size:at + self._HEAD.size + n].rstrip(b"\0").decode()
+            out.append((mask, name))
+            at += self._HEAD.size + n
+        return out
+
+    def close(self):
+        os.close(self.fd)
+
+
 class DraKubelet:
     """The kubelet's side of DRA (issue 40), over the same .proto files as the plugin: it watches
-    the plugins_registry dir as the kubelet's plugin watcher does (a new socket: GetInfo, the
-    first of the plugin's services it speaks, NotifyRegistrationStatus), then calls the chosen
-    DRAPlugin service on the plugin's endpoint and reads the health stream (v1alpha1) into
-    `health`. `versions`: the services this kubelet speaks (a 1.34 kubelet: v1 and v1beta1).
-    `restart()` is a new kubelet on the same dirs: it finds the registration socket again."""
+    the plugins_registry dir as the kubelet's plugin watcher does (inotify: a socket created, or
+    moved in, is registered; one already there at start too; issue 48: tracked by inode number, a
+    plugin restarted on this filesystem was never registered again), registers it (GetInfo, the
+    first of the plugin's services it speaks, NotifyRegistrationStatus; retried while the socket
+    does not accept yet, as the kubelet's reconciler retries), then calls the chosen DRAPlugin
+    service on the plugin's endpoint and reads the health stream (v1alpha1) into `health`.
+    `versions`: the services this kubelet speaks (a 1.34 kubelet: v1 and v1beta1). `restart()` is
+    a new kubelet on the same dirs: it finds the registration socket again."""
 
     def __init__(self, registry_dir: str, versions=api.DRA_SERVICES, pod_resources: str | None = None):
         self.dir, self.versions, self.pod_resources = registry_dir, tuple(versions), pod_resources
@@ -142,7 +193,7 @@ class DraKubelet:
         self.health: "queue.Queue" = queue.Queue()          # [(device, health name)] per message
         self.plugins: dict = {}                             # driver -> (endpoint, chosen version)
         self.pods = []                                      # podresources v1 PodResources
-        self._seen: dict = {}
+        self.call_timeout = 30.0                            # s a Prepare or Unprepare may take
         self._stop = threading.Event()
         self._channels = []
         self.server = None
@@ -159,34 +210,42 @@ class DraKubelet:
             ps.add_PodResourcesListerServicer_to_server(Lister(), self.server)
             self.server.add_insecure_port(api.unix(self.pod_resources))
             self.server.start()
+        os.makedirs(self.dir, mode=0o755, exist_ok=True)   # the kubelet's own dir (its plugin watcher makes it)
         threading.Thread(target=self._watch, daemon=True).start()
         return self
 
     def _watch(self):
-        while not self._stop.wait(0.02):
-            try:
-                names = os.listdir(self.dir)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                path = os.path.join(self.dir, name)
-                try:
-                    ino = os.stat(path).st_ino
-                except FileNotFoundError:
-                    continue
-                if name.endswith(".sock") and self._seen.get(path) != ino:
-                    self._seen[path] = ino
-                    self._register(path)
+        notify = Inotify()
+        try:
+            while not self._stop.is_set():
+                while not notify.watch(self.dir):      # the dir was removed: watched again once made
+                    if self._stop.wait(0.02):
+                        return
+                for name in sorted(os.listdir(self.dir)):   # what was there before the watch
+                    if name.endswith(".sock"):
+                        self._register(os.path.join(self.dir, name))
+                gone = False
+                while not gone and not self._stop.is_set():
+                    for mask, name in notify.events(0.05):
+                        gone |= bool(mask & Inotify.IN_IGNORED)
+                        if mask & (Inotify.IN_CREATE | Inotify.IN_MOVED_TO) and name.endswith(".sock"):
+                            self._register(os.path.join(self.dir, name))
+        finally:
+            notify.close()
 
     def _register(self, path):
         rm, rs = api.registration()
-        ch = grpc.insecure_channel(api.unix(path))
+        ch = grpc.insecure_channel(api.unix(path), options=FRESH)
         self._channels.append(ch)
-        try:
-            info = rs.RegistrationStub(ch).GetInfo(rm.InfoRequest(), timeout=5)
-        except grpc.RpcError as e:
-            self.registrations.put((None, f"GetInfo: {e.code()}"))
-            return
+        deadline = time.monotonic() + 5
+        while True:   # the socket exists from bind(); it accepts from listen()
+            try:
+                info = rs.RegistrationStub(ch).GetInfo(rm.InfoRequest(), timeout=5)
+                break
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline or self._stop.wait(0.05):
+                    self.registrations.put((None, f"GetInfo: {e.code()}"))
+                    return
         chosen = next((v for v in info.supported_versions if v in self.versions), None)
         ok = info.type == api.DRA_PLUGIN_TYPE and chosen is not None
         error = "" if ok else f"type {info.type!r}, services {list(info.supported_versions)}: none this kubelet speaks"
@@ -198,7 +257,7 @@ class DraKubelet:
 
     def _read_health(self, endpoint):
         hm, hs = api.drahealth()
-        ch = grpc.insecure_channel(api.unix(endpoint))
+        ch = grpc.insecure_channel(api.unix(endpoint), options=FRESH)
         self._channels.append(ch)
         try:
             for resp in hs.DRAResourceHealthStub(ch).NodeWatchResources(hm.NodeWatchResourcesRequest()):
@@ -209,10 +268,10 @@ class DraKubelet:
     def _call(self, driver, method, claims):
         endpoint, version = self.plugins[driver]
         m, s = api.dra(version)
-        ch = grpc.insecure_channel(api.unix(endpoint))
+        ch = grpc.insecure_channel(api.unix(endpoint), options=FRESH)
         try:
             req = getattr(m, f"{method}Request")(claims=[m.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims])
-            return getattr(s.DRAPluginStub(ch), method)(req, timeout=30).claims
+            return getattr(s.DRAPluginStub(ch), method)(req, timeout=self.call_timeout).claims
         finally:
             ch.close()
 
@@ -233,5 +292,5 @@ class DraKubelet:
     def restart(self):
         self.stop()
         fresh = DraKubelet(self.dir, self.versions, self.pod_resources)
-        fresh.pods = self.pods
+        fresh.pods, fresh.call_timeout = self.pods, self.call_timeout
         return fresh.start()

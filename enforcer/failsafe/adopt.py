@@ -10,6 +10,7 @@ from ...units import format_size
 from . import takeover
 from ..actuator import alive
 from ..books import Box
+from ..tenants.containers import Container
 
 log = logging.getLogger("convgpu.enforcer.daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 
@@ -68,28 +69,16 @@ class Adopter:
         info = {}
         for st in prev:
             info.update(st.get("boxes", {}))
-        books, rules = self.books, self.runtime.rules
+        books = self.books
         pids = self.maps.live_members(alive)
         self.maps.prune(set(pids))   # containers gone meanwhile (their map quota buckets too: enforcer/quotas.py)
         charge = {}   # (container, dev) -> the per-context charge the old enforcer wrote
         for k, a in self.maps.assignments():
             box = books.by_key.get(k.container)
             if box is None:
-                old = info.get(str(k.container), {})
-                try:
-                    c = self.container_of(min(pids[k.container]))
-                except Exception:
+                box = self._rebuild(k.container, pids.get(k.container, set()), info.get(str(k.container), {}))
+                if box is None:
                     continue
-                name = old.get("name") or self.runtime.name_of(c.cgroup, c.short)
-                limit, source = rules.limit_for(c, name, old.get("labels"))
-                box = Box(k.container, c, name, time.monotonic() - (time.time() - old.get("created", time.time())),
-                          books.capped(name, limit), source, labels=old.get("labels"))
-                for key in ("stalled_s", "stalls", "grants", "over_limits", "restalls"):
-                    setattr(box, key, old.get(key, 0))
-                box.pids = pids[k.container]
-                books.boxes[c.id] = box
-                books.by_key[box.key] = box
-                books.pid_box.update({p: box for p in box.pids})
             box.assigned[k.dev] = a.assigned
             box.extra[k.dev] = a.extra_overhead
             box.adopted[k.dev] = (a.adopted, a.adopted_contexts)
@@ -107,6 +96,40 @@ class Adopter:
         log.info("took over from enforcer %s: %d containers, %s assigned",
                  ", ".join(os.path.basename(st["path"])[5:-5] for st in prev), len(books.boxes),
                  format_size(sum(sum(b.assigned.values()) for b in books.boxes.values())))
+
+    def _rebuild(self, key: int, pids: set[int], old: dict) -> Box | None:
+        """The budget of a key the enforcer before us kept, from its processes' containers (the
+        same budget Placement would choose: Runtime.budget) and its state file's names and
+        counters; None if none of its processes can be looked at."""
+        books, runtime = self.books, self.runtime
+        of = {}
+        for p in sorted(pids):
+            try:
+                of[p] = self.container_of(p)
+            except Exception:
+                pass
+        if not of:
+            return None
+        c = of[min(of)]
+        ident, bound = runtime.budget(c)
+        if ident.id in books.boxes:   # two keys of one budget (the claims were matched otherwise then)
+            log.warning("taking over: key %d is a second budget of %s; the oldest holds the claim, this one 0",
+                        key, ident.id)
+            ident = Container(ident.kind, f"{ident.id}#{key}", ident.cgroup, ident.pod)
+        name = old.get("name") or (runtime.name_of(c.cgroup, c.short) if ident is c else runtime.budget_name(bound))
+        box = Box(key, ident, name, time.monotonic() - (time.time() - old.get("created", time.time())), 0, "",
+                  labels=old.get("labels"))
+        for p in pids:
+            box.add(p, of.get(p))
+        runtime.take_claims(box, bound)
+        limit, box.source = runtime.limit_of(box)
+        box.limit = books.capped(name, limit)
+        for field in ("stalled_s", "stalls", "grants", "over_limits", "restalls"):
+            setattr(box, field, old.get(field, 0))
+        books.boxes[ident.id] = box
+        books.by_key[box.key] = box
+        books.pid_box.update({p: box for p in box.pids})
+        return box
 
     def stalled(self, all_held: bool) -> list[Event]:
         """The calls the enforcer before us held when it handed over (--handover), as the events

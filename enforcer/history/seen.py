@@ -79,7 +79,7 @@ def from_books(books, usage, excess: dict, ctx_of, run_names: dict, rules, mono:
         procs = tuple(ProcSeen(u.pid, u.gen, u.dev, u.peak, excess[(u.pid, u.dev)][0] if (u.pid, u.dev) in excess
                                else max(u.contexts, 0) * ctx_of(u.dev), max(u.contexts, 0), u.n_alloc)
                       for pid in sorted(box.pids) for u in rows.get(pid, ()))
-        pod = rules.pod_limit(c)
+        pod = rules.pod_limit(c, rules.budget(box.claims))   # a DRA claim's budget: the claim is the job
         job = identify(c.kind, c.id, c.cgroup, box.name, run_names.get(c.cgroup), getattr(pod, "job", "") or "")
         out.append(Seen(c.id, job, c.cgroup if c.kind in ("cgroup", "host") else c.short, box.limit, box.source,
                         gpus, procs, box.stalls, box.stalled_s + sum(mono - w.since for w in box.waiting.values()),

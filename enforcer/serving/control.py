@@ -82,13 +82,16 @@ class ControlHandler(Handler):
         return apply(self.runtime, msg.get("limits"))
 
     def cmd_claim_prepare(self, msg):
-        """The DRA plugin's prepared claim (kube/dra.py, serving/claimlimits.py)."""
-        from .claimlimits import prepare
+        """The DRA plugin's prepared claims (kube/dra.py, serving/claimlimits.py): those of one
+        Prepare, or one claim."""
+        from .claimlimits import prepare, prepare_all
+        if "claims" in msg:
+            return prepare_all(self.runtime, msg.get("claims"), msg.get("deadline"))
         return prepare(self.runtime, msg.get("uid"), msg.get("claim"))
 
     def cmd_claim_unprepare(self, msg):
         from .claimlimits import unprepare
-        return unprepare(self.runtime, msg.get("uid"))
+        return unprepare(self.runtime, msg.get("uids", msg.get("uid")))
 
     def cmd_claim_containers(self, msg):
         from .claimlimits import containers

@@ -44,7 +44,9 @@ class Caps:
 
 
 SHIM_CAPS = Caps(line=4 << 10)
-CONTROL_CAPS = Caps(per_process=16, per_group=64, total=256, out_bytes=64 << 20, rate=1e9)
+# root's own (the CLI, the Kubernetes agents): a DRA Prepare sends its claims in one request
+# (thousands of them: kube/dra.py MAX_CLAIMS), so its line may be long
+CONTROL_CAPS = Caps(per_process=16, per_group=64, total=256, out_bytes=64 << 20, line=32 << 20, rate=1e9)
 
 
 @dataclass(frozen=True)

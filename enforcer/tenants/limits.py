@@ -1,5 +1,7 @@
 """Which limit a container gets, first that applies: `convgpu limit set` at run time, the
-`convgpu run --limit` its cgroup was registered with, --limit NAME_OR_ID=SIZE, the pod's own units (Kubernetes agent, kube/pods.py) or its DRA claims (tenants/claims.py), the first matching
+`convgpu run --limit` its cgroup was registered with, --limit NAME_OR_ID=SIZE, the pod's own units
+(Kubernetes agent, kube/pods.py) or the budget of the DRA claims that bind it (tenants/claims.py:
+one budget shared by every container that uses a claim), the first matching
 [[rule]] of the config file, the label com.nvidia.memory.limit (as in the ConVGPU paper),
 --default-limit. An operator's rule beats a label because whoever starts a container chooses
 its labels. The pod's annotation convgpu.io/gpu-memory-limit comes last and only lowers: the
@@ -38,6 +40,7 @@ class PodLimit(NamedTuple):
     lower_only: bool = False
     gpus: tuple = ()      # ((host GPU uuid or "gpu<index>", bytes), ...): the grant on each GPU
     job: str = ""         # namespace/Kind/owner/container: the job its runs are kept under (enforcer/history/)
+    named_only: bool = False   # a DRA claim's budget: 0 on a GPU `gpus` does not name (issue 48)
 
     def wire(self) -> list:
         return [self.bytes, self.source, {"lower_only": self.lower_only, "gpus": dict(self.gpus)}
@@ -78,10 +81,24 @@ class LimitRules:
         place (the parts hold this object); the run-time part is the durable decisions'."""
         self.explicit, self.default, self.rules = other.explicit, other.default, other.rules
 
-    def pod_limit(self, c: Container) -> PodLimit | None:
+    def binding(self, c: Container) -> tuple:
+        """The uids of the DRA claims that bind the container (tenants/claims.py)."""
+        from .claims import binding   # claims.py builds PodLimits: imported late
+        return binding(self.claims, c.id, c.pod)
+
+    def budget(self, uids) -> PodLimit | None:
+        """The limit of a budget that holds these claims (None: it holds none that is prepared)."""
+        from .claims import budget_limit
+        return budget_limit(self.claims, uids) if uids else None
+
+    def pod_limit(self, c: Container, budget: PodLimit | None = None) -> PodLimit | None:
+        """What the Kubernetes agents say of a container: the budget of the claims it is charged
+        to (given by the books, which know which budget holds which claim), else the claims that
+        bind it, else its pod limit entry."""
+        if budget is not None:
+            return budget
         if self.claims:
-            from .claims import claim_limit   # claims.py builds PodLimits: imported late
-            got = claim_limit(self.claims, c.id, c.pod)
+            got = self.budget(self.binding(c))
             if got is not None:
                 return got
         for key in (c.id, c.pod):   # the container's own entry, else its pod's (id not known yet)
@@ -90,22 +107,25 @@ class LimitRules:
                 return p if isinstance(p, PodLimit) else PodLimit(*p)   # (bytes, source) as before
         return None
 
-    def shares_for(self, c: Container) -> dict[str, int]:
+    def shares_for(self, c: Container, budget: PodLimit | None = None) -> dict[str, int]:
         """{host GPU key: bytes}: where the pod's grant lies, each GPU's share of it (a grant
         that spans GPUs is limited on each to its share, not to the total on every one)."""
-        p = self.pod_limit(c)
+        p = self.pod_limit(c, budget)
         return dict(p.gpus) if p is not None and not p.lower_only else {}
 
-    def share(self, c: Container, gpu: str, limit: int, source: str) -> int:
+    def share(self, c: Container, gpu: str, limit: int, source: str, budget: PodLimit | None = None) -> int:
         """The container's limit on one GPU (gpu: its uuid, else "gpu<index>"): its pod's share
         there while the limit is the pod's grant (`source` is its source); else `limit`. A GPU
-        the grant does not name (an ordinal not mapped to a host GPU yet) keeps `limit`."""
-        p = self.pod_limit(c)
+        the device plugin's grant does not name (an ordinal not mapped to a host GPU yet) keeps
+        `limit`; one a DRA claim does not name gets 0 (issue 48: the scheduler counted the claim
+        on its own GPUs only)."""
+        p = self.pod_limit(c, budget)
         if p is None or p.lower_only or p.source != source:
             return limit
-        return min(limit, dict(p.gpus).get(gpu, limit))
+        return min(limit, dict(p.gpus).get(gpu, 0 if p.named_only else limit))
 
-    def limit_for(self, c: Container, name: str | None, labels: dict | None) -> tuple[int, str]:
+    def limit_for(self, c: Container, name: str | None, labels: dict | None,
+                  budget: PodLimit | None = None) -> tuple[int, str]:
         """(bytes, where it came from) for a container."""
         self.seen[c.id] = (c, name, labels)
         self.seen.move_to_end(c.id)
@@ -113,7 +133,7 @@ class LimitRules:
             self.seen.popitem(last=False)
         if self.unreadable:   # any container may have had a decision that is lost: hold (fail closed)
             return 0, f"{UNKNOWN}: the run-time decisions could not be read ({self.unreadable})"
-        pod = self.pod_limit(c)
+        pod = self.pod_limit(c, budget)
         limit, source = self._operator(c, name, labels, pod)
         if pod is not None and pod.lower_only and 0 < pod.bytes < limit:
             return pod.bytes, f"{pod.source} (under {format_size(limit)}: {source})"

@@ -27,8 +27,11 @@ CLAIM_A, CLAIM_B = "c1a1a1a1-0000-4000-8000-00000000000a", "c2b2b2b2-0000-4000-8
 
 
 def _status(enf) -> dict:
+    """`status`'s rows by id, and by the id of each container they hold (a claim's budget is one
+    row, its consumers listed in it)."""
     from convgpu.enforcer.serving.server import request
-    return {c["id"]: c for c in request(enf.control_path, {"cmd": "status"})["status"]["containers"]}
+    rows = request(enf.control_path, {"cmd": "status"})["status"]["containers"]
+    return {k: r for r in rows for k in (r["id"], *(m["id"] for m in r["consumers"]))}
 
 
 def _plugin(short_tmp, srv, enf, gpus=None) -> DraPlugin:
@@ -89,8 +92,9 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
             assert (list(d.request_names), d.pool_name, d.device_name, d.share_id, list(d.cdi_device_ids)) == (
                 ["gpu"], NODE, "gpu-0", "5a", [f"convgpu.io/claim={CLAIM_A}-gpu-0", "nvidia.com/gpu=0"])
             spec = json.loads((short_tmp / "cdi" / f"convgpu-claim-{CLAIM_A}.json").read_text())
-            assert spec["devices"] == [{"name": f"{CLAIM_A}-gpu-0", "containerEdits": {"deviceNodes": [
-                {"path": "/dev/nvidia0", "hostPath": str(short_tmp / "dev" / "nvidia0")}]}}]
+            assert spec["devices"] == [{"name": f"{CLAIM_A}-gpu-0", "containerEdits": {
+                "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+                "deviceNodes": [{"path": "/dev/nvidia0", "hostPath": str(short_tmp / "dev" / "nvidia0")}]}}]
             assert "CONVGPU_GPU_MEMORY_LIMIT=1073741824" in spec["containerEdits"]["env"]
 
             # each pod asks a step past its claim: held with exactly its claim in use
@@ -114,7 +118,8 @@ def test_two_claims_on_one_gpu_each_held_to_its_claim(root, build, cgroups, call
                     m.ClaimResource(driver_name=DRIVER, pool_name=NODE, device_name="gpu-0")])])])
                 for pod, c, n in (("train", "t", "train-gpu"), ("serve", "s", "serve-gpu"))]
             sync = ClaimSync(plugin.enforcer, [KubeletLogPods(str(short_tmp / "log"))], str(short_tmp / "pr.sock"))
-            assert sync.round() == {CLAIM_A: [CID_A], CLAIM_B: [CID_B]}
+            assert sync.round() == {CLAIM_A: {"containers": [CID_A], "users": []},
+                                    CLAIM_B: {"containers": [CID_B], "users": []}}
             assert enf.rules.claims[CLAIM_A].containers == (CID_A,)
             assert (_status(enf)[CID_A]["limit"], _status(enf)[CID_B]["limit"]) == (GiB, 3 * GiB)
 

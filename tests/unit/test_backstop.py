@@ -41,6 +41,10 @@ class Box:
     def __post_init__(self):
         self.container = self.container or Container(self.name, "/" + self.name)
 
+    @property
+    def cgroups(self):
+        return (self.container.cgroup,)
+
 
 class Books:
     def __init__(self, boxes, limits):
@@ -54,6 +58,9 @@ class Books:
 
     def limit(self, box, dev):
         return self.limits[box.key]
+
+    def member_box(self, cid):
+        return self.boxes.get(cid)
 
 
 def state(p) -> str:

@@ -10,7 +10,7 @@ import pytest
 from convgpu.enforcer.daemon import Enforcer
 from convgpu.enforcer.serving import claimlimits, podlimits
 from convgpu.enforcer.tenants import decisionfile
-from convgpu.enforcer.tenants.claims import ClaimShare, claim_limit, parse
+from convgpu.enforcer.tenants.claims import ClaimShare, binding, budget_limit, parse
 from convgpu.enforcer.tenants.containers import Container
 from convgpu.enforcer.tenants.limits import LimitRules, PodLimit
 from convgpu.errors import ConvgpuError
@@ -44,19 +44,31 @@ def test_a_bad_entry_is_refused_naming_the_claim(uid, raw):
     assert "invalid claim" in str(e.value)
 
 
-def test_the_limit_from_the_claims_of_a_pod():
+def test_the_claims_that_bind_a_container_and_their_budget():
     claims = {"1": share("ml/a", {"GPU-0": GiB}, containers=[A]), "2": share("ml/b", {"GPU-0": 3 * GiB}),
-              "3": share("ml/c", {"GPU-1": 2 * GiB}, containers=[A, B]), "9": share("ml/z", {"GPU-0": 8 * GiB}, pods=[OTHER])}
-    # matched: the claims it uses, several on one GPU each its own share
-    assert claim_limit(claims, A, POD) == PodLimit(3 * GiB, "DRA claim ml/a + ml/c", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
-    # not matched yet (a new or restarted container): the smallest share of its pod's claims per GPU
-    assert claim_limit(claims, "c" * 64, POD) == PodLimit(
-        3 * GiB, "DRA claim the smallest of 3 claims of its pod (ml/a, ml/b, ml/c)", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)))
-    assert claim_limit(claims, A, "0f0f0f0f-0000-0000-0000-000000000000") is None and claim_limit({}, A, POD) is None
+              "3": share("ml/c", {"GPU-1": 2 * GiB}, containers=[A, B]), "9": share("ml/z", {"GPU-0": 8 * GiB}, pods=[OTHER]),
+              "8": ClaimShare("ml/y", (OTHER,), (("GPU-1", GiB),), (), (POD,))}   # a second pod seen using it
+    # matched: the claims it uses; not matched yet (a new or restarted container): every claim of its pod,
+    # those it is reserved for and those the agent saw it use
+    assert binding(claims, A, POD) == ("1", "3")
+    assert binding(claims, "c" * 64, POD) == ("1", "2", "3", "8")
+    assert binding(claims, A, "0f0f0f0f-0000-0000-0000-000000000000") == ("1", "3") and binding({}, A, POD) == ()
+    assert binding(claims, "c" * 64, "0f0f0f0f-0000-0000-0000-000000000000") == ()
+    # a budget's limit: its claims' shares per GPU, 0 on a GPU none of them names
+    got = budget_limit(claims, ("1", "3", "gone"))
+    assert got == PodLimit(3 * GiB, "DRA claim ml/a + ml/c", False, (("GPU-0", GiB), ("GPU-1", 2 * GiB)),
+                           "ml/ResourceClaim/a+c", named_only=True)
+    assert budget_limit(claims, ("gone",)) is None
     rules = LimitRules({}, 16 * GiB, claims=claims, pods={A: PodLimit(5 * GiB, "units")})
     c = Container("kubernetes", A, f"/kubepods/pod{POD}/{A}", POD)
     assert rules.limit_for(c, None, None) == (3 * GiB, "DRA claim ml/a + ml/c")   # the claims beat pod limits
-    assert (rules.share(c, "GPU-0", 3 * GiB, "DRA claim ml/a + ml/c"), rules.share(c, "GPU-1", 3 * GiB, "DRA claim ml/a + ml/c")) == (GiB, 2 * GiB)
+    budget = rules.budget({"2"})
+    assert rules.limit_for(c, None, None, budget) == (3 * GiB, "DRA claim ml/b")  # the budget the books say
+    assert [rules.share(c, g, 3 * GiB, "DRA claim ml/a + ml/c") for g in ("GPU-0", "GPU-1", "GPU-2")] == [GiB, 2 * GiB, 0]
+    # the device plugin's grant keeps its limit on a GPU it does not name (an ordinal not mapped yet)
+    d = Container("kubernetes", "d" * 64, "/kubepods/podx/d", "0f0f0f0f-0000-0000-0000-000000000000")
+    rules.pods = {d.id: PodLimit(2 * GiB, "units", False, (("GPU-0", 2 * GiB),))}
+    assert rules.share(d, "GPU-1", 2 * GiB, "units") == 2 * GiB
 
 
 def test_claims_are_kept_in_the_decisions_file():
@@ -114,6 +126,60 @@ def test_a_gpu_is_shared_by_the_device_plugin_or_by_dra_never_both(enf):
         podlimits.apply(enf, {B: [GiB, "units", {"lower_only": False, "gpus": {"GPU-0": GiB}}]})
     assert "pod limits refused: GPU GPU-0 holds DRA claims" in str(e.value)
     assert enf.rules.pods == {A: PodLimit(GiB, "units", False, (("GPU-1", GiB),))}   # the previous set stays
+
+
+def test_a_claim_is_one_budget_for_every_container_that_uses_it(tmp_path):
+    """Issue 48, the books (an enforcer over the ledger, no kernel; containers looked up by pid
+    from a table): the containers a claim binds share one Box; a budget holds each claim once;
+    a container placed before the agent said it uses a claim another budget holds gets 0, and
+    one whose claim no budget holds yet takes it; an unprepared claim leaves its budget."""
+    P, Q, S = POD, OTHER, "0f0f0f0f-1111-2222-3333-444444444444"
+    cs = {pid: Container("kubernetes", cid * 64, f"/kubepods/pod{pod}/{cid * 64}", pod)
+          for pid, cid, pod in ((10, "a", P), (20, "b", P), (30, "c", Q), (40, "d", S), (50, "e", S))}
+    e = Enforcer(Ledger().start(), "fifo", {0: 4 * GiB, 1: 4 * GiB}, LimitRules({}, GiB), nvml=Nvml(),
+                 run_dir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"), container_of=lambda pid: cs[pid])
+    e.durable.open(wait=0)
+    rt, books, place = e.runtime, e.books, e.placement
+    try:
+        got = claimlimits.prepare_all(rt, {"x": wire("ml/x", {"GPU-0": GiB}), "y": wire("ml/y", {"GPU-1": 2 * GiB}),
+                                           "z": wire("ml/z", {"GPU-0": GiB}, pods=(Q,)),
+                                           "w": wire("ml/w", {"GPU-1": 768 * MiB}, pods=(Q,)),
+                                           "t": wire("ml/t", {"GPU-1": GiB}, pods=("1e1e1e1e-0000-0000-0000-0000000000aa",))})
+        assert got == {"claims": {u: {"changed": True} for u in "xyzwt"}}
+        # two containers of P, not matched yet: bound by both its claims, one budget
+        a, b = place.box_for(10), place.box_for(20)
+        place.join(a, 10), place.join(b, 20)
+        assert a is b and (a.container.id, a.container.kind, a.name, a.claims) == ("claim:x", "claim", "ml/x + ml/y", {"x", "y"})
+        assert (a.limit, a.source, sorted(a.members), a.cgroups) == (
+            3 * GiB, "DRA claim ml/x + ml/y", ["a" * 64, "b" * 64], (cs[10].cgroup, cs[20].cgroup))
+        assert [books.limit(a, d) for d in (0, 1)] == [GiB, 2 * GiB] and len(books.boxes) == 1
+        # Q's container: its claims' budget, 0 on a GPU they do not name
+        c = place.box_for(30)
+        place.join(c, 30)
+        assert (c.claims, c.limit, books.limit(c, 0), books.limit(c, 1)) == ({"z", "w"}, 1792 * MiB, GiB, 768 * MiB)
+        # S's containers were placed before the agent told that S uses z and w: budgets of their own
+        d, f = place.box_for(40), place.box_for(50)
+        place.join(d, 40), place.join(f, 50)
+        assert [(x.container.id, x.limit, x.source) for x in (d, f)] == [("d" * 64, GiB, "default"), ("e" * 64, GiB, "default")]
+        # now it does: d matched to z, which Q's budget holds. Its memory cannot be moved there, and a
+        # budget of its own would count z twice: 0. f, not matched, is bound by S's claims, z and t:
+        # it takes t, which no budget holds yet
+        claimlimits.containers(rt, {"z": {"containers": ["d" * 64], "users": [S]}, "t": {"users": [S]}})
+        assert (d.claims, d.limit) == (set(), 0) and d.source.startswith("DRA claim ml/z (held by another budget")
+        assert (f.claims, f.limit, f.source, books.limit(f, 0)) == ({"t"}, GiB, "DRA claim ml/t", 0)
+        assert (c.claims, books.limit(c, 0)) == ({"z", "w"}, GiB)   # Q's budget as it was
+        # an unprepared claim leaves its budget: P's holds y alone, and a new claim of P's goes to it
+        assert claimlimits.unprepare(rt, ["x"]) == {"changed": True}
+        assert (a.claims, a.limit, books.limit(a, 0), books.limit(a, 1)) == ({"y"}, 2 * GiB, 0, 2 * GiB)
+        claimlimits.prepare_all(rt, {"v": wire("ml/v", {"GPU-0": GiB})})
+        assert (a.claims, a.limit) == ({"y", "v"}, 3 * GiB)
+        # a member's last process leaves: the budget stays with the other
+        place.gone(10)
+        assert sorted(a.members) == ["b" * 64] and books.boxes["claim:x"] is a
+        with pytest.raises(ConvgpuError, match="is a DRA claim's budget, shared by 1 container"):
+            rt.set_limit("b" * 64, GiB)
+    finally:
+        e.durable.close()
 
 
 def test_a_claim_or_pod_limit_no_context_fits_in_is_refused_or_said_at_once(enf, caplog):

@@ -6,7 +6,8 @@ import pytest
 
 from apiserver_double import claim
 from convgpu.kube import devices as dv
-from convgpu.kube.claims import ClaimError, cdi_spec, check_request, device_name, quantity, read
+from convgpu.kube import cdi
+from convgpu.kube.claims import ClaimError, check_request, device_name, quantity, read
 from convgpu.kube.owner import Owner
 from convgpu.kube.slices import body, quantity as q
 
@@ -81,10 +82,13 @@ def test_the_cdi_spec_gives_the_gpus_nodes_and_the_shim(tmp_path):
     for n in ("nvidia1", "nvidiactl", "nvidia-uvm"):
         (tmp_path / n).touch()
     c = read(_claim([("a", "gpu-1", "1Gi", None), ("b", "gpu-1", "512Mi", None)]), UID, "ml", "c", "node-a", DEVICES)
-    spec = cdi_spec(c, str(tmp_path), dv.ShimOffer("/run/convgpu/lib/libconvgpu.so", "/run/convgpu/shim"))
-    assert (spec["cdiVersion"], spec["kind"]) == ("0.6.0", "convgpu.io/claim")
-    assert spec["devices"] == [{"name": f"{UID}-gpu-1", "containerEdits": {"deviceNodes": [   # one per GPU
-        {"path": f"/dev/{n}", "hostPath": str(tmp_path / n)} for n in ("nvidia1", "nvidiactl", "nvidia-uvm")]}}]
+    spec = cdi.spec(c, str(tmp_path), dv.ShimOffer("/run/convgpu/lib/libconvgpu.so", "/run/convgpu/shim"))
+    cdi.validate(spec)
+    # the least version its contents need: device nodes with a hostPath, a name that starts with a digit
+    assert (spec["cdiVersion"], spec["kind"]) == ("0.5.0", "convgpu.io/claim")
+    assert spec["devices"] == [{"name": f"{UID}-gpu-1", "containerEdits": {   # one per GPU
+        "env": ["NVIDIA_VISIBLE_DEVICES=void"], "deviceNodes": [
+            {"path": f"/dev/{n}", "hostPath": str(tmp_path / n)} for n in ("nvidia1", "nvidiactl", "nvidia-uvm")]}}]
     assert spec["containerEdits"]["env"] == [
         "CONVGPU_DRA_CLAIM=ml/c", f"CONVGPU_GPU_MEMORY_LIMIT={1536 * MiB}", "CONVGPU_SHIM_SOCKET=/run/convgpu/shim/shim.sock",
         "LD_PRELOAD=/opt/convgpu/libconvgpu.so"]
@@ -123,3 +127,73 @@ def test_one_agent_per_gpu(tmp_path):
     plugin.close()                                    # the device plugin's agent is gone (or killed)
     assert dra.filter([g0, g1]) == [g0, g1] and dra.refused == {}
     dra.close()
+
+
+def test_an_admin_access_claim_holds_no_share():
+    """adminAccess (a monitoring pod's claim) is allocated beside the shares, counted by no one:
+    read without a consumedCapacity, it holds 0 bytes, and its spec carries no shim and no limit."""
+    c = read(_claim([("mon", "gpu-1", None, None)], admin=True), UID, "ml", "c", "node-a", DEVICES)
+    assert [(r.admin, r.bytes) for r in c.results] == [(True, 0)] and c.gpus() == {}
+    spec = cdi.spec(c, "/nonexistent", dv.ShimOffer("/run/convgpu/lib/libconvgpu.so", "/run/convgpu/shim"))
+    cdi.validate(spec)
+    assert spec["containerEdits"] == {"env": ["CONVGPU_DRA_CLAIM=ml/c"]}
+    assert spec["devices"] == [{"name": f"{UID}-gpu-1", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}}]
+
+
+GOOD = {"cdiVersion": "0.5.0", "kind": "convgpu.io/claim", "containerEdits": {"env": ["A=1"]},
+        "devices": [{"name": "0abc-gpu-1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1",
+                                                                                "hostPath": "/dev/nvidia1"}]}}]}
+
+
+def _with(path, value):
+    import copy
+    doc = copy.deepcopy(GOOD)
+    at = doc
+    for k in path[:-1]:
+        at = at[k]
+    if value is KeyError:
+        del at[path[-1]]
+    else:
+        at[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize("doc, why", [
+    # what the container-device-interface library refuses (pkg/cdi spec.go, device.go, container-edits.go,
+    # pkg/parser, specs-go/version.go): the empty device edits issue 48 found first
+    (_with(("devices", 0, "containerEdits"), {"deviceNodes": []}), "invalid device, empty device edits"),
+    (_with(("devices", 0, "containerEdits"), {}), "invalid device, empty device edits"),
+    (_with(("devices",), []), "invalid spec, no devices"),
+    (_with(("cdiVersion",), "0.2.0"), "invalid version '0.2.0'"),
+    (_with(("cdiVersion",), "0.4.0"), "the spec version must be at least v0.5.0"),    # hostPath, a digit first
+    (_with(("cdiVersion",), KeyError), "invalid version None"),
+    (_with(("kind",), "convgpu.io"), "invalid kind 'convgpu.io'"),
+    (_with(("kind",), "-convgpu.io/claim"), "invalid kind"),
+    (_with(("devices", 0, "name"), "gpu/1"), "invalid device name 'gpu/1'"),
+    (_with(("devices",), [GOOD["devices"][0]] * 2), "invalid spec, multiple device '0abc-gpu-1'"),
+    (_with(("containerEdits", "env"), ["=1"]), "invalid environment variable '=1'"),
+    (_with(("containerEdits", "env"), ["NOVALUE"]), "invalid environment variable 'NOVALUE'"),
+    (_with(("devices", 0, "containerEdits", "deviceNodes", 0, "path"), ""), "invalid (empty) device path"),
+    (_with(("devices", 0, "containerEdits", "deviceNodes", 0, "type"), "x"), "invalid type 'x'"),
+    (_with(("devices", 0, "containerEdits", "deviceNodes", 0, "permissions"), "rwx"), "invalid permissions 'rwx'"),
+    (_with(("containerEdits", "mounts"), [{"hostPath": "/a", "containerPath": ""}]), "invalid mount, empty container path"),
+    (_with(("containerEdits", "hooks"), [{"hookName": "whenever", "path": "/x"}]), "invalid hook name 'whenever'"),
+    (_with(("containerEdits", "devices"), []), "unknown field 'devices'"),   # decoded strictly
+    (_with(("devices", 0, "ociEdits"), {}), "unknown field 'ociEdits'"),
+])
+def test_a_spec_a_runtime_would_refuse_is_refused_here(doc, why):
+    cdi.validate(GOOD)
+    with pytest.raises(cdi.CdiError) as e:
+        cdi.validate(doc)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cdi_librarys_own_examples():
+    """schema/testdata of container-device-interface: the good ones pass, the bad ones do not."""
+    cdi.validate({"cdiVersion": "0.3.0", "kind": "vendor.com/device", "devices": [
+        {"name": "myDevice", "containerEdits": {"deviceNodes": [{"path": "/dev/card1"}]}}]})
+    for bad in ({}, {"cdiVersion": "0.3.0", "kind": "vendor.com/device", "devices": []}):
+        with pytest.raises(cdi.CdiError):
+            cdi.validate(bad)
+    assert cdi.minimum_version({"kind": "vendor.com/device", "devices": [{"name": "myDevice"}]}) == "0.3.0"
+    assert cdi.minimum_version({"kind": "vendor.com/dev.ice", "devices": []}) == "0.6.0"

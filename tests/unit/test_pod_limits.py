@@ -41,8 +41,8 @@ def test_bad_pod_limits_are_refused(bad):
 
 
 def test_pod_limits_parse():
-    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: (1 << 30, "pod ml/a", False, (), ""),
-                                                                  UID: (2, "b", False, (), "")}
+    assert parse({CID: [1 << 30, "pod ml/a"], UID: (2, "b")}) == {CID: PodLimit(1 << 30, "pod ml/a", False, (), ""),
+                                                                  UID: PodLimit(2, "b", False, (), "")}
 
 
 def test_a_pods_job_crosses_the_wire_and_is_bounded():
