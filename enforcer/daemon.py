@@ -39,7 +39,7 @@ from .serving.broker import ShimBroker
 from .serving.credit import ShimCredit
 from .serving.peers import SHIM_CAPS, raise_nofile
 from .tenants import durable
-from .swap.client import Agent
+from .swap.client import Agent, checkpoint_api
 from .swap.swapper import Settings as SwapSettings, Swapper
 from .tenants.cgroupfs import cgroup_layout, procs_in
 from .tenants.containers import container_of_pid
@@ -274,6 +274,7 @@ class Enforcer:
         self.charge.plan()   # a GPU model never seen: its newcomers wait for a measured context
         write_state(self.state_file, [], [], handover=self.handover)
         if not self.tracer.kernel:   # shims wait in their threads: nothing to undo if we die
+            self.swapper.off = "no probes (--no-probes): a swapped process's next call would go unheard"
             log.warning("no probes (--no-probes): only processes under the preload shim are limited")
             self.admission.write(True)
             log.info("enforcing: policy %s, capacity %s (shim only)", self.decider.policy, self.reporter.capacity_text())
@@ -312,8 +313,10 @@ class Enforcer:
         if driver is None:
             self.swapper.off = "no host driver to make the checkpoint calls with"
             return
-        self.swapper.agent = Agent(driver)
-        self.swapper.agent.submit("state", os.getpid(), 30)   # its child starts now: status says whether swap can be
+        self.swapper.off = checkpoint_api(driver)   # read in the file, as the probes read it: no process
+        if self.swapper.off:
+            return
+        self.swapper.agent = Agent(driver)   # its child starts at the first swap: none sits idle meanwhile
         self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
         self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)
         self.swapper.load()

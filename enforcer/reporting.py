@@ -142,7 +142,7 @@ class Reporter:
         if self.backstop.off.get(dev, "").startswith("MIG"):
             return "off: MIG mode (the checkpoint of a MIG instance's process is not known to work)"
         why = self.swapper.why_off()
-        return f"off: {why}" if why else "on" if self.swapper.agent.ready else "starting"
+        return f"off: {why}" if why else "on"
 
     def _uuid(self, dev: int) -> str:
         g = getattr(self.tracer, "gpumap", None)

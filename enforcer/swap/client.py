@@ -19,6 +19,24 @@ log = logging.getLogger(__name__)
 START_S = 30.0   # s for the child's start (a Python, the driver, cuInit)
 
 
+def checkpoint_api(driver: str) -> str:
+    """"" if the driver exports the checkpoint calls (agent.CALLS), else why not: read in its
+    ELF (probes/untrusted.py), as the probes read a driver, without loading it."""
+    from ...probes import untrusted
+    from .agent import CALLS
+    try:
+        fd = untrusted.open_in_root("/", driver)
+        try:
+            untrusted.check(fd)
+            missing = set(CALLS) - set(untrusted.read_symbols(fd, list(CALLS)))
+        finally:
+            untrusted.close(fd)
+    except (OSError, untrusted.Refused) as e:
+        return f"cannot read {driver} ({e})"
+    return (f"the driver has no checkpoint API ({', '.join(sorted(missing))} missing: one older than CUDA "
+            "12.8's)") if missing else ""
+
+
 @dataclass
 class Result:
     op: str
@@ -39,7 +57,6 @@ class Agent:
         self.env.pop("LD_PRELOAD", None)     # the preload shim would ask the enforcer
         self.child: subprocess.Popen | None = None
         self.off = ""                        # why the driver cannot checkpoint ("": it can, or not tried)
-        self.ready = False                   # the child started and found the checkpoint API
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._r, self._w = os.pipe()
@@ -123,7 +140,7 @@ class Agent:
             self.off = ready.get("why", "the agent failed")
             self._kill()
             return False
-        self.off, self.ready = "", True
+        self.off = ""
         return True
 
     def _line(self, timeout: float) -> str:
