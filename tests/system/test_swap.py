@@ -43,8 +43,10 @@ def plain(env: dict) -> dict:
 class Holder:
     """build/holder -s SIZE as nobody in cgroup cg: its pid and pattern CRC from `ready`."""
 
-    def __init__(self, cg, build, env, size: str, timeout: float = 30, fill: bool = True):
-        """fill False (-z): ready once allocated (its contents are nobody's concern)."""
+    def __init__(self, cg, build, env, size: str, timeout: float = 120, fill: bool = True):
+        """fill False (-z): ready once allocated (its contents are nobody's concern). Its pattern
+        is written into real host memory (backed) and summed: 3 GiB took over 30 s on a loaded
+        2-CPU CI machine."""
         self.p = popen_in(cg, *NOBODY, build / "holder", "-s", size, *(() if fill else ("-z",)), env=env)
         line = self.answer(timeout)
         assert line and line.startswith("ready"), (line, self.p.stderr.read() if self.p.poll() is not None else "")
@@ -72,29 +74,28 @@ def row(enf, name: str) -> dict:
 
 
 def args(*more):
-    """A 1 GiB GPU; A's limit what it holds, B's what it asks: every grant stays safe (the banker's
-    check: docs/SCHEDULING.md), so B's wait is the full GPU's alone, which the swap ends. Small:
-    A's bytes are real host memory here (backed), filled and summed under the suite's load."""
-    return ("--gpu-memory", "1GiB", "--limit", "a=768MiB", "--limit", "b=512MiB", "--swap-idle", "1", *more)
+    """A 4 GiB GPU; A's limit what it holds, B's what it asks: every grant stays safe (the banker's
+    check: docs/SCHEDULING.md), so B's wait is the full GPU's alone, which the swap ends."""
+    return ("--gpu-memory", "4GiB", "--limit", "a=3GiB", "--limit", "b=2GiB", "--swap-idle", "1", *more)
 
 
 def test_an_idle_holder_goes_out_for_a_waiter_and_comes_back_at_its_next_call(cgroups, build, env5):
-    """The issue's first case: A holds 768 MiB and idles, B asks 512 MiB on a 1 GiB GPU: B runs
+    """The issue's first case: A holds 3 GiB and idles, B asks 2 GiB on a 4 GiB GPU: B runs
     within 10 s while A is out; after B exits, A's next call returns within 10 s, bytes intact."""
-    e, caller = envs(build, env5, 1 * GiB)
+    e, caller = envs(build, env5, 4 * GiB)
     enf = Enforcing(build, *args(), env=e, start_timeout=120)
     a = b = None
     try:
-        a = Holder(cgroups("a"), build, caller, "768M")
+        a = Holder(cgroups("a"), build, caller, "3G")
         t0 = time.monotonic()
-        b = asker(cgroups("b"), build, plain(caller), "512M")
+        b = asker(cgroups("b"), build, plain(caller), "2G")
         took = time.monotonic() - t0
         assert took < 10, took
         g = row(enf, "a")
-        assert (g["swapped"], [s["state"] for s in g["swaps"]]) == (768 * MiB, ["out"]), g
+        assert (g["swapped"], [s["state"] for s in g["swaps"]]) == (3 * GiB, ["out"]), g
         enf.wait_for(f"swap out a pid {a.pid} (idle")
         usage = subprocess.run([f"{build}/standin/standin-usage"], env=caller, capture_output=True, text=True).stdout
-        assert f"proc pid={a.pid} " not in usage and f"proc pid={b.pid} used={512 * MiB}" in usage, usage
+        assert f"proc pid={a.pid} " not in usage and f"proc pid={b.pid} used={2 * GiB}" in usage, usage
         b.stdin.close()
         assert b.wait(timeout=30) == 0
         t1 = time.monotonic()
@@ -133,20 +134,20 @@ def test_by_hand_out_and_in(cgroups, build, env5):
 
 
 def test_a_kill_9_while_out_leaves_it_to_the_successor(cgroups, build, env5):
-    e, caller = envs(build, env5, 1 * GiB)
+    e, caller = envs(build, env5, 4 * GiB)
     run_dir, state_dir = run_dir_for("swap-run"), run_dir_for("swap-state")
     enf = Enforcing(build, *args(), env=e, start_timeout=120, run_dir=run_dir, state_dir=state_dir)
     nxt = a = b = None
     try:
-        a = Holder(cgroups("a"), build, caller, "768M")
-        b = asker(cgroups("b"), build, plain(caller), "512M")
-        assert row(enf, "a")["swapped"] == 768 * MiB
+        a = Holder(cgroups("a"), build, caller, "3G")
+        b = asker(cgroups("b"), build, plain(caller), "2G")
+        assert row(enf, "a")["swapped"] == 3 * GiB
         enf.p.kill()
         enf.p.wait()
         kept = json.load(open(os.path.join(state_dir, "swap.json")))["procs"]
         assert [(r["pid"], r["state"]) for r in kept.values()] == [(a.pid, "out")]
         nxt = Enforcing(build, *args(), env=e, start_timeout=120, run_dir=run_dir, state_dir=state_dir)
-        until(lambda: row(nxt, "a").get("swapped") == 768 * MiB, 10, "still out, the successor's")
+        until(lambda: row(nxt, "a").get("swapped") == 3 * GiB, 10, "still out, the successor's")
         b.stdin.close()
         assert b.wait(timeout=30) == 0
         a.send("launch")
