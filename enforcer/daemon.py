@@ -28,6 +28,7 @@ from .exits import Exits
 from .failsafe.adopt import Adopter
 from .failsafe.heartbeat import Heartbeat
 from .failsafe.stall import SignalStopper
+from .failsafe.threadhold import TAKEN_OVER
 from .failsafe.watchdog import write_state
 from .history import HistoryFile, Recorder, from_books
 from .overhead import ContextCharge, read_gpus
@@ -334,7 +335,7 @@ class Enforcer:
         pids = {e.pid for e in events}
         holder = self.holds.holder
         for pid in pids if holder is not None else ():
-            holder.refused[pid] = "taken over stopped from the enforcer before: held whole"
+            holder.refused[pid] = TAKEN_OVER
         self._take(events, time.monotonic())
         ours = {self.stopper.root.rstrip("/") + cg for b in self.books.boxes.values() if b.waiting for cg in b.cgroups} \
             if not isinstance(self.stopper, SignalStopper) else set()
