@@ -100,6 +100,7 @@ class Enforcer:
         self.swapper = Swapper(self.books, self.maps, tracer, None, swap or SwapSettings(), self._process_holds,
                                self.holds.whole, lambda: self.charge.sampler,
                                lambda d: gpus[d].total if d in gpus else physical.get(d, 0), self._changed,
+                               lambda pid: self.actuator.kill(pid),
                                os.path.join(state_dir, "swap.json") if state_dir else None)
         self.actuator = Actuator(stopper, self.holds, self.maps, self.books.shimmed, self.swapper.resume)
         self.decider = Decider(self.books, self.actuator, policy, random.Random(seed), max_wait, over_limit,
@@ -310,12 +311,12 @@ class Enforcer:
         """The checkpoint agent (a child: never the driver in this process), on the host's own
         driver; then what an enforcer before us left swapped is taken back (Swapper.load)."""
         driver = self.charge.host_driver()
-        if driver is None:
-            self.swapper.off = "no host driver to make the checkpoint calls with"
+        self.swapper.off = checkpoint_api(driver) if driver else "no host driver to make the checkpoint calls with"
+        if self.swapper.off:   # read in the file, as the probes read it: no process
+            log.info("swap: off (%s)", self.swapper.off)
             return
-        self.swapper.off = checkpoint_api(driver)   # read in the file, as the probes read it: no process
-        if self.swapper.off:
-            return
+        log.info("swap: the checkpoint calls of %s; %s", driver, f"idle holders go out after {self.swapper.settings.idle_s:g} s"
+                 if self.swapper.settings.idle_s else "by hand only (`convgpu swap out`; --swap-idle for a policy)")
         self.swapper.agent = Agent(driver)   # its child starts at the first swap: none sits idle meanwhile
         self.reporter.release = self.swapper.release_argv()   # the watchdog's, if we die
         self.sel.register(self.swapper.agent.fileno(), selectors.EVENT_READ, lambda _mask: None)

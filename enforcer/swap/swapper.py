@@ -16,8 +16,9 @@ same wait. Every failed step goes back to the last safe state and says why:
 - a checkpoint that fails: unlocked, running;
 - a restore is never started without the room: the grant holds it in the books and NVML must
   show the bytes free on the GPU (driver 580 left a process it could not restore for want of
-  room beyond saving: FACTS.md). One that fails anyway: out again, retried when room frees;
-  one the driver says left the process failed: said, and shown;
+  room beyond saving: FACTS.md). One the driver refuses anyway: killed (on driver 580 it never
+  runs again, whatever state the driver reports), said and shown; one with no answer: out
+  again, retried when room frees;
 - an unlock that fails: said, shown; the watchdog retries it if we die.
 The driver calls are made by a child (agent.py, through client.Agent), never by the enforcer.
 What is out or in between is kept in the state dir (swap.json, before each step goes out):
@@ -76,10 +77,10 @@ class Swapper:
     bytes, GPU totals), gpu_total(dev), changed() (room came or went), the state file's path."""
 
     def __init__(self, books, maps, tracer, agent, settings: Settings, process_holds, whole, nvml, gpu_total,
-                 changed, path: str | None):
+                 changed, kill, path: str | None):
         self.books, self.maps, self.tracer, self.agent, self.settings = books, maps, tracer, agent, settings
         self.process_holds, self.whole, self.nvml, self.gpu_total = process_holds, whole, nvml, gpu_total
-        self.changed, self.path = changed, path
+        self.changed, self.kill, self.path = changed, kill, path
         self.procs: dict[int, Swap] = {}
         # container id -> (GPU, the containers it went out for, until when): a side swapped out to
         # break a deadlock gets no grant there before them (a first-come policy handed the room
@@ -214,8 +215,7 @@ class Swapper:
                 s.state = "unlocking"
                 self.agent.submit("unlock", s.pid, 30)
             elif r.state == 3:
-                s.state, s.why = "failed", "the driver left it failed"
-                log.error("swap: pid %d of %s: the driver left it failed (kill it)", s.pid, s.name)
+                self._lost(s, "the driver left it failed")
             else:
                 self._back(s)
             return
@@ -255,11 +255,8 @@ class Swapper:
                 self._save()
                 self.agent.submit("unlock", s.pid, 30)
                 return
-            if r.state == 3:   # FAILED: the driver gave up on it
-                s.state, s.why = "failed", f"restore: {said}, the driver left it failed"
-                log.error("swap in %s pid %d: %s; its process cannot run again (kill it)", s.name, s.pid, s.why)
-                self._save()
-                return
+            if r.rc is not None:   # the driver answered no: on driver 580 that process never runs again
+                return self._lost(s, f"restore: {said}")
             log.warning("swap in %s pid %d: restore %s; stays in host memory, retried when room frees", s.name,
                         s.pid, said)
             s.state, s.asked = "out", False
@@ -275,6 +272,18 @@ class Swapper:
             s.state, s.why = "failed", f"unlock: {said}"
             log.error("swap in %s pid %d: %s: it stays locked (the watchdog unlocks it if we die)", s.name, s.pid, s.why)
             self._save()
+
+    def _lost(self, s: Swap, why: str):
+        """A restore the driver refused: on driver 580 the process is beyond saving whatever state
+        it reports (a restore that lacked the room left it CHECKPOINTED, then 304, unlock 401, and
+        it never answered again: FACTS.md). Killed, so that its job fails where it would hang."""
+        s.state, s.why = "failed", why
+        if start_of(s.pid) == s.start:   # the same process, not a reused pid
+            self.kill(s.pid)
+            s.why += ": killed"
+        log.error("swap in %s pid %d: %s (the driver cannot bring it back: killed, its job fails instead of "
+                  "hanging)", s.name, s.pid, why)
+        self._save()
 
     def _back(self, s: Swap, unlock: bool = False):
         """Running again (or never gone): untracked; an unlock sent where it may be locked."""

@@ -15,7 +15,7 @@ from conftest import GiB, MiB
 from test_gpu import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
-from test_standin_checkpoint import (CHECKPOINTED, FAILED, ILLEGAL_STATE, LOCKED, OOM, OS_ERROR,  # noqa: E402
+from test_standin_checkpoint import (CHECKPOINTED, ILLEGAL_STATE, LOCKED, OOM, OS_ERROR,  # noqa: E402
                                      RUNNING, Cp, Holder)
 
 pytestmark = pytest.mark.gpu
@@ -67,13 +67,15 @@ def nvml_of(pid):
 
 
 def test_gpu_the_drivers_threads_come_with_the_context(build):
-    """CONVGPU_STANDIN_CP_THREAD=context (the stand-in's default) assumes cuInit makes no thread
-    and the first context does. If this fails, make `init` the default."""
+    """Driver 580 on the H100 (docs/gpu-runs/2026-12-06b): cuInit starts a thread (1 -> 2) and the
+    first context another (-> 3). The stand-in's default (CONVGPU_STANDIN_CP_THREAD=context) starts
+    its one thread, the one that serves the checkpoint calls, with the first context: a process
+    holds device memory only once it has a context, so a swap always meets that thread either way."""
     r = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     before, at_init, at_context = map(int, r.stdout.split())
     record("checkpoint_threads", before=before, after_cuinit=at_init, after_context=at_context)
-    assert at_init == before and at_context > at_init, (before, at_init, at_context)
+    assert at_init > before and at_context > at_init, (before, at_init, at_context)
 
 
 def test_gpu_a_holder_swaps_out_and_in(real):
@@ -110,8 +112,8 @@ def test_gpu_a_holder_swaps_out_and_in(real):
 
 def test_gpu_a_restore_without_room_is_beyond_saving(real):
     """FACTS.md (2026-12-06): OOM at once and still CHECKPOINTED, then 304 and unlock 401 once
-    the room is back. The stand-in then says FAILED (3): the real driver's state after its 304
-    was not read before this test."""
+    the room is back, the state still CHECKPOINTED (H100, driver 580: docs/gpu-runs/2026-12-06b),
+    and the holder never answers: the stand-in does the same."""
     holder, cp = real
     a, c = holder(4 * GiB), cp()
     assert c.call("lock", a.pid, 5000)[:2] == (0, LOCKED)
@@ -128,5 +130,5 @@ def test_gpu_a_restore_without_room_is_beyond_saving(real):
     answered = a.answer(5)
     record("checkpoint_restore_without_room", first=first, second=second, unlock=unlock, holder_answered=answered)
     assert first[:2] == (OOM, CHECKPOINTED)
-    assert second[:2] == (OS_ERROR, FAILED) and unlock[:2] == (ILLEGAL_STATE, FAILED)
+    assert second[:2] == (OS_ERROR, CHECKPOINTED) and unlock[:2] == (ILLEGAL_STATE, CHECKPOINTED)
     assert answered is None

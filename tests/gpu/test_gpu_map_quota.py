@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lines_until, need
+from conftest import lines_until, need, rest_of
 
 pytestmark = pytest.mark.gpu
 GiB, MiB = 1 << 30, 1 << 20
@@ -79,10 +79,12 @@ class Env:
         self.procs.append(p)
         return p
 
+    def status(self) -> dict:
+        return json.loads(subprocess.run([sys.executable, "-m", "convgpu.cli.main", "status", "--json"],
+                                         capture_output=True, text=True, cwd="/", timeout=60).stdout)
+
     def box(self, pid):
-        st = json.loads(subprocess.run([sys.executable, "-m", "convgpu.cli.main", "status", "--json"],
-                                       capture_output=True, text=True, cwd="/", timeout=60).stdout)
-        return next(c for c in st["containers"] if pid in c["pids"])
+        return next(c for c in self.status()["containers"] if pid in c["pids"])
 
     def close(self, scenario):
         for p in self.procs:
@@ -91,7 +93,7 @@ class Env:
                 p.wait()
         self.enf.terminate()
         self.enf.wait(timeout=30)
-        self.log += self.enf.stderr.read().splitlines()
+        self.log += rest_of(self.enf.stderr)   # what lines_until's reader has not handed out yet
         if os.environ.get("CONVGPU_GPU_LOG"):
             with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
                 f.write(json.dumps({"scenario": scenario, "log": self.log[-40:]}) + "\n")

@@ -53,6 +53,9 @@ def test_an_annotation_never_raises_a_limit_above_the_rules_or_the_units(root, b
             for p in procs:
                 wait_state(p.pid, "T")          # each stopped: over 512, 512 and 256 MiB
             until(lambda: all(_status(enf).get(c, {}).get("over_limit_events") == 1 for c in CIDS[:2]), 10, "over")
+            # the third's first allocation: in the books once its return was taken (not at its stop)
+            until(lambda: _status(enf).get(CIDS[2], {}).get("gpus", {}).get("0", {}).get("used") == 256 * MiB, 10,
+                  "the third's 256 MiB")
             st = _status(enf)
             assert [(st[c]["limit"], st[c]["gpus"]["0"]["used"]) for c in CIDS] == \
                 [(512 * MiB, 512 * MiB), (512 * MiB, 512 * MiB), (256 * MiB, 256 * MiB)]

@@ -18,7 +18,8 @@
  *               capacity (remembered for the restore); their copy is host memory of this
  *               process (backed allocations' contents, the rest touched bytes)
  *   restore     CHECKPOINTED -> LOCKED, if every device has the room; else OOM, and the
- *               process is beyond saving (FACTS.md): the next restore is 304 and FAILED
+ *               process is beyond saving (FACTS.md): the next restore is 304, unlock 401,
+ *               the state still CHECKPOINTED (driver 580 on the H100: docs/gpu-runs/2026-12-06b)
  *   unlock      LOCKED -> RUNNING: the gate opens
  *
  * The caller's side, and the exported calls: libcuda_cp_api.c.
@@ -258,10 +259,8 @@ static CUresult t_restore(void)
         return CUDA_ERROR_OPERATING_SYSTEM;
     if (g_state != CU_PROCESS_STATE_CHECKPOINTED)
         return CUDA_ERROR_ILLEGAL_STATE;
-    if (g_doomed) {     /* the real driver: 304 after a restore that lacked the room */
-        g_state = CU_PROCESS_STATE_FAILED;
+    if (g_doomed)       /* the real driver: 304 after a restore that lacked the room, still CHECKPOINTED */
         return CUDA_ERROR_OPERATING_SYSTEM;
-    }
     CUresult rc = acct_give_back(g_saved);
     if (rc == CUDA_ERROR_OUT_OF_MEMORY)
         g_doomed = 1;   /* still CHECKPOINTED as the driver says, but never to run again */

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import Enforcing, proc_state, read_until, run_dir_for, start_in, stop_all, wait_state
+from conftest import Enforcing, proc_state, read_until, run_dir_for, start_in, stop_all, until, wait_state
 
 pytestmark = pytest.mark.system
 
@@ -19,6 +19,11 @@ def stays(pid: int, state: str, seconds: float):
     while time.monotonic() < deadline:
         assert proc_state(pid) == state, f"pid {pid}: {proc_state(pid)}"
         time.sleep(0.01)
+
+
+def waits(enf, name: str) -> list[dict]:
+    st = enf.ctl(cmd="status")["status"]
+    return [w for c in st["containers"] if c["name"] == name for w in c["gpus"]["0"]["waits"]]
 
 
 def args(*more):
@@ -36,6 +41,8 @@ def test_a_stalled_process_stays_stalled_across_a_restart_with_handover(cgroups,
         # two threads of 512 MiB each: one waits held alone by ptrace while the other runs on
         waiter = start_in(cgroups("waiter"), build, env5, "alloc", "-t", threads, "-s", "512M", "--hold")
         first.wait_for(f"stall waiter pid {waiter.pid}")
+        # every thread's call held before the restart (the second's stall comes after the first's)
+        until(lambda: len(waits(first, "waiter")) == threads, 20, f"not {threads} waits: {waits(first, 'waiter')}")
         wait_state(waiter.pid, "T")
         first.p.send_signal(signal.SIGTERM)   # systemctl restart: stop, then start again
         assert first.p.wait(timeout=30) == 0

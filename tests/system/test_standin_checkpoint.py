@@ -178,8 +178,8 @@ def test_lock_waits_for_the_calls_in_flight(stand):
 def test_checkpoint_frees_the_device_and_a_restore_without_room_is_beyond_saving(stand):
     """Checkpoint: the holder's 40 MiB leave the GPU (its slot 0, NVML lists it no more) and
     another process takes them. A restore without the room: OOM at once, still CHECKPOINTED;
-    and, as on the real driver, beyond saving: the next restore is 304 (FAILED), unlock 401, and
-    the holder's calls never return."""
+    and, as on the real driver (driver 580, docs/gpu-runs/2026-12-06b), beyond saving: the next
+    restore is 304, unlock 401, the state still CHECKPOINTED, and the holder's calls never return."""
     a, cp = stand.holder(40 * MiB, CONVGPU_STANDIN_BACKED=1), stand.cp()
     assert stand.nvml() == {a.pid: 40 * MiB}
     assert cp.do("lock", a.pid, 1000) == (0, LOCKED)
@@ -197,13 +197,13 @@ def test_checkpoint_frees_the_device_and_a_restore_without_room_is_beyond_saving
     b.p.stdin.close()
     assert b.p.wait(timeout=10) == 0
     assert stand.usage()["devices"][0]["used"] == 0         # the room is back: too late
-    assert cp.do("restore", a.pid) == (OS_ERROR, FAILED)
-    assert cp.do("unlock", a.pid) == (ILLEGAL_STATE, FAILED)
-    assert cp.do("lock", a.pid, 100) == (ILLEGAL_STATE, FAILED)
-    assert cp.do("restore", a.pid) == (OS_ERROR, FAILED)
+    assert cp.do("restore", a.pid) == (OS_ERROR, CHECKPOINTED)
+    assert cp.do("unlock", a.pid) == (ILLEGAL_STATE, CHECKPOINTED)
+    assert cp.do("lock", a.pid, 100) == (ILLEGAL_STATE, CHECKPOINTED)
+    assert cp.do("restore", a.pid) == (OS_ERROR, CHECKPOINTED)
     a.send("check")
     assert a.answer(0.5) is None
-    assert stand.proc(a.pid) == (0, FAILED, 40 * MiB) and stand.usage()["devices"][0]["used"] == 0
+    assert stand.proc(a.pid) == (0, CHECKPOINTED, 40 * MiB) and stand.usage()["devices"][0]["used"] == 0
 
 
 def test_restore_with_room_brings_the_bytes_back(stand):

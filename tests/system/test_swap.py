@@ -43,8 +43,10 @@ def plain(env: dict) -> dict:
 class Holder:
     """build/holder -s SIZE as nobody in cgroup cg: its pid and pattern CRC from `ready`."""
 
-    def __init__(self, cg, build, env, size: str, timeout: float = 30, fill: bool = True):
-        """fill False (-z): ready once allocated (its contents are nobody's concern)."""
+    def __init__(self, cg, build, env, size: str, timeout: float = 120, fill: bool = True):
+        """fill False (-z): ready once allocated (its contents are nobody's concern). Its pattern
+        is written into real host memory (backed) and summed: 3 GiB took over 30 s on a loaded
+        2-CPU CI machine."""
         self.p = popen_in(cg, *NOBODY, build / "holder", "-s", size, *(() if fill else ("-z",)), env=env)
         line = self.answer(timeout)
         assert line and line.startswith("ready"), (line, self.p.stderr.read() if self.p.poll() is not None else "")

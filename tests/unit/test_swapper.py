@@ -14,6 +14,7 @@ from convgpu.enforcer.tenants.containers import Container
 MiB, GiB = 1 << 20, 1 << 30
 CTX = 500 * MiB
 P = os.getpid()   # the swapped process: a live one, whose start time a successor checks
+KILLED = []       # the pids the swapper killed (never pytest itself)
 
 
 class Agent:
@@ -68,7 +69,7 @@ def setup(tmp_path, free=8 * GiB, settings=Settings()):
     agent, maps, tracer, changed = Agent(), Maps(), Tracer(), []
     sw = Swapper(books, maps, tracer, agent, settings,
                  lambda b, d: {P: (3 * GiB + CTX, CTX)}, lambda pid: False, lambda: sampler, lambda d: 8 * GiB,
-                 lambda: changed.append(1), str(tmp_path / "swap.json"))
+                 lambda: changed.append(1), KILLED.append, str(tmp_path / "swap.json"))
     return sw, books, box, agent, maps, tracer, sampler
 
 
@@ -141,8 +142,13 @@ def test_a_restore_is_never_started_without_the_room_nvml_shows(tmp_path):
     assert box.waiting[0].asks[-P].swapin and agent.asked[-1] == ("checkpoint", P)
 
 
-def test_a_failed_restore_goes_back_out_and_one_the_driver_failed_is_said(tmp_path):
+def test_a_restore_with_no_answer_goes_back_out_and_one_the_driver_refused_is_killed(tmp_path):
+    """Driver 580 (docs/gpu-runs/2026-12-06b): a restore that lacked the room answered 2 and left
+    the process CHECKPOINTED (2); the next restore answered 304, still 2, and unlock 401: it never
+    runs again. So any refusal is final: the process is killed (its job fails, not hangs); only
+    a restore that got no answer is tried again."""
     sw, books, box, agent, *_ = setup(tmp_path)
+    KILLED.clear()
     sw.out(P, "by hand")
     agent.answer("lock", P)
     sw.step(1.0)
@@ -150,14 +156,16 @@ def test_a_failed_restore_goes_back_out_and_one_the_driver_failed_is_said(tmp_pa
     sw.step(2.0)
     sw.want(P, "by hand")
     sw.resume(box, 0, box.waiting.pop(0).asks[-P])
-    agent.answer("restore", P, rc=2, state=2)                 # out of memory: still checkpointed
+    agent.answer("restore", P, rc=None)                        # the agent's deadline: no answer
     sw.step(3.0)
     assert sw.procs[P].state == "out" and not sw.procs[P].asked and books.swapped == {"/a": {0: 3 * GiB + CTX}}
+    assert KILLED == []
     sw.want(P, "retry")
     sw.resume(box, 0, box.waiting.pop(0).asks[-P])
-    agent.answer("restore", P, rc=304, state=3)               # the driver left it failed
+    agent.answer("restore", P, rc=2, state=2)                  # out of memory: "still checkpointed"
     sw.step(4.0)
-    assert sw.procs[P].state == "failed" and "failed" in sw.status(box, 0)["swaps"][0]["state"]
+    assert sw.procs[P].state == "failed" and KILLED == [P], (sw.procs[P], KILLED)
+    assert sw.status(box, 0)["swaps"][0]["state"] == "failed"
 
 
 def test_what_may_not_go_says_why(tmp_path):
