@@ -383,6 +383,8 @@ static __always_inline int same_call(struct pt_regs *ctx, struct cg_call *c, u16
            (n < 5 || c->a4 == PT_REGS_PARM5(ctx));
 }
 
+static __always_inline void lost_free(u64 id, struct cg_thread *t);   // frees.bpf.c
+
 // The thread's entry, with this call recorded in it; 0 where nothing was recorded.
 static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api)
 {
@@ -406,6 +408,7 @@ static __always_inline struct cg_thread *call_enter(struct pt_regs *ctx, u16 api
     }
     if (t->call.stalled)            // its last call was stopped and is long over (no recheck probe)
         held.delete(&id);
+    lost_free(id, t);               // a free the enforcer before us saw enter is over too
     // The same call with the same arguments still open on this thread, entered in another
     // library: that call, forwarded. A library that exports the driver's names and calls the
     // driver with its own arguments (a copy of the shim, which discovery must probe as a

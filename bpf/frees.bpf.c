@@ -42,10 +42,13 @@ static __always_inline int settle_now(u32 tgid, struct cg_obj *o, struct cg_cont
     return taken + spare <= a->assigned;
 }
 
-// What a free's or a release's entry did with its object (cg_thread.free_how).
+// What a free's or a release's entry did with its object (cg_thread.free_how, its low byte;
+// above it, the stamp of the enforcer whose program made the stash: lost_free).
 #define STASH_FREE 1                // a pointer's block, out of objs: settled at the return
 #define STASH_TAKEN 2               // a handle's object, out of objs: dropped at the return, or put back
 #define STASH_MARKED 3              // a handle still mapped, marked released (undone if the call fails)
+#define STASH_HOW(t) ((t)->free_how & 0xff)
+#define STASH_STAMP (owner() << 8)  // the low 24 bits of its owner (0: tracing only, or older programs)
 static __always_inline void stash(struct cg_thread *t, u64 key, u16 api, struct cg_obj *o, u32 how)
 {
     t->freeing = key;
@@ -54,7 +57,7 @@ static __always_inline void stash(struct cg_thread *t, u64 key, u16 api, struct 
     t->free_size = o->size;
     t->free_gen = o->gen;
     t->free_dev = o->dev;
-    t->free_how = how;
+    t->free_how = how | STASH_STAMP;
 }
 
 // The stash, taken back at its call's return (the slot free again).
@@ -80,6 +83,29 @@ static __always_inline void settle_stashed(u64 id, u16 api, u32 ns, u64 key, str
         return;
     }
     bytes_gone(id, p, api, o, key, 1);
+}
+
+// A free the enforcer before us stashed (another stamp) that is still in the slot at this
+// thread's next call: its return reached no program that settles it. A uprobe session's return
+// runs only in the link whose entry ran; that link (the old enforcer's, kept by its watchdog)
+// steps aside once we own admission in programs before this one (retired()), and is detached
+// once we took over. A process stopped whole inside a free across the restart (its held call
+// handed over, or stopped at any call of a sibling) returned from it to nobody, and its block
+// stayed charged for good (the kill -9 torture with --handover: books one 128 MiB block above
+// the driver's count). The thread calling again is past that free: settled as done (a free of
+// a block the books know does not fail; the driver's count is the last word if one did). A
+// thread that makes no call again keeps it charged until its process exits: too much, never
+// too little. Our own stamp is a free of ours: its return comes here (and a nested call from a
+// signal handler mid-free must not settle it early).
+static __always_inline void lost_free(u64 id, struct cg_thread *t)
+{
+    if (!t->freeing || STASH_HOW(t) != STASH_FREE || (t->free_how & ~0xffu) == STASH_STAMP)
+        return;
+    u64 addr = t->freeing;
+    u16 api = t->free_api;
+    struct cg_obj o = {.api = API_cuMemAlloc_v2};
+    unstash(t, &o);
+    settle_stashed(id, api, NS_PTR, addr, &o, 0);
 }
 
 // session: the program is a uprobe session's (free_session): 1 asks the kernel to skip the
@@ -117,6 +143,7 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
     struct cg_obj gone = *o;
     if (obj_del(&k, gone.quota) != 0)   // a racing free of the same pointer took it first
         return 1;
+    lost_free(id, t);               // before this stash takes the slot
     stash(t, addr, api, &gone, STASH_FREE);
     struct cg_usage *u = find_usage(tgid, gone.dev, p->gen);
     if (u)                          // moving: NVML's measurement waits (Tracer.calls_in_flight)
@@ -126,12 +153,14 @@ static __always_inline int free_enter(struct pt_regs *ctx, u16 api, int session)
 
 // The object free_enter took out of `objs`: its bytes leave the books now, or, the free having
 // failed, it is the books' again. A thread killed inside the free leaves them charged to its
-// process until it exits.
+// process until it exits. Settled in whichever program returns first, retired or not (the
+// other finds the slot empty): with a uprobe session only the program whose entry stashed it
+// sees this return.
 static __always_inline int free_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct cg_thread *t = threads.lookup(&id);
-    if (!t || !t->freeing || t->free_how != STASH_FREE || retired())
+    if (!t || !t->freeing || STASH_HOW(t) != STASH_FREE)
         return 0;
     u64 addr = t->freeing;
     u16 api = t->free_api;
@@ -215,9 +244,9 @@ static __always_inline int handle_return(struct pt_regs *ctx, u32 ns)
     struct cg_thread *t = threads.lookup(&id);
     u32 how = 0;
     struct cg_obj o = {.api = c.api};
-    if (t && (t->free_how == STASH_TAKEN || t->free_how == STASH_MARKED)) {
+    if (t && (STASH_HOW(t) == STASH_TAKEN || STASH_HOW(t) == STASH_MARKED)) {
         // this call's, or one whose return was lost (then dropped)
-        how = t->freeing == c.a0 && t->free_api == c.api ? t->free_how : 0;
+        how = t->freeing == c.a0 && t->free_api == c.api ? STASH_HOW(t) : 0;
         unstash(t, &o);
     }
     int failed = (u32)PT_REGS_RC(ctx) != 0;

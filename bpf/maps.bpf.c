@@ -52,7 +52,7 @@ struct cg_thread {                  // one entry per thread that ever called CUD
     u64 free_size;                  // the freed object, out of `objs` from the free's entry to
     u64 free_gen;                   //   its return (free_enter, handle_enter): what the return
     s32 free_dev;                   //   settles
-    u32 free_how;                   // STASH_*: what the entry did
+    u32 free_how;                   // STASH_*: what the entry did (and whose program: frees.bpf.c)
                                     // fwd (FWD_*, admit.bpf.c): the call in `call` was forwarded
                                     // (call_enter); in what was padding, so that a pinned
                                     // `threads` keeps its layout across a restart
