@@ -616,6 +616,7 @@ class Enforcing:
         self.state_dir = state_dir or _STATE_OF[self.run_dir]
         if "--state-dir" not in args:
             args = (*args, "--state-dir", self.state_dir)
+        self.handover = "--handover" in args
         self.p = subprocess.Popen([*(NO_BPF if no_bpf else ()), sys.executable, "-m", "convgpu.cli.main", "enforce",
                                    "--no-discover", "--lib", str(build / "standin" / "libcuda.so.1"),
                                    "--run-dir", self.run_dir, *args, *(["--no-probes"] if no_bpf else [])],
@@ -658,7 +659,10 @@ class Enforcing:
             self.stop()
 
     def stop(self):
-        self.p.terminate()
+        """A teardown, not a restart: with --handover, SIGINT (released at once). Its SIGTERM would
+        leave what it held held and admission on for the handover's seconds, with no enforcer:
+        the next test's processes on the same stand-in stopped at their first call."""
+        self.p.send_signal(signal.SIGINT if self.handover else signal.SIGTERM)
         rc = self.p.wait(timeout=30)
         self.log += rest_of(self.p.stderr)
         shutil.rmtree(self.run_dir, ignore_errors=True)
