@@ -74,7 +74,8 @@ class Swapper:
     (assignments, the `swapped` map), the tracer (its usage, the touch probes), the agent (or
     None), its settings, process_holds(box, dev) (what each process holds), whole(pid) (a stop
     holds every thread of it: it cannot run for the driver), nvml() (the sampler: per-process
-    bytes, GPU totals), gpu_total(dev), changed() (room came or went), the state file's path."""
+    bytes, GPU totals), gpu_total(dev), changed() (room came or went), kill(pid) (a process the
+    driver cannot bring back), the state file's path."""
 
     def __init__(self, books, maps, tracer, agent, settings: Settings, process_holds, whole, nvml, gpu_total,
                  changed, kill, path: str | None):
