@@ -60,6 +60,29 @@ def _cdi_env(spec: dict) -> dict:
     return env
 
 
+def stop_and_record(scenario, procs, daemons, kubelet, srv, agent_log, short_tmp, result, log):
+    """A DRA test's finally: its pods' processes killed, the agent and the enforcer stopped, the
+    kubelet double and the driver's server stopped, and what it saw in the run's log."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for p in daemons:
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    kubelet.stop()
+    srv.stop()
+    agent_log.close()
+    result["agent_log"] = (short_tmp / "agent.log").read_text().splitlines()[-40:]
+    if os.environ.get("CONVGPU_GPU_LOG"):
+        with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
+            f.write(json.dumps({"scenario": scenario, **result, "log": log[-40:]}) + "\n")
+
+
 def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, short_tmp):
     need(all(importlib.util.find_spec(m) for m in ("torch", "grpc", "kubernetes")),
          "needs torch, grpcio(-tools) and kubernetes (tests/gpu/env.sh: the k8s wheels in .wheels)")
@@ -132,21 +155,4 @@ def test_two_claims_on_one_card_each_held_at_its_claim(root, cgroups, short_tmp)
             assert r["end"] == "oom" or r["end"].startswith("held (state T")
             assert r["nvml_used"] is not None and size * GiB - 3 * GiB <= r["nvml_used"] <= size * GiB, r
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for p in (agent, enf):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        kubelet.stop()
-        srv.stop()
-        agent_log.close()
-        result["agent_log"] = (short_tmp / "agent.log").read_text().splitlines()[-40:]
-        if os.environ.get("CONVGPU_GPU_LOG"):
-            with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
-                f.write(json.dumps({"scenario": "kube dra two claims", **result, "log": log[-40:]}) + "\n")
+        stop_and_record("kube dra two claims", procs, (agent, enf), kubelet, srv, agent_log, short_tmp, result, log)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import lines_until, need, popen_in, proc_state
-from test_kube_dra_gpu import WORK, _cdi_env, _out_dir
+from test_kube_dra_gpu import WORK, _cdi_env, _out_dir, stop_and_record
 
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
@@ -121,21 +121,4 @@ def test_two_pods_sharing_one_claim_hold_at_most_the_claim(root, cgroups, short_
         assert (row["limit"], row["source"], [c["id"] for c in row["consumers"]]) == (
             20 * GiB, "DRA claim ml/shared", [PODS["p1"][1], PODS["p2"][1]])
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for p in (agent, enf):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        kubelet.stop()
-        srv.stop()
-        agent_log.close()
-        result["agent_log"] = (short_tmp / "agent.log").read_text().splitlines()[-40:]
-        if os.environ.get("CONVGPU_GPU_LOG"):
-            with open(os.environ["CONVGPU_GPU_LOG"], "a") as f:
-                f.write(json.dumps({"scenario": "kube dra shared claim", **result, "log": log[-40:]}) + "\n")
+        stop_and_record("kube dra shared claim", procs, (agent, enf), kubelet, srv, agent_log, short_tmp, result, log)
