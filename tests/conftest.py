@@ -726,9 +726,21 @@ def limited_env(mode, env, enf):
 @contextmanager
 def serving(enf, on_events=lambda events: None, seconds: float = 120):
     """An in-process enforcer (real probes, real cgroups) started and its loop run in a thread
-    for the with-block; on_events sees each step's events. Stopped and closed after."""
+    for the with-block; on_events sees each step's events. Stopped and closed after. The test's
+    enf.status() reads the books from the test's thread while the loop changes them (the daemon
+    serves its own status inside the loop): read again where a dict changed size under it."""
     enf.start()
     done = threading.Event()
+    inside = enf.status
+
+    def status():
+        for _ in range(50):
+            try:
+                return inside()
+            except RuntimeError:   # "dictionary changed size during iteration"
+                time.sleep(0.01)
+        return inside()
+    enf.status = status
 
     def step(events):
         on_events(events)
