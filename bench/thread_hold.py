@@ -16,6 +16,7 @@ import json
 import mmap
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
