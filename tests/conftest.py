@@ -595,39 +595,8 @@ def _host_turn(request):
         yield
         return
     exclusive = any(i.get_closest_marker("exclusive") for i in request.session.items if i.module is request.module)
-    if exclusive:
-        with host_turn(True):
-            yield
-        return
-    # the exclusive modules first, all of them: they are handed out before any other (their
-    # rank), but a worker done with its share took the torture next and held the host 3 minutes
-    # while the others' exclusive modules waited at the gate, and the third worker behind them
-    # (fresh clone, 2026-12-06: 190-210 s of two idle workers)
-    total = len({i.module for i in request.session.items if i.get_closest_marker("exclusive")})
-    deadline = time.monotonic() + EXCLUSIVE_FIRST_S
-    while _lines_in(f"{LOCKS}/exclusive-done") < total and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with host_turn(False):
+    with host_turn(exclusive):
         yield
-
-
-EXCLUSIVE_FIRST_S = 600   # at most this long a module waits for the exclusive ones to end
-
-
-def pytest_runtest_teardown(item, nextitem):
-    """An exclusive module's last test (run or skipped: a module all skipped sets up no fixture)
-    says the module is done, for _host_turn's count."""
-    if WORKER and item.get_closest_marker("exclusive") and (nextitem is None or nextitem.module is not item.module):
-        with open(f"{LOCKS}/exclusive-done", "a") as f:
-            f.write(f"{item.module.__name__}\n")
-
-
-def _lines_in(path: str) -> int:
-    try:
-        with open(path) as f:
-            return len(f.readlines())
-    except OSError:
-        return 0
 
 
 class Enforcing:
