@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from convgpu.probes.tracer import Tracer
 

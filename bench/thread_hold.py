@@ -16,7 +16,6 @@ import json
 import mmap
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
