@@ -38,34 +38,27 @@ def holder(fd: int) -> dict:
         return {}
 
 
-def flock_within(fd: int, wait: float) -> bool:
-    """An exclusive flock(2) on fd, tried every 50 ms for up to `wait` seconds (an enforcer going
-    away releases it a moment later); False if it stayed held (also the state dir's lock)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-
-
 def take(run_dir: str, wait: float = WAIT) -> int:
     """Lock the host for this enforcer; returns the descriptor to keep open for its life.
     Refuses (ConfigError) while another enforcer holds it."""
     p = path()
     os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    if not flock_within(fd, wait):
-        other = holder(fd)
-        os.close(fd)
-        who = (f"pid {other.get('pid', '?')}, run dir {other.get('run_dir', '?')}" if other
-               else "its pid not written yet")
-        raise ConfigError(f"another enforcer runs on this host ({who}; it holds {p})",
-                          "stop it first (`systemctl stop convgpu-enforce`, or its pid): one enforcer "
-                          "per host, as two would see and stall each other's processes")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                other = holder(fd)
+                os.close(fd)
+                who = (f"pid {other.get('pid', '?')}, run dir {other.get('run_dir', '?')}" if other
+                       else "its pid not written yet")
+                raise ConfigError(f"another enforcer runs on this host ({who}; it holds {p})",
+                                  "stop it first (`systemctl stop convgpu-enforce`, or its pid): one enforcer "
+                                  "per host, as two would see and stall each other's processes") from None
+            time.sleep(0.05)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "run_dir": os.path.abspath(run_dir)}).encode() + b"\n", 0)
     return fd

@@ -27,13 +27,13 @@ the directory is locked (flock) for the enforcer's life, and a second enforcer o
 run dir) reads it but refuses every decision. The value and its format (Decisions, encode,
 decode) are tenants/decisionfile.py, which touches no file; Store, here, is the only part that
 touches one (tests/unit/test_durable.py)."""
+import fcntl
 import logging
 import os
 import stat
 import time
 
 from ...faults import FAULT
-from ..hostlock import flock_within
 from .cgroupfs import cgroup_layout
 from .decisionfile import FILE, MAX_BYTES, Decisions, NotKept, decode, encode
 from .statefile import Unreadable, read_file, write_whole
@@ -106,9 +106,16 @@ class Store:
 
     def _lock(self, wait: float) -> bool:
         fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        if not flock_within(fd, wait):
-            os.close(fd)
-            return False
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
         self._lock_fd = fd
         return True
 

@@ -7,12 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repo root
-from bench.swap import nvml_bytes  # noqa: E402
 
 from test_gpu_failclosed import base, read  # noqa: F401  (base: a fixture)
 from test_gpu_guarantee import record
@@ -56,6 +52,16 @@ print("ran", flush=True)
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
+def nvml_of(pid: int) -> int:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == pid)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def losses(lines: list[str]) -> dict[int, str]:
     return {int(x.split()[1]): x.split()[2] for x in lines if x.startswith("loss")}
 
@@ -76,7 +82,7 @@ def test_gpu_46_an_idle_pytorch_job_goes_out_for_another_and_trains_on_as_if_not
         a = e.start("a", train, env=ENV)
         out = read(a, [], "idle", 180)
         pid = int(out[-1].split()[1])
-        seen["a_nvml_before"] = nvml_bytes(pid)
+        seen["a_nvml_before"] = nvml_of(pid)
         t0 = time.monotonic()
         b = e.start("b", ask, env=ENV)
         got = read(b, [], "ran", 120)
@@ -84,14 +90,14 @@ def test_gpu_46_an_idle_pytorch_job_goes_out_for_another_and_trains_on_as_if_not
         if not got or got[-1] != "ran":
             seen["status_while_b_waits"] = e.status()
         assert got and got[-1] == "ran", (got, seen)
-        seen["a_nvml_out"] = nvml_bytes(pid)
+        seen["a_nvml_out"] = nvml_of(pid)
         assert b.wait(timeout=60) == 0
         t1 = time.monotonic()
         a.stdin.write("go\n")
         a.stdin.flush()
         after = read(a, out, "loss 3", 240)
         seen["a_back_s"] = round(time.monotonic() - t1, 2)
-        seen["a_nvml_back"] = nvml_bytes(pid)
+        seen["a_nvml_back"] = nvml_of(pid)
         seen["losses"] = losses(after)
         e.until(f"swap out a pid {pid}")
         e.until(f"swap in a pid {pid}: back on the GPU")
