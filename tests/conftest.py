@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import childwait
 from convgpu.enforcer.tenants.containers import remove_cgroup  # noqa: F401  (the tests' too)
 from convgpu.paths import build_dir
 from convgpu.probes.ledger import footprint  # noqa: F401  (bytes an allocation takes: BPF's rule)
@@ -46,6 +47,7 @@ if WORKER not in ("", "gw0") and build_dir().is_dir():
     os.environ["CONVGPU_BUILD"] = _copy
 MiB = 1 << 20
 GiB = 1 << 30
+childwait.install()     # a test's poll()/wait() leaves the in-process holder's ptrace-stops alone
 
 
 def need(condition: bool, reason: str):
