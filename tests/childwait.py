@@ -17,10 +17,11 @@ import time
 ENDED = (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED)
 
 
-def _ended(pid: int) -> bool:
-    """pid's exit is waiting to be reaped (or it is no child of ours: subprocess handles that)."""
+def _ended(pid: int, block: bool = False) -> bool:
+    """pid's exit is waiting to be reaped (or it is no child of ours: subprocess handles that).
+    Blocking, it returns at pid's next status, exit or stop."""
     try:
-        got = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        got = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
     except ChildProcessError:
         return True
     return got is not None and got.si_code in ENDED
@@ -37,10 +38,12 @@ def install():
         return None if running else poll(self, *a, **kw)
 
     def _try_wait(self, wait_flags):
-        while not _ended(self.pid):
+        # a blocking wait sleeps in the kernel until the exit, as subprocess's own: the holder
+        # also waits for a traced child, and whoever comes first reaps it (a late one: ECHILD)
+        while not _ended(self.pid, block=not wait_flags & os.WNOHANG):
             if wait_flags & os.WNOHANG:
                 return (0, 0)
-            time.sleep(0.002)
+            time.sleep(0.002)    # stopped: its stop stays reportable, so a blocking peek returns at once
         return try_wait(self, wait_flags)
 
     subprocess.Popen._internal_poll, subprocess.Popen._try_wait = _internal_poll, _try_wait
