@@ -18,7 +18,8 @@ Facts this rests on (the H100 host, driver 580, kernel 6.18, 2026-11-25; and thi
 - A seized thread that exits must be reaped by the tracer (waitpid(tid, __WALL)), and a
   process must be detached properly, or it never finishes exiting (a quick test hung so).
   We poll waitpid(tid, WNOHANG|__WALL) for every traced thread, never waitpid(-1) (it would
-  reap the enforcer's own children: the watchdog, self-test children).
+  reap the enforcer's own children: the watchdog, self-test children). A process of our own
+  that ended is left to its parent's wait, which reaps it as well (_wait).
 - No Yama LSM on the H100 (no /proc/sys/kernel/yama/ptrace_scope) and PTRACE_SEIZE as root
   of every thread of a CUDA process succeeded there.
 Where ptrace is refused (another tracer: a debugger; Yama scope 3; EPERM) the process keeps
@@ -50,6 +51,7 @@ PTRACE_GETEVENTMSG, PTRACE_SEIZE, PTRACE_INTERRUPT, PTRACE_LISTEN = 0x4201, 0x42
 PTRACE_O_TRACECLONE = 0x8
 PTRACE_EVENT_CLONE, PTRACE_EVENT_STOP = 3, 128
 WALL = 0x40000000            # __WALL: clone children (threads) too
+ENDED = (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED)
 STOPSIGS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 POLL = 0.0005                # s between waitpid rounds while anything is traced
 LINGER = 0.5                 # s a process stays seized after its last hold (seizing again costs)
@@ -374,12 +376,31 @@ class ThreadHolder:
 
 
 def _wait(tid: int) -> int | None:
-    """tid's next status (a stop or its exit), None if nothing new; -1 if it is no tracee."""
+    """tid's next status (a stop or its exit), None if nothing new; -1 if it is no tracee, or
+    it is a child of this very process that ended: its parent thread reaps it. A tracer in its
+    parent's thread group that reaps it leaves the parent's wait ECHILD, which subprocess reads
+    as exit status 0 (a kill taken for success): the enforcer's own children, and the test
+    suite's, whose enforcers run in the test's process."""
     try:
+        peek = os.waitid(os.P_PID, tid, os.WEXITED | os.WNOHANG | os.WNOWAIT | WALL)   # leaves it
+        if peek is None:
+            return None
+        if peek.si_code in ENDED and _own_child(tid):
+            return -1
         got, st = os.waitpid(tid, os.WNOHANG | WALL)
     except ChildProcessError:
         return -1
     return st if got else None
+
+
+def _own_child(tid: int) -> bool:
+    """tid leads a process this one started."""
+    try:
+        with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as f:
+            ids = dict(line.split(":", 1) for line in f if line.startswith(("Tgid:", "PPid:")))
+        return int(ids["Tgid"]) == tid and int(ids["PPid"]) == os.getpid()
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def _state(pid: int, tid: int) -> str:

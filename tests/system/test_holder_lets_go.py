@@ -7,12 +7,14 @@ allocation of a workload doing nothing but allocate). In-process enforcer on the
 real probes, real cgroups, a two-thread process placed at its first context."""
 import os
 import select
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import GiB, cuda_prelude, inprocess_enforcer, popen_in, until
+from conftest import GiB, cuda_prelude, inprocess_enforcer, popen_in, proc_state, until
 
 pytestmark = pytest.mark.system
 CHILD = """
@@ -55,3 +57,29 @@ def test_a_process_placed_at_once_is_let_go(root, build, caller_env, cgroups):
             p.kill()
             p.wait()
         enf.close()
+
+
+def test_a_held_child_of_the_enforcers_own_process_that_is_killed_keeps_its_status(root):
+    """The holder reaped every traced thread's exit, a process's main thread too. Where that
+    process is a child of the enforcer's own process (the suite's enforcers run in the test's
+    process; the daemon's own children), its parent's wait then found ECHILD, and subprocess
+    read the kill as exit status 0. Now the parent's wait reaps it: -9."""
+    from convgpu.enforcer.failsafe.threadhold import ThreadHolder
+    holder = ThreadHolder(lambda pid, tid: 7 if tid == pid else None).start()
+    p = subprocess.Popen([sys.executable, "-c", CHILD + "print('up', flush=True); time.sleep(600)"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        os.kill(p.pid, signal.SIGSTOP)     # BPF's stop at a call
+        holder.hold(p.pid, p.pid)          # its main thread alone is held, the sibling runs on
+        states = lambda: {int(t): proc_state(f"{p.pid}/task/{t}") for t in os.listdir(f"/proc/{p.pid}/task")}  # noqa: E731
+        until(lambda: holder.traced == {p.pid} and states()[p.pid] == "t" and set(states().values()) == {"t", "S"},
+              10, "not held by its thread")
+        p.kill()
+        until(lambda: not holder.traced, 10, "the holder still traces it")   # its exit was seen
+        assert p.wait(timeout=10) == -signal.SIGKILL     # before: 0
+    finally:
+        holder.close()
+        if p.returncode is None:
+            p.kill()
+            p.wait()
