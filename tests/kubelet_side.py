@@ -71,8 +71,8 @@ class Kubelet:
             self._streams.append(stream)
             for resp in stream:
                 self.lists.put([(d.ID, d.health) for d in resp.devices])
-        except grpc.RpcError:
-            pass   # the plugin or this kubelet went away
+        except (grpc.RpcError, ValueError):
+            pass   # the plugin or this kubelet went away (ValueError: stop() closed the channel first)
 
     def plugin(self):
         """A DevicePlugin stub on the plugin's socket (after a registration)."""
@@ -262,8 +262,8 @@ class DraKubelet:
         try:
             for resp in hs.DRAResourceHealthStub(ch).NodeWatchResources(hm.NodeWatchResourcesRequest()):
                 self.health.put([(d.device.device_name, hm.HealthStatus.Name(d.health)) for d in resp.devices])
-        except grpc.RpcError:
-            pass   # the plugin or this kubelet went away
+        except (grpc.RpcError, ValueError):
+            pass   # the plugin or this kubelet went away (ValueError: stop() closed the channel first)
 
     def _call(self, driver, method, claims):
         endpoint, version = self.plugins[driver]
