@@ -43,8 +43,8 @@ class Decider:
         now = time.monotonic()
         self._gone_through()
         for dev in sorted(self.books.capacity):
-            if self.books.room(dev) < 0:   # an exit's memory is still in the driver and the card is full
-                continue              # of assignments: any resume could fail there; its pidfd wakes us
+            if self.books.room(dev) < 0 and not self._room_back(dev, now):   # any resume could fail there
+                continue
             self._held_back = set()
             waiting = [b for b in self.books.boxes.values() if dev in b.waiting]
             for box in waiting:
@@ -174,6 +174,32 @@ class Decider:
             box.assigned[dev] = held
             self.act.write_assign(box, dev)
         return bool(back)
+
+    def _room_back(self, dev: int, now: float) -> bool:
+        """The card's room is below zero (Books.room): True once it is not. Where an exit's memory
+        is still in the driver, its pidfd wakes us when it is freed. Otherwise containers hold
+        more than they were assigned (what ran unchecked while no enforcer admitted, a limit
+        raised at run time, a context measured larger than charged) and nothing would wake us:
+        every waiter stayed stopped beside memory nobody used (the kill -9 torture: three
+        containers, 1.3 GiB held of 1.8, none resumed in 120 s). So waiters that cannot go on by
+        themselves (Books.paused) give back what they were assigned and do not hold, the most
+        unused first, as much as the card lacks: as policies.reclaim at a deadlock."""
+        if self.books.tearing(dev):
+            return False
+        paused = [b for b in self.books.boxes.values() if dev in b.assigned and self.books.paused(b, dev, now)]
+        for box in sorted(paused, key=lambda b: self.books.held(b, dev) - b.assigned[dev]):
+            lack, held = -self.books.room(dev), self.books.held(box, dev)
+            if lack <= 0:
+                break
+            if box.assigned[dev] <= held:
+                continue
+            back = min(lack, box.assigned[dev] - held)
+            log.warning("reclaim %s from %s on GPU%d: the containers on it hold %s more than the card has "
+                        "beside their assignments, and it waits", format_size(back), box.name, dev,
+                        format_size(lack))
+            box.assigned[dev] -= back
+            self.act.write_assign(box, dev)
+        return self.books.room(dev) >= 0
 
     def _all_paused(self, dev: int, now: float) -> bool:
         """Every container on dev waits and cannot go on by itself (Books.paused), some within

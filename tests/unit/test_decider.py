@@ -138,3 +138,27 @@ def test_a_call_over_its_limit_by_the_estimate_fits_after_all_once_nvml_measured
         d.schedule()
         assert (("resume", "c", 0, "fits its assignment") in act.calls) is resumed, (measured, act.calls)
         assert (0 in x.waiting and x.waiting[0].asks[7].over_limit) is not resumed
+
+
+def test_waiters_beside_memory_held_past_its_assignment_get_room_back_and_one_resumes():
+    """The kill -9 torture's hang: between two enforcers a container's calls ran unchecked, so
+    it held 640 MiB of a 256 MiB assignment; the other two waited within their 768 MiB
+    assignments, each holding 320 MiB, on a 1,792 MiB card. The room once everyone filled its
+    assignment was -384 MiB, every pass skipped the GPU, and nothing woke it: three containers
+    stopped for good beside 512 MiB nobody used. Now the waiters give back as much unused
+    assignment as the card lacks (the most unused first), and a call that fits runs."""
+    d, books, state, act = decider(capacity=1792 * MiB)
+    t = time.monotonic()
+    a = box(books, state, 1, "a", 768 * MiB, 768 * MiB, [10], used=320 * MiB)
+    b = box(books, state, 2, "b", 768 * MiB, 768 * MiB, [20], used=256 * MiB)
+    c = box(books, state, 3, "c", 768 * MiB, 256 * MiB, [30], used=640 * MiB)
+    for x, pid in ((a, 10), (b, 20), (c, 30)):
+        wait(x, Ask(pid, pid, 128 * MiB, t + pid / 1000))
+    assert books.room(0) == -384 * MiB
+    d.schedule()
+    # b had 512 MiB unused, a 448: b gives back the 384 MiB the card lacks; then a's call and
+    # b's fit their assignments (all filled: exactly the card), c's waits for room
+    assert act.calls == [("assign", "b", 0, 384 * MiB), ("resume", "a", 0, "fits its assignment"),
+                         ("resume", "b", 0, "fits its assignment")], act.calls
+    assert books.room(0) == 0 and (a.assigned[0], b.assigned[0], c.assigned[0]) == (768 * MiB, 384 * MiB, 256 * MiB)
+    assert list(c.waiting) == [0]
