@@ -125,17 +125,21 @@ class BpfMaps:
             with contextlib.suppress(KeyError):
                 del self.table(name)[ct.c_ulonglong(key)]
 
-    def take_torn(self, gen: int) -> dict[int, int]:
-        """What BPF moved to an exited process's container's `tearing`, per device (read once:
-        the entry of its generation goes)."""
+    def take_torn(self, gen: int) -> tuple[int, dict[int, int]]:
+        """What BPF moved to an exited process's container's `tearing`: (the container's key,
+        per device; 0 and {} if nothing), read once: the entry of its generation goes."""
         t = self.table("gone")
         k = ct.c_ulonglong(gen)
         try:
             g = t[k]
             del t[k]
         except KeyError:
-            return {}
-        return {d: c for d, c in enumerate(g.charge) if c}
+            return 0, {}
+        return g.container, {d: c for d, c in enumerate(g.charge) if c}
+
+    def gone_entries(self) -> set[int]:
+        """The generations in `gone`: exits whose charge nobody took yet (take_torn)."""
+        return {k.value for k in self.table("gone").keys()}
 
     def set_swapped(self, pid: int, on: bool):
         """bpf/swap.bpf.c `swapped`: pid's next call through a touch probe is told (once)."""

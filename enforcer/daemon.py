@@ -443,8 +443,10 @@ class Enforcer:
             dirty |= self.backstop.step(sampler.raw, sampler.seq, now, sampler.compute, sampler.used)
         if now - self._measured >= MEASURE_EVERY:
             self._measured = now
-            # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody
-            if self.charge.measure_overhead() or any(b.waiting for b in self.books.boxes.values()):
+            # also a catch-all: frees seen only by a retiring predecessor's probes wake nobody,
+            # and exits it read the event of and never acted on
+            if (self.exits.sweep(now) | self.charge.measure_overhead()
+                    or any(b.waiting for b in self.books.boxes.values())):
                 self._changed()
                 dirty = True
             if self.tracer.kernel:

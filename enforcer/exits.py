@@ -6,11 +6,13 @@ import select
 import selectors
 import time
 
+from .actuator import alive
 from .attribution import remember
 from .books import Exit
 
 log = logging.getLogger(__package__ + ".daemon")   # the Enforcer logs as one: "daemon: ..." (bench/sched, tests read it)
 EXIT_WAIT = 10.0         # s an exit waits for its pidfd (a pid reused meanwhile never fires it)
+LOST_S = 10.0            # s an exited member's charge waits in BPF's `gone` for its exit event
 
 
 class Exits:
@@ -23,6 +25,37 @@ class Exits:
     def __init__(self, tracer, books, maps, charges, history, gone, sel, changed):
         self.tracer, self.books, self.maps, self.charges, self.history = tracer, books, maps, charges, history
         self.gone, self.sel, self.changed = gone, sel, changed
+        self._vanished: set[int] = set()       # placed pids no process had at the last sweep
+        self._waiting: dict[int, float] = {}   # `gone` generation -> when first seen there
+
+    def sweep(self, now: float) -> bool:
+        """Exits whose event never came: read by an enforcer killed before it acted on it (the
+        kill -9 torture's last enforcer kept such a process in its container for good, its
+        context counted and its container's assignment held, while two containers waited
+        beside it for 120 s). A placed pid that is no process at two sweeps in a row (its
+        event, if any, was read in between) leaves its container as at its exit; an exited
+        member's charge that BPF moved to its container's tearing and nobody took for LOST_S
+        is given back. True if anything left."""
+        vanished = {p for p in self.books.pid_box if not alive(p)}
+        lost = vanished & self._vanished
+        self._vanished = vanished - lost
+        for pid in sorted(lost):
+            log.warning("pid %d is gone and its exit was never heard: it leaves its container now", pid)
+            self.exiting(pid)
+        if not self.tracer.kernel:
+            return bool(lost)
+        gens = self.maps.gone_entries()
+        self._waiting = {g: self._waiting.get(g, now) for g in gens}
+        given = 0
+        for g in [g for g, since in self._waiting.items() if now - since >= LOST_S]:
+            del self._waiting[g]
+            key, charge = self.maps.take_torn(g)
+            if charge:
+                given += 1
+                self.torn(Exit(0, now, {}, self.books.by_key.get(key), charge))
+        if given:
+            log.warning("%d exits' charges waited %.0f s for their exit event: given back", given, LOST_S)
+        return bool(lost or given)
 
     def reap_due(self, now: float) -> bool:
         """The exits whose pidfd fired (or that waited EXIT_WAIT); True if any. For callers of
@@ -58,7 +91,7 @@ class Exits:
         held = (tracked + sum(over for over, _ in measured)
                 + unmeasured * max((self.charges.ctx(d) for d in devs), default=0))
         log.debug("pid %d exiting, %d bytes held (kernel t=%d) (t=%d)", pid, held, at, t)   # bench.sched.resume
-        charge = self.maps.take_torn(gen) if gen and self.tracer.kernel else {}
+        charge = self.maps.take_torn(gen)[1] if gen and self.tracer.kernel else {}
         if box is not None and len(devs) == 1:   # what it held at its exit: a floor for its job's peak
             self.history.exited(box.container.id, pid, {devs[0]: held})
         if box is not None:   # what NVML lists under its pid once this exit settled is memory it left
