@@ -27,6 +27,9 @@ class Exits:
         self.gone, self.sel, self.changed = gone, sel, changed
         self._vanished: set[int] = set()       # placed pids no process had at the last sweep
         self._waiting: dict[int, float] = {}   # `gone` generation -> when first seen there
+        self._before: set[int] | None = None    # `gone` generations at our first sweep: their
+        # charges are counted as torn already (Adopter.adopt takes the tearing it finds as freed),
+        # and given back again they were counted twice (the --handover torture: over its limit)
 
     def sweep(self, now: float) -> bool:
         """Exits whose event never came: read by an enforcer killed before it acted on it (the
@@ -45,7 +48,8 @@ class Exits:
         if not self.tracer.kernel:
             return bool(lost)
         gens = self.maps.gone_entries()
-        self._waiting = {g: self._waiting.get(g, now) for g in gens}
+        self._before = gens if self._before is None else self._before & gens
+        self._waiting = {g: self._waiting.get(g, now) for g in gens - self._before}
         given = 0
         for g in [g for g, since in self._waiting.items() if now - since >= LOST_S]:
             del self._waiting[g]
