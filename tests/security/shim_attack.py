@@ -51,7 +51,12 @@ def expect(p, word: str, timeout: float = 60) -> list[str]:
     """The attacker's next stdout line, split; it must start with `word`."""
     from conftest import lines_until
     got: list = []
-    line = lines_until(p.stdout, lambda x: x.split()[:1] == [word], got, timeout, f"attacker {p.pid}")
+    try:
+        line = lines_until(p.stdout, lambda x: x.split()[:1] == [word], got, timeout, f"attacker {p.pid}")
+    except AssertionError as e:
+        if p.poll() is None or p.stderr is None:
+            raise
+        raise AssertionError(f"{e}; it exited {p.returncode}, stderr: {p.stderr.read()[-2000:]!r}") from None
     return line.split()
 
 

@@ -61,13 +61,17 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         t.poll()
         mine = lambda lib: lib.path.startswith(str(base)) or str(base) in lib.seen_as  # noqa: E731
         fds0, links0, before = _fds(), len(links.fds(t.b)), {lp.library.inode for lp in t.attached}
-        per_pass, took = [], []
-        real_attach = t.attach
+        per_pass, reads = [], []
+        real_attach, real_submit = t.attach, t.discovery.reader.submit
 
         def counted(lib, *how, **kw):
             per_pass[-1] += 1
             return real_attach(lib, *how, **kw)
-        t.attach = counted
+
+        def submit(*a, **kw):
+            reads[-1] += 1
+            return real_submit(*a, **kw)
+        t.attach, t.discovery.reader.submit = counted, submit
         attacker = subprocess.Popen(as_nobody("sh", script, *paths), stdout=subprocess.PIPE, text=True,
                                     start_new_session=True, cwd="/")
         opened: set[str] = set()
@@ -75,15 +79,16 @@ def test_row07_hundreds_of_copies_cost_bounded_work_and_go_when_unused(root, bui
         deadline = time.monotonic() + 180
         while len(opened) < GOOD + BAD and time.monotonic() < deadline:
             per_pass.append(0)
-            t0 = time.monotonic()
+            reads.append(0)
             t.poll()
-            took.append(time.monotonic() - t0)
             for line in iter(attacker.stdout.readline, ""):
                 opened.add(line.strip())
             time.sleep(0.01)
         assert len(opened) == GOOD + BAD, f"{len(opened)} openers let go"   # every opener let go
-        # bounded work per pass: a few attaches, well under a second, whatever the queue
-        assert max(per_pass) <= discovery.ATTACH_PER_PASS and max(took) < 1.5, (max(per_pass), max(took))
+        # bounded work per pass, whatever the queue: a few copies read, a few attached (counted,
+        # not timed: one attach took 2.2 s on a loaded CI machine)
+        assert max(per_pass) <= discovery.ATTACH_PER_PASS and max(reads) <= discovery.ATTACH_PER_PASS, \
+            (max(per_pass), max(reads))
         attached = [lp for lp in t.attached if mine(lp.library)]
         failed = [(lib, err) for lib, err in t.failed if mine(lib)]
         # (this test's processes share their cgroup with whatever else runs beside it here)
