@@ -47,7 +47,7 @@ def test_kill_9_torture_with_the_backstop_on_and_handover(root, build, capsys, m
     admits, calls of that window put a container past its limit, and the backstop stopped it
     there, where it could not free (over-limit samples; stopped threads no status listed). With
     --handover, as deployed, the held calls stay held through every kill and are taken over."""
-    s, env = standin_setup(str(build), kills=12, seed=47, deadline_s=400)
+    s, env = standin_setup(str(build), kills=12, seed=int(os.environ.get("CONVGPU_HANDOVER_SEED", "47")), deadline_s=400)
     s.extra = ("--handover", "30")
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{build}/standin-nvml")   # the enforcer's NVML, on the jobs' segment
     monkeypatch.setenv("CONVGPU_STANDIN_NVML_PROCS", "1")
