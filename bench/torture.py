@@ -204,6 +204,8 @@ class Torture:
         return self.r
 
     def _clean(self):
+        if self.jobs and os.environ.get("CONVGPU_TORTURE_DUMP"):
+            self._dump(os.environ["CONVGPU_TORTURE_DUMP"])
         for j in self.jobs:
             for pid in [j.p.pid, *j.pids()]:
                 try:
@@ -222,6 +224,30 @@ class Torture:
         remove_cgroup(v2_root() + self.base)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _dump(self, path: str):
+        """Jobs that never finished: what the enforcer said of them (status and its log) and
+        each of their threads' state, for a run where nobody can watch (the GPU machine)."""
+        out = [f"jobs left: {[j.name for j in self.jobs]}"]
+        try:
+            out.append(json.dumps(self.d.ctl({"cmd": "status"})["status"], indent=1, default=str))
+        except Exception as e:     # a dump says what it could not get, and goes on
+            out.append(f"status: {e!r}")
+        for j in self.jobs:
+            for pid in j.pids():
+                for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                    try:
+                        state = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
+                        wchan = open(f"/proc/{pid}/task/{tid}/wchan").read()
+                        lines = [x.strip() for x in open(f"/proc/{pid}/task/{tid}/status")
+                                 if x.startswith(("TracerPid", "SigPnd", "ShdPnd", "SigBlk"))]
+                        out.append(f"{j.name} pid {pid} tid {tid} state {state} wchan {wchan} {' '.join(lines)}")
+                    except OSError as e:
+                        out.append(f"{j.name} pid {pid} tid {tid}: {e}")
+        for d, name in ((self.prev, "previous"), (self.d, "last")):
+            out.append(f"---- the {name} enforcer's log\n" + "\n".join(d.log.lines[-500:] if d else []))
+        with open(path, "w") as f:
+            f.write("\n".join(out) + "\n")
 
 
 def standin_setup(build: str, **kw) -> tuple[Setup, dict]:

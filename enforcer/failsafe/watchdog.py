@@ -279,9 +279,9 @@ def main() -> int:
         # ptrace is let go by the kernel when its tracer is gone (its exit runs after the close of
         # the lifeline and of its probes' links, which woke us), and one held at its recheck would
         # run its call unchecked; a process in a group stop stays stopped (FACTS.md, issue 47)
-        for pid in state.get("pids", []):
+        for held_pid in state.get("pids", []):   # (not `pid`: the enforcer's, said below)
             try:
-                os.kill(pid, signal.SIGSTOP)
+                os.kill(held_pid, signal.SIGSTOP)
             except OSError:
                 pass
     if handover > 0 and zero_fds and held and hand_over(path, zero_fds[0], handover, taken_over):

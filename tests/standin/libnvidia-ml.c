@@ -249,6 +249,24 @@ static int slot_alive(const struct si_slot *sl)
     return p && strtoull(p, NULL, 10) == sl->start_time;
 }
 
+/* The segment for a read: 1 locked (dead slots reaped first, so a killed process is gone at
+ * once), 0 not locked, -1 no segment. A process stopped inside the stand-in driver's critical
+ * section (SIGSTOP: an enforcer's or its watchdog's hold of a whole process; a frozen cgroup)
+ * keeps the lock for as long as it is stopped. The real NVML asks the kernel and never waits
+ * on a tenant: waiting here stalled a restarted enforcer's start for the whole --handover
+ * (its watchdog then resumed the held calls unchecked). So past NVML_LOCK_MS the figures are
+ * read as they stand: aligned words, never torn; a dead slot is then reaped at a later read. */
+#define NVML_LOCK_MS 50
+static int seg_for_read(void)
+{
+    if (!shm.seg && si_open(&shm, 0) != 0)
+        return -1;
+    if (si_lock_within(&shm, NVML_LOCK_MS) != 0)
+        return 0;
+    si_reap(&shm, -1);
+    return 1;
+}
+
 /* Each live slot's bytes on host GPU `gpu` (reaped first, so a killed process is gone at once),
  * of the graphics or compute kind (si_slot.pad: SI_GRAPHICS): slots with none there are not
  * listed. */
@@ -257,9 +275,9 @@ static unsigned int slot_processes(int gpu, int graphics, nvmlProcessInfo_t *out
     unsigned int n = 0;
     const char *dead = getenv("CONVGPU_STANDIN_NVML_DEAD");
     int hide = dead && strcmp(dead, "hide") == 0;
-    if ((!shm.seg && si_open(&shm, 0) != 0) || si_lock(&shm) != 0)
+    int locked = seg_for_read();
+    if (locked < 0)
         return 0;   /* no stand-in process yet: none */
-    si_reap(&shm, -1);
     for (uint32_t i = 0; i < shm.seg->slot_hiwater && i < SI_NSLOTS; i++) {
         const struct si_slot *sl = &shm.seg->slots[i];
         if (sl->pid <= 0 || !sl->used[gpu] || !!(sl->pad & SI_GRAPHICS) != graphics || (hide && !slot_alive(sl)))
@@ -268,7 +286,8 @@ static unsigned int slot_processes(int gpu, int graphics, nvmlProcessInfo_t *out
             out[n] = (nvmlProcessInfo_t){(unsigned)sl->pid, sl->used[gpu], 0xFFFFFFFF, 0xFFFFFFFF};
         n++;
     }
-    si_unlock(&shm);
+    if (locked)
+        si_unlock(&shm);
     return n;
 }
 
@@ -277,11 +296,12 @@ static uint64_t used_on(int gpu)
 {
     const char *r = getenv("CONVGPU_STANDIN_NVML_RESERVED");
     uint64_t used = r && *r ? strtoull(r, NULL, 0) : 0;
-    if ((!shm.seg && si_open(&shm, 0) != 0) || si_lock(&shm) != 0)
+    int locked = seg_for_read();
+    if (locked < 0)
         return used;
-    si_reap(&shm, -1);
-    used += shm.seg->used[gpu];
-    si_unlock(&shm);
+    used += __atomic_load_n(&shm.seg->used[gpu], __ATOMIC_RELAXED);
+    if (locked)
+        si_unlock(&shm);
     return used;
 }
 

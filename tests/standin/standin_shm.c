@@ -136,6 +136,24 @@ int si_lock(struct si_handle *h)
     return rc;
 }
 
+int si_lock_within(struct si_handle *h, int ms)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    int rc = pthread_mutex_timedlock(&h->seg->lock.m, &t);
+    if (rc == EOWNERDEAD) {
+        pthread_mutex_consistent(&h->seg->lock.m);
+        rc = 0;
+    }
+    return rc;
+}
+
 void si_unlock(struct si_handle *h)
 {
     pthread_mutex_unlock(&h->seg->lock.m);

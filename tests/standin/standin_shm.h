@@ -108,6 +108,9 @@ const char *si_name(void);
 int si_open(struct si_handle *h, int create);
 /* Process-shared lock; recovers from a holder that died. 0 = locked. */
 int si_lock(struct si_handle *h);
+/* si_lock for at most `ms` milliseconds: 0 = locked, ETIMEDOUT = not (a holder is stopped:
+ * SIGSTOP, a frozen cgroup, a ptrace stop; it may stay so for as long as it is held). */
+int si_lock_within(struct si_handle *h, int ms);
 void si_unlock(struct si_handle *h);
 /* Under the lock: clear slots of dead processes (skipping `self`, whose
  * lock the caller's own fd cannot see), then refresh seg->used[]. */

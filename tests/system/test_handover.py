@@ -82,6 +82,8 @@ def test_with_no_successor_in_time_the_watchdog_resumes_the_held(cgroups, build,
         while proc_state(waiter.pid) == "T":   # fail-safe: never left stopped with nobody to resume it
             assert time.monotonic() - t0 < 10, "still stopped 10 s after a 5 s handover"
             time.sleep(0.02)
+        # its line names the enforcer that died (it named the last pid it had stopped whole)
+        assert "resumed" in first.wait_for(f"convgpu watchdog: enforcer {first.p.pid} is gone", 10)
     finally:
         stop_all([holder, waiter], first)
         os.system(f"pkill -f 'watchdog.py {first.p.pid} ' 2>/dev/null")
