@@ -28,7 +28,6 @@ from .exits import Exits
 from .failsafe.adopt import Adopter
 from .failsafe.heartbeat import Heartbeat
 from .failsafe.stall import SignalStopper
-from .failsafe.threadhold import TAKEN_OVER
 from .failsafe.watchdog import write_state
 from .history import HistoryFile, Recorder, from_books
 from .overhead import ContextCharge, read_gpus
@@ -324,19 +323,21 @@ class Enforcer:
         self.swapper.load()
 
     def _take_over_holds(self, prev: list[dict]):
-        """The calls the enforcer before us left stopped are our waits now, held whole (SIGCONT
-        once granted: a stop at a recheck would run unchecked on any other SIGCONT): all it held
-        where it handed over (--handover), else any its watchdog's resume missed (a thread its
-        ptrace hold let go at its death and that stopped again). Where it handed over, what else
-        it held runs again (the backstop stops it again while it is over); its stops at a
-        driver's open are its watchdog's to resume."""
+        """The calls the enforcer before us left stopped are our waits now: all it held where it
+        handed over (--handover), else any its watchdog's resume missed (a thread its ptrace hold
+        let go at its death and that stopped again). Each is held by its thread, as a stall of
+        ours is (ThreadHolder.hold: the process seized, its group stop ended, every thread that
+        BPF's `held` map lists at a call kept, the others run on). Held whole, as they were, a
+        container whose limit cannot take every thread's call at once (two 518 MiB contexts
+        and six 256 MiB blocks under 2,304 MiB on the H100) had a waiter in each process: the
+        threads BPF had admitted were stopped with them, never returned nor freed, and no job
+        finished (the GPU torture, 2026-12-06). Where it handed over, what else it held runs
+        again (the backstop stops it again while it is over); its stops at a driver's open are
+        its watchdog's to resume."""
         handed = any(st.get("handing_over") for st in prev)
         events = self.adopter.stalled(handed)
         pids = {e.pid for e in events}
-        holder = self.holds.holder
-        for pid in pids if holder is not None else ():
-            holder.refused[pid] = TAKEN_OVER
-        self._take(events, time.monotonic())
+        self._take(events, time.monotonic())   # each a stall: held as ours are (Actuator.hold)
         ours = {self.stopper.root.rstrip("/") + cg for b in self.books.boxes.values() if b.waiting for cg in b.cgroups} \
             if not isinstance(self.stopper, SignalStopper) else set()
         for st in prev if handed else ():

@@ -82,11 +82,6 @@ def _tids(pid: int) -> set[int]:
         return set()
 
 
-# why a call taken over from the enforcer before is held whole (daemon._take_over_holds): its
-# thread was stopped by a SIGSTOP, and a stop at its recheck would run unchecked on any SIGCONT
-TAKEN_OVER = "taken over stopped from the enforcer before: held whole"
-
-
 def refused(pid: int) -> str | None:
     """Why ptrace cannot hold pid's threads, before trying: None if it may."""
     try:
@@ -283,9 +278,7 @@ class ThreadHolder:
             seq = seq or self.held_seq(pid, tid) or 0
             (p.released if p is not None else self._sent.setdefault(pid, {}))[tid] = seq
             _kill(pid, signal.SIGCONT)
-            if self.refused.get(pid) == TAKEN_OVER:   # that wait only: its later ones hold their thread
-                del self.refused[pid]                 # (held whole for good, a container whose
-            return                                    # processes all waited froze: issue 47, H100)
+            return
         if not seq:
             seq = p.held.get(tid) or self.held_seq(pid, tid) or 0
         p.released[tid] = seq     # its stop, held or on its way: released when it comes

@@ -19,6 +19,7 @@ from bench.torture import Torture, standin_setup, unlink_segment  # noqa: E402
 
 pytestmark = pytest.mark.system
 KILLS = int(os.environ.get("CONVGPU_TORTURE_KILLS", "50"))
+MiB = 1 << 20
 
 
 def test_kill_9_torture(root, build, capsys):
@@ -41,13 +42,19 @@ def test_kill_9_torture(root, build, capsys):
     assert r.settled_samples >= KILLS // 2 and r.counts_checked >= KILLS // 5, summary
 
 
-def test_kill_9_torture_with_the_backstop_on_and_handover(root, build, capsys, monkeypatch):
+@pytest.mark.parametrize("ctx,seed", [(64 * MiB, 47), (72 * MiB, 48)], ids=["one-waiter", "a-waiter-per-process"])
+def test_kill_9_torture_with_the_backstop_on_and_handover(root, build, capsys, monkeypatch, ctx, seed):
     """The H100's failure at 2bdeffc (issue 47), here with the stand-in NVML's per-process counts,
     which turn the backstop on: without --handover a kill -9 fails open until the successor
     admits, calls of that window put a container past its limit, and the backstop stopped it
     there, where it could not free (over-limit samples; stopped threads no status listed). With
-    --handover, as deployed, the held calls stay held through every kill and are taken over."""
-    s, env = standin_setup(str(build), kills=12, seed=int(os.environ.get("CONVGPU_HANDOVER_SEED", "47")), deadline_s=400)
+    --handover, as deployed, the held calls stay held through every kill and are taken over.
+    a-waiter-per-process: contexts of 72 MiB leave room for four of a container's six blocks
+    (2 x 72 + 5 x 128 MiB > 768 MiB), as the H100's 518 MiB contexts did in its torture (two
+    waiters, one in each process). Taken-over calls were held whole then, their processes'
+    admitted calls stopped with them: no job finished, on the H100 as here."""
+    seed = int(os.environ.get("CONVGPU_HANDOVER_SEED", seed))
+    s, env = standin_setup(str(build), kills=12, seed=seed, ctx=ctx, deadline_s=400)
     s.extra = ("--handover", "30")
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{build}/standin-nvml")   # the enforcer's NVML, on the jobs' segment
     monkeypatch.setenv("CONVGPU_STANDIN_NVML_PROCS", "1")
