@@ -235,7 +235,11 @@ class Torture:
             out.append(f"status: {e!r}")
         for j in self.jobs:
             for pid in j.pids():
-                for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                try:
+                    tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+                except OSError:   # gone meanwhile
+                    tids = []
+                for tid in tids:
                     try:
                         state = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
                         wchan = open(f"/proc/{pid}/task/{tid}/wchan").read()
