@@ -90,7 +90,9 @@ def test_trace_waits_for_a_driver_then_traces_it(root, private_copy, caller_env)
     try:
         first = json.loads(tr.stdout.readline())
         if any("/libcuda.so" in x for x in first["libraries"]):
-            pytest.skip("a libcuda is already mapped on this host; cannot observe the waiting state")
+            # (the suite runs this module alone: a process another test left behind, or the host's)
+            pytest.skip(f"a libcuda is already mapped on this host ({first['libraries']}); cannot observe "
+                        "the waiting state")
         assert first["mode"] == "waiting"
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(private_copy)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=caller_env)
