@@ -123,17 +123,21 @@ int si_open(struct si_handle *h, int create)
     return 0;
 }
 
-int si_lock(struct si_handle *h)
+/* A lock's result: a process that died inside the critical section left it EOWNERDEAD.  Its
+ * slot will be reaped, and the counters are recomputed from slots, so the state is usable as
+ * is: taken as locked. */
+static int locked(struct si_handle *h, int rc)
 {
-    int rc = pthread_mutex_lock(&h->seg->lock.m);
     if (rc == EOWNERDEAD) {
-        /* A process died inside the critical section.  Its slot will be
-         * reaped, and the counters are recomputed from slots, so the state
-         * is usable as is. */
         pthread_mutex_consistent(&h->seg->lock.m);
         rc = 0;
     }
     return rc;
+}
+
+int si_lock(struct si_handle *h)
+{
+    return locked(h, pthread_mutex_lock(&h->seg->lock.m));
 }
 
 int si_lock_within(struct si_handle *h, int ms)
@@ -146,12 +150,7 @@ int si_lock_within(struct si_handle *h, int ms)
         t.tv_sec++;
         t.tv_nsec -= 1000000000L;
     }
-    int rc = pthread_mutex_timedlock(&h->seg->lock.m, &t);
-    if (rc == EOWNERDEAD) {
-        pthread_mutex_consistent(&h->seg->lock.m);
-        rc = 0;
-    }
-    return rc;
+    return locked(h, pthread_mutex_timedlock(&h->seg->lock.m, &t));
 }
 
 void si_unlock(struct si_handle *h)
